@@ -1,0 +1,19 @@
+"""kvcore: the key/value cache of transformer decoding.
+
+Public API; everything else lives behind a leading underscore.
+"""
+from .errors import (CapacityError, CudaError, DTypeError, FormatError, KVCacheError,
+                     NonFiniteError, OutOfRangeError, ShapeError, SnapshotError, SpecError,
+                     StateError)
+from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
+from .spec import KVSpec
+from ._parallel import max_threads, openmp_enabled, set_num_threads
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
+    "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
+    "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec",
+    "max_threads", "openmp_enabled", "set_num_threads", "__version__",
+]

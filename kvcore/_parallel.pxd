@@ -1,0 +1,1 @@
+cdef int num_threads() noexcept nogil

@@ -1,0 +1,64 @@
+"""One validation helper, one message form.
+
+    invalid shape of k: expected [T, 8, 128], got [1, 4, 128]
+    invalid dtype of k: expected float32, float16 or bfloat16, got float64
+    layer 40 out of range: expected 0 <= layer < 32
+
+ValueError-family errors for bad values, TypeError-family for wrong types.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import DTypeError, OutOfRangeError, ShapeError
+
+
+def _fmt_shape(shape: Iterable) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_ndarray(name: str, x: object) -> np.ndarray:
+    """Returns x when it is a numpy array; raises DTypeError naming what it is otherwise."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got {type(x).__name__}")
+    return x
+
+
+def check_shape(name: str, x: np.ndarray, expected: Sequence[int | str]) -> None:
+    """expected: ints must match; strings (like "T") match any size and name it."""
+    ok = x.ndim == len(expected) and all(
+        isinstance(e, str) or e == s for e, s in zip(expected, x.shape))
+    if not ok:
+        raise ShapeError(f"invalid shape of {name}: expected {_fmt_shape(expected)}, "
+                         f"got {_fmt_shape(x.shape)}")
+
+
+def check_dtype(name: str, x: np.ndarray, allowed: Sequence[np.dtype | str]) -> None:
+    allowed = [np.dtype(a) for a in allowed]
+    if x.dtype not in allowed:
+        names = [str(a) for a in allowed]
+        want = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise DTypeError(f"invalid dtype of {name}: expected {want}, got {x.dtype}")
+
+
+def check_index(name: str, value: object, limit: int) -> int:
+    """0 <= value < limit, value an int (numpy ints too, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DTypeError(f"invalid type of {name}: expected int, got {type(value).__name__}")
+    value = int(value)
+    if not 0 <= value < limit:
+        raise OutOfRangeError(f"{name} {value} out of range: expected 0 <= {name} < {limit}")
+    return value
+
+
+def float_input_dtypes() -> list[np.dtype]:
+    """float32, float16, and ml_dtypes bfloat16 when ml_dtypes is installed."""
+    out = [np.dtype(np.float32), np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    except ImportError:
+        pass
+    return out

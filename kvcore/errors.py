@@ -1,0 +1,57 @@
+"""One exception hierarchy, rooted at KVCacheError.
+
+Each subclass also derives from the matching built-in, so callers can catch either
+`kvcore.ShapeError` or plain `ValueError`.
+"""
+
+
+class KVCacheError(Exception):
+    """Root of every error kvcore raises on purpose."""
+
+
+class SpecError(KVCacheError, ValueError):
+    """A KVSpec (or a request built from one) is invalid: sizes, GQA ratio, format."""
+
+
+class FormatError(KVCacheError, ValueError):
+    """An unknown storage format, or a format that does not fit the operation."""
+
+
+class ShapeError(KVCacheError, ValueError):
+    """An array has the wrong number of dimensions or the wrong shape."""
+
+
+class DTypeError(KVCacheError, TypeError):
+    """An array has a dtype the operation does not take."""
+
+
+class NonFiniteError(KVCacheError, ValueError):
+    """An input holds NaN or +-inf."""
+
+
+class CapacityError(KVCacheError, IndexError):
+    """A write would go past the cache's capacity."""
+
+
+class OutOfRangeError(KVCacheError, IndexError):
+    """A layer, slot or position index is outside its range."""
+
+
+class StateError(KVCacheError, RuntimeError):
+    """The call does not fit the cache's state: unequal pending steps, a freed buffer,
+    a capturing stream, a stale CUDA graph."""
+
+
+class SnapshotError(KVCacheError, ValueError):
+    """A snapshot (object or file) is corrupt, inconsistent or does not fit the cache."""
+
+
+class CudaError(KVCacheError, RuntimeError):
+    """A CUDA driver call failed; the message names the call and the CUresult."""
+
+
+__all__ = [
+    "KVCacheError", "SpecError", "FormatError", "ShapeError", "DTypeError",
+    "NonFiniteError", "CapacityError", "OutOfRangeError", "StateError",
+    "SnapshotError", "CudaError",
+]

@@ -1,0 +1,114 @@
+"""The format table: how each storage format lays out one head row of D values.
+
+A row (one position of one head, D values) is stored as D codes plus zero or more
+scales, in two separate regions so that either can be viewed without a copy:
+
+| name     | id | code dtype    | scales per row | scale dtype | rule |
+|----------|----|---------------|----------------|-------------|------|
+| f32      | 0  | float32       | 0              | -           | as is |
+| f16      | 1  | float16       | 0              | -           | IEEE binary16, round to nearest even |
+| bf16     | 2  | uint16 (bits) | 0              | -           | bfloat16, round to nearest even |
+| int8     | 3  | int8          | 1              | float32     | s = max|x|/127, q = rne(x/s) in [-127, 127] |
+| fp8_e4m3 | 4  | uint8 (bits)  | 1              | float32     | s = max|x|/448, OCP E4M3FN of x/s, RNE, saturating |
+| fp8_e5m2 | 5  | uint8 (bits)  | 1              | float32     | s = max|x|/57344, OCP E5M2 of x/s, RNE, saturating |
+| q8_0     | 6  | int8          | D/32           | float16     | ggml block of 32: d = max|x|/127, q = round-half-away(x/d) |
+
+The numeric ids are shared with the Cython kernels and the CUDA kernels.
+docs/formats.md gives the full byte layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import FormatError
+
+F32, F16, BF16, INT8, FP8_E4M3, FP8_E5M2, Q8_0 = range(7)
+Q8_0_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Format:
+    """One storage format. `code_dtype` is the numpy dtype of the stored codes."""
+
+    name: str
+    id: int
+    code_dtype: np.dtype
+    scale_dtype: np.dtype | None
+    block: int  # values per scale; 0 when the format has no scales
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def code_bytes(self) -> int:
+        return self.code_dtype.itemsize
+
+    def scales_per_row(self, head_dim: int) -> int:
+        """Scales per head row: 0 for float formats, 1 per row, D/32 for q8_0."""
+        if self.scale_dtype is None:
+            return 0
+        return 1 if self.block == 0 else head_dim // self.block
+
+    def code_row_bytes(self, head_dim: int) -> int:
+        return head_dim * self.code_bytes
+
+    def scale_row_bytes(self, head_dim: int) -> int:
+        if self.scale_dtype is None:
+            return 0
+        return self.scales_per_row(head_dim) * self.scale_dtype.itemsize
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one head row: codes plus scales."""
+        return self.code_row_bytes(head_dim) + self.scale_row_bytes(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.name == "q8_0" and head_dim % Q8_0_BLOCK:
+            raise FormatError(
+                f"format q8_0 needs head_dim divisible by {Q8_0_BLOCK}, got {head_dim}")
+
+
+_f32 = np.dtype(np.float32)
+_f16 = np.dtype(np.float16)
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("f32", F32, _f32, None, 0),
+        Format("f16", F16, _f16, None, 0),
+        Format("bf16", BF16, np.dtype(np.uint16), None, 0),
+        Format("int8", INT8, np.dtype(np.int8), _f32, 0),
+        Format("fp8_e4m3", FP8_E4M3, np.dtype(np.uint8), _f32, 0),
+        Format("fp8_e5m2", FP8_E5M2, np.dtype(np.uint8), _f32, 0),
+        Format("q8_0", Q8_0, np.dtype(np.int8), _f16, Q8_0_BLOCK),
+    )
+}
+
+QUANTIZED_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)
+
+
+def get_format(fmt: "str | Format") -> Format:
+    """Looks a format up by name; raises FormatError naming the known ones."""
+    if isinstance(fmt, Format):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise FormatError(
+            f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}") from None
+
+
+def view_dtype(fmt: "str | Format") -> np.dtype:
+    """The dtype a caller sees codes as: ml_dtypes bfloat16 / float8 when ml_dtypes is
+    installed, else the raw storage dtype (uint16 / uint8)."""
+    f = get_format(fmt)
+    extra = {"bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+    if f.name in extra:
+        try:
+            import ml_dtypes
+        except ImportError:
+            return f.code_dtype
+        return np.dtype(getattr(ml_dtypes, extra[f.name]))
+    return f.code_dtype

@@ -1,0 +1,75 @@
+"""Builds kvcore's Cython extensions (every kvcore/_*.pyx) with -O3 and OpenMP.
+
+OpenMP is used when the compiler accepts -fopenmp; otherwise the prange loops run
+serially (Cython compiles them without OpenMP) and `python -m kvcore info` says so.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+
+def _compiler_accepts_openmp() -> bool:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        cmd = [cc, "-fopenmp", src, "-o", os.path.join(tmp, "t")]
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+OPENMP = sys.platform != "win32" and _compiler_accepts_openmp()
+COMPILE = ["-O3", "-fno-strict-aliasing", "-ffp-contract=off"] + (["-fopenmp"] if OPENMP else [])
+LINK = ["-fopenmp"] if OPENMP else []
+
+extensions = [
+    Extension(
+        "kvcore." + os.path.splitext(os.path.basename(path))[0],
+        [path],
+        include_dirs=[np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                       ("KVCORE_OPENMP", "1" if OPENMP else "0")],
+        extra_compile_args=COMPILE,
+        extra_link_args=LINK,
+    )
+    for path in sorted(glob.glob("kvcore/_*.pyx"))
+]
+
+
+class BuildPyWithPTX(build_py):
+    """Ships cuda/*.ptx inside the package as kvcore/_cuda/*.ptx."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "kvcore", "_cuda")
+        os.makedirs(target, exist_ok=True)
+        for ptx in glob.glob("cuda/*.ptx"):
+            shutil.copy(ptx, target)
+
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={
+            "language_level": 3,
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+            "nonecheck": False,
+            "embedsignature": True,
+        },
+        compile_time_env={"KVCORE_OPENMP": OPENMP},
+    ),
+    cmdclass={"build_py": BuildPyWithPTX},
+)

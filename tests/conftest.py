@@ -1,0 +1,29 @@
+"""Shared fixtures. Tests marked `gpu` skip cleanly where no device is usable;
+the device is asked about once, when the first such test runs, never at import."""
+import functools
+
+import numpy as np
+import pytest
+
+
+@functools.cache
+def _gpu_reason() -> str | None:
+    try:
+        from kvcore import gpu
+    except ImportError as e:  # the GPU layer itself failed to import
+        return f"kvcore.gpu unavailable: {e}"
+    return None if gpu.is_available() else "no usable CUDA device (cuda-python, driver or GPU missing)"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        reason = _gpu_reason()
+        if reason:
+            pytest.skip(reason)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's name (reproducible, distinct)."""
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)

@@ -1,0 +1,42 @@
+"""Timing and table printing shared by the benchmark scripts."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+def median_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
+                number: int = 1) -> float:
+    """Median seconds of one call of fn over `repeat` timed batches of `number` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t0) / number)
+    return float(np.median(times))
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A markdown table, so it pastes into the README as printed."""
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " for _ in header) + "|")
+    for r in rows:
+        print("| " + " | ".join(cell(v) for v in r) + " |")
+
+
+def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:
+    """np.copyto bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    t = median_time(lambda: np.copyto(dst, src), repeat=repeat)
+    return 2 * src.nbytes / t / 1e9
