@@ -1,0 +1,20 @@
+# Row encoders/decoders shared by every CPU kernel (implemented in _quant.pyx).
+#
+# A row is D float32 values, contiguous. `codes` points at D codes of the format's code
+# dtype and `scales` at S scales (formats.py): nothing for f32/f16/bf16, one float32 for
+# int8/fp8, D/32 float16 bit patterns for q8_0. Callers guarantee finite input and
+# D % 32 == 0 for q8_0. Format ids are those of kvcore/formats.py.
+from libc.stdint cimport int8_t, uint8_t, uint16_t
+
+cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil
+cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t d, float* out) noexcept nogil
+
+# Scalar conversions: round to nearest even; FP8 saturates to the largest finite value.
+cdef uint16_t f32_to_f16(float x) noexcept nogil
+cdef uint16_t f32_to_bf16(float x) noexcept nogil
+cdef float f16_to_f32(uint16_t h) noexcept nogil
+cdef float bf16_to_f32(uint16_t h) noexcept nogil
+cdef uint8_t f32_to_e4m3(float x) noexcept nogil
+cdef uint8_t f32_to_e5m2(float x) noexcept nogil
+cdef float e4m3_to_f32(uint8_t c) noexcept nogil
+cdef float e5m2_to_f32(uint8_t c) noexcept nogil
