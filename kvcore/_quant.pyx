@@ -1,0 +1,447 @@
+# cython: language_level=3
+"""Row encoders/decoders for every storage format, and the bulk kernels behind
+kvcore.quantize / kvcore.dequantize.
+
+1. A row is D float32 values (docs/formats.md gives each rule and the byte layout).
+   encode_row / decode_row (declared in _quant.pxd) are what the cache and attention
+   kernels call; they assume finite input (first_bad_value checks that first).
+2. Every conversion is branch-free integer work on the float32 bits, written so that the
+   compiler vectorises the per-row loops (selects, not branches; no calls in the loops).
+   FP8 decodes through two 256-entry tables built at import.
+3. Rounding: f16, bf16, int8, fp8 round to nearest even; q8_0 rounds half away from
+   zero (ggml's roundf). The build uses -ffp-contract=off, so x / scale and x * id are
+   single float32 operations, exactly the documented rule.
+4. Bulk kernels run one row per iteration of an OpenMP prange (num_threads() from
+   _parallel), rows addressed by byte offsets so that any input strides work without a
+   copy of the input.
+"""
+from cython.parallel cimport parallel, prange, threadid
+from libc.math cimport fabsf, ldexpf, rintf, truncf, copysignf, nextafterf
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.string cimport memcpy, memset
+
+cimport numpy as cnp
+
+from ._parallel cimport num_threads
+
+cnp.import_array()
+
+cdef enum:
+    # format ids (kvcore/formats.py)
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    INT8 = 3
+    FP8_E4M3 = 4
+    FP8_E5M2 = 5
+    Q8_0 = 6
+    QK = 32                 # q8_0 block
+    ABS_MASK = 0x7fffffff
+    F32_INF = 0x7f800000    # bits of +inf
+
+
+ctypedef union _bits32:
+    float f
+    uint32_t u
+
+
+cdef inline uint32_t _as_u32(float x) noexcept nogil:
+    cdef _bits32 b
+    b.f = x
+    return b.u
+
+
+cdef inline float _as_f32(uint32_t u) noexcept nogil:
+    cdef _bits32 b
+    b.u = u
+    return b.f
+
+
+# ---------------------------------------------------------------------------------
+# Scalar conversions (inline workers; the pxd functions wrap them)
+
+cdef inline uint16_t _f32_to_f16(float x) noexcept nogil:
+    # IEEE binary16, round to nearest even; overflow -> inf; NaN -> quiet NaN (payload kept).
+    cdef uint32_t u = _as_u32(x)
+    cdef uint32_t sign = (u >> 16) & 0x8000
+    cdef uint32_t a = u & ABS_MASK
+    # normal results: rebias the exponent, round the 13 dropped bits to nearest even
+    cdef uint32_t normal = (a - (112 << 23) + 0xfff + ((a >> 13) & 1)) >> 13
+    # subnormal results (|x| < 2^-14): adding 0.5f aligns the binary point at 2^-24
+    cdef uint32_t sub = _as_u32(_as_f32(a) + <float>0.5) - 0x3f000000
+    cdef uint32_t big = 0x7e00 | ((a >> 13) & 0x3ff) if a > F32_INF else 0x7c00
+    cdef uint32_t h = sub if a < (113 << 23) else normal
+    h = big if a >= (143 << 23) else h
+    return <uint16_t>(h | sign)
+
+
+cdef inline float _f16_to_f32(uint16_t h) noexcept nogil:
+    cdef uint32_t o = (<uint32_t>h & 0x7fff) << 13
+    cdef uint32_t exp = o & 0x0f800000
+    cdef uint32_t normal = o + (112 << 23)
+    cdef uint32_t special = normal + (112 << 23)           # inf / NaN: exponent 255
+    cdef uint32_t sub = _as_u32(_as_f32(normal + (1 << 23)) - _as_f32(113 << 23))
+    cdef uint32_t r = special if exp == 0x0f800000 else normal
+    r = sub if exp == 0 else r
+    return _as_f32(r | ((<uint32_t>h & 0x8000) << 16))
+
+
+cdef inline uint16_t _f32_to_bf16(float x) noexcept nogil:
+    # round to nearest even on the top 16 bits; overflow carries into inf; NaN stays quiet NaN
+    cdef uint32_t u = _as_u32(x)
+    cdef uint32_t r = (u + 0x7fff + ((u >> 16) & 1)) >> 16
+    return <uint16_t>(((u >> 16) | 0x40) if (u & ABS_MASK) > F32_INF else r)
+
+
+cdef inline float _bf16_to_f32(uint16_t h) noexcept nogil:
+    return _as_f32(<uint32_t>h << 16)
+
+
+cdef inline uint8_t _f32_to_fp8(float x, uint32_t man_bits, uint32_t bias,
+                                uint32_t max_code, uint32_t nan_code) noexcept nogil:
+    # OCP FP8 with `man_bits` mantissa bits and exponent bias `bias`, round to nearest
+    # even, saturating at max_code (so finite input never gives NaN/inf); NaN -> nan_code.
+    cdef uint32_t u = _as_u32(x)
+    cdef uint32_t sign = (u >> 24) & 0x80
+    cdef uint32_t a = u & ABS_MASK
+    cdef uint32_t shift = 23 - man_bits
+    # normal results: round the dropped bits to nearest even, rebias the exponent
+    cdef uint32_t normal = ((a + ((<uint32_t>1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift) \
+        - ((127 - bias) << man_bits)
+    # subnormal results (|x| < 2^(1-bias)): adding 2^(24-bias-man_bits) aligns the binary
+    # point at the smallest subnormal, and the float addition rounds to nearest even
+    cdef uint32_t magic = (151 - bias - man_bits) << 23
+    cdef uint32_t sub = _as_u32(_as_f32(a) + _as_f32(magic)) - magic
+    cdef uint32_t c = sub if a < ((128 - bias) << 23) else normal
+    c = max_code if c > max_code else c
+    c = nan_code if a > F32_INF else c
+    return <uint8_t>(c | sign)
+
+
+cdef inline uint8_t _f32_to_e4m3(float x) noexcept nogil:
+    return _f32_to_fp8(x, 3, 7, 0x7e, 0x7f)
+
+
+cdef inline uint8_t _f32_to_e5m2(float x) noexcept nogil:
+    return _f32_to_fp8(x, 2, 15, 0x7b, 0x7e)
+
+
+cdef float _E4M3[256]
+cdef float _E5M2[256]
+
+
+cdef float _fp8_value(uint32_t c, uint32_t exp_bits, uint32_t man_bits, int bias,
+                      bint has_inf) noexcept nogil:
+    # Decodes one FP8 code from its fields (used once, to fill the tables).
+    cdef uint32_t e = (c >> man_bits) & ((<uint32_t>1 << exp_bits) - 1)
+    cdef uint32_t m = c & ((<uint32_t>1 << man_bits) - 1)
+    cdef float v
+    cdef float nan = _as_f32(0x7fc00000)
+    if has_inf and e == (<uint32_t>1 << exp_bits) - 1:
+        v = _as_f32(F32_INF) if m == 0 else nan
+    elif not has_inf and (c & 0x7f) == 0x7f:
+        v = nan
+    elif e == 0:
+        v = ldexpf(<float>m, 1 - bias - <int>man_bits)
+    else:
+        v = ldexpf(<float>((<uint32_t>1 << man_bits) | m), <int>e - bias - <int>man_bits)
+    return -v if c & 0x80 else v
+
+
+cdef void _fill_fp8_tables() noexcept nogil:
+    cdef uint32_t c
+    for c in range(256):
+        _E4M3[c] = _fp8_value(c, 4, 3, 7, False)
+        _E5M2[c] = _fp8_value(c, 5, 2, 15, True)
+
+
+_fill_fp8_tables()
+
+
+# The public scalar conversions of _quant.pxd.
+cdef uint16_t f32_to_f16(float x) noexcept nogil:
+    return _f32_to_f16(x)
+
+cdef uint16_t f32_to_bf16(float x) noexcept nogil:
+    return _f32_to_bf16(x)
+
+cdef float f16_to_f32(uint16_t h) noexcept nogil:
+    return _f16_to_f32(h)
+
+cdef float bf16_to_f32(uint16_t h) noexcept nogil:
+    return _bf16_to_f32(h)
+
+cdef uint8_t f32_to_e4m3(float x) noexcept nogil:
+    return _f32_to_e4m3(x)
+
+cdef uint8_t f32_to_e5m2(float x) noexcept nogil:
+    return _f32_to_e5m2(x)
+
+cdef float e4m3_to_f32(uint8_t c) noexcept nogil:
+    return _E4M3[c]
+
+cdef float e5m2_to_f32(uint8_t c) noexcept nogil:
+    return _E5M2[c]
+
+
+# ---------------------------------------------------------------------------------
+# Rows
+
+cdef inline uint32_t _amax_bits(const float* x, Py_ssize_t n) noexcept nogil:
+    # max |x| as float32 bits; for non-negative floats the integer order is the float
+    # order, and any NaN/inf gives a value >= F32_INF.
+    cdef uint32_t m = 0, b
+    cdef Py_ssize_t j
+    for j in range(n):
+        b = _as_u32(x[j]) & ABS_MASK
+        m = b if b > m else m
+    return m
+
+
+# Smallest |x| whose q8_0 block scale max|x|/127 rounds to float16 infinity (set at import).
+cdef uint32_t _Q8_0_LIMIT_BITS = 0
+
+
+cdef void _find_q8_0_limit() noexcept nogil:
+    global _Q8_0_LIMIT_BITS
+    cdef float a = <float>(65520.0 * 127.0)
+    while _f32_to_f16(nextafterf(a, 0) / <float>127.0) == 0x7c00:
+        a = nextafterf(a, 0)
+    while _f32_to_f16(a / <float>127.0) != 0x7c00:
+        a = nextafterf(a, <float>3.0e38)
+    _Q8_0_LIMIT_BITS = _as_u32(a)
+
+
+_find_q8_0_limit()
+
+Q8_0_LIMIT = _as_f32(_Q8_0_LIMIT_BITS)
+"""float: q8_0 refuses |x| >= this value (its float16 block scale would be infinite)."""
+
+
+cdef Py_ssize_t first_bad_value(int fmt, const float* x, Py_ssize_t d) noexcept nogil:
+    cdef uint32_t limit = _Q8_0_LIMIT_BITS if fmt == Q8_0 else F32_INF
+    cdef Py_ssize_t j
+    if _amax_bits(x, d) < limit:
+        return -1
+    for j in range(d):
+        if (_as_u32(x[j]) & ABS_MASK) >= limit:
+            return j
+    return -1
+
+
+cdef inline void _encode_int8(const float* x, Py_ssize_t d, float amax,
+                              int8_t* codes, float* scales) noexcept nogil:
+    cdef float scale = amax / <float>127.0
+    cdef float v
+    cdef Py_ssize_t j
+    scales[0] = scale
+    if scale == 0:                        # an all-zero row (or max|x| / 127 underflows)
+        memset(codes, 0, d)
+        return
+    for j in range(d):
+        v = rintf(x[j] / scale)
+        v = <float>-127.0 if v < <float>-127.0 else v
+        v = <float>127.0 if v > <float>127.0 else v
+        codes[j] = <int8_t>(<int>v)
+
+
+cdef inline void _encode_e4m3(const float* x, Py_ssize_t d, float amax,
+                              uint8_t* codes, float* scales) noexcept nogil:
+    cdef float scale = amax / <float>448.0
+    cdef Py_ssize_t j
+    scales[0] = scale
+    if scale == 0:
+        memset(codes, 0, d)
+        return
+    for j in range(d):
+        codes[j] = _f32_to_e4m3(x[j] / scale)
+
+
+cdef inline void _encode_e5m2(const float* x, Py_ssize_t d, float amax,
+                              uint8_t* codes, float* scales) noexcept nogil:
+    cdef float scale = amax / <float>57344.0
+    cdef Py_ssize_t j
+    scales[0] = scale
+    if scale == 0:
+        memset(codes, 0, d)
+        return
+    for j in range(d):
+        codes[j] = _f32_to_e5m2(x[j] / scale)
+
+
+cdef inline void _encode_q8_0(const float* x, Py_ssize_t d, int8_t* codes,
+                              uint16_t* scales) noexcept nogil:
+    # ggml quantize_row_q8_0_ref, block by block.
+    cdef Py_ssize_t b, j
+    cdef float dd, idd, v
+    for b in range(d // QK):
+        dd = _as_f32(_amax_bits(x + b * QK, QK)) / <float>127.0
+        idd = <float>1.0 / dd if dd != 0 else <float>0.0
+        scales[b] = _f32_to_f16(dd)
+        if _as_u32(idd) == F32_INF:
+            # 1/d overflows (max|x| < ~3.7e-37, where ggml's float->int8 cast is
+            # undefined): codes saturate to +-127, zeros stay 0.
+            for j in range(QK):
+                v = x[b * QK + j]
+                codes[b * QK + j] = 0 if v == 0 else (127 if v > 0 else -127)
+            continue
+        for j in range(QK):
+            v = x[b * QK + j] * idd
+            codes[b * QK + j] = <int8_t>(<int>truncf(v + copysignf(<float>0.49999997, v)))
+
+
+cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,
+                                void* codes, void* scales) noexcept nogil:
+    # encode_row with max|x| of the row already known (bits).
+    cdef Py_ssize_t j
+    cdef uint16_t* h
+    if fmt == F32:
+        memcpy(codes, x, d * sizeof(float))
+    elif fmt == F16:
+        h = <uint16_t*>codes
+        for j in range(d):
+            h[j] = _f32_to_f16(x[j])
+    elif fmt == BF16:
+        h = <uint16_t*>codes
+        for j in range(d):
+            h[j] = _f32_to_bf16(x[j])
+    elif fmt == INT8:
+        _encode_int8(x, d, _as_f32(amax_bits), <int8_t*>codes, <float*>scales)
+    elif fmt == FP8_E4M3:
+        _encode_e4m3(x, d, _as_f32(amax_bits), <uint8_t*>codes, <float*>scales)
+    elif fmt == FP8_E5M2:
+        _encode_e5m2(x, d, _as_f32(amax_bits), <uint8_t*>codes, <float*>scales)
+    elif fmt == Q8_0:
+        _encode_q8_0(x, d, <int8_t*>codes, <uint16_t*>scales)
+
+
+cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil:
+    _encode_scaled(fmt, x, d, _amax_bits(x, d) if fmt >= INT8 and fmt != Q8_0 else 0,
+                   codes, scales)
+
+
+cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t d, float* out) noexcept nogil:
+    cdef Py_ssize_t j, b
+    cdef const uint16_t* h
+    cdef const uint8_t* c8
+    cdef const int8_t* q
+    cdef float s
+    if fmt == F32:
+        memcpy(out, codes, d * sizeof(float))
+    elif fmt == F16:
+        h = <const uint16_t*>codes
+        for j in range(d):
+            out[j] = _f16_to_f32(h[j])
+    elif fmt == BF16:
+        h = <const uint16_t*>codes
+        for j in range(d):
+            out[j] = _bf16_to_f32(h[j])
+    elif fmt == INT8:
+        q = <const int8_t*>codes
+        s = (<const float*>scales)[0]
+        for j in range(d):
+            out[j] = <float>q[j] * s
+    elif fmt == FP8_E4M3:
+        c8 = <const uint8_t*>codes
+        s = (<const float*>scales)[0]
+        for j in range(d):
+            out[j] = _E4M3[c8[j]] * s
+    elif fmt == FP8_E5M2:
+        c8 = <const uint8_t*>codes
+        s = (<const float*>scales)[0]
+        for j in range(d):
+            out[j] = _E5M2[c8[j]] * s
+    elif fmt == Q8_0:
+        q = <const int8_t*>codes
+        h = <const uint16_t*>scales
+        for b in range(d // QK):
+            s = _f16_to_f32(h[b])
+            for j in range(b * QK, b * QK + QK):
+                out[j] = <float>q[j] * s
+
+
+# ---------------------------------------------------------------------------------
+# Bulk kernels (called by kvcore/quant.py after validation)
+
+cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_kind,
+                                   Py_ssize_t d, float* buf) noexcept nogil:
+    # The row as contiguous float32: the input itself when it already is, else `buf`.
+    cdef Py_ssize_t j
+    if in_kind == F32 and stride == 4:
+        return <const float*>src
+    if in_kind == F32:
+        for j in range(d):
+            buf[j] = (<const float*>(src + j * stride))[0]
+    elif in_kind == F16:
+        for j in range(d):
+            buf[j] = _f16_to_f32((<const uint16_t*>(src + j * stride))[0])
+    else:
+        for j in range(d):
+            buf[j] = _bf16_to_f32((<const uint16_t*>(src + j * stride))[0])
+    return buf
+
+
+def quantize_rows(cnp.ndarray x, const int64_t[::1] offsets, Py_ssize_t stride,
+                  int in_kind, int fmt, cnp.ndarray codes, cnp.ndarray scales,
+                  float[:, ::1] work) -> int:
+    """Encodes R rows of D values into codes [R, D] and scales [R, S] (both C-contiguous).
+
+    IN x: the input array; row r starts `offsets[r]` bytes after x's data pointer, its
+    values `stride` bytes apart, of kind F32 / F16 / BF16 (format ids).
+    OUT codes, scales (scales None for float formats). work: float32 [threads, D] scratch.
+    Returns the number of rows refused (a non-finite value, or q8_0 out of range); those
+    rows are left unwritten and the caller raises.
+    """
+    cdef Py_ssize_t r, nrows = offsets.shape[0], d = codes.shape[codes.ndim - 1]
+    cdef Py_ssize_t code_row = d * codes.itemsize
+    cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
+    cdef const char* src = <const char*>cnp.PyArray_DATA(x)
+    cdef char* dst = <char*>cnp.PyArray_DATA(codes)
+    cdef char* sdst = NULL if scales is None else <char*>cnp.PyArray_DATA(scales)
+    cdef uint32_t limit = _Q8_0_LIMIT_BITS if fmt == Q8_0 else F32_INF
+    cdef uint32_t amax
+    cdef const float* row
+    cdef Py_ssize_t bad = 0
+    cdef int nt = num_threads()
+    if work.shape[0] < nt:
+        raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
+    with nogil, parallel(num_threads=nt):
+        for r in prange(nrows, schedule="static"):
+            row = _load_row(src + offsets[r], stride, in_kind, d, &work[threadid(), 0])
+            amax = _amax_bits(row, d)
+            if amax >= limit:
+                bad += 1
+            else:
+                _encode_scaled(fmt, row, d, amax, dst + r * code_row,
+                               sdst + r * scale_row if sdst != NULL else NULL)
+    return bad
+
+
+def dequantize_rows(int fmt, cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] out) -> None:
+    """Decodes codes [R, D] and scales [R, S] (C-contiguous; scales None for float
+    formats) into out [R, D] float32."""
+    cdef Py_ssize_t r, nrows = out.shape[0], d = out.shape[1]
+    cdef Py_ssize_t code_row = d * codes.itemsize
+    cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
+    cdef const char* src = <const char*>cnp.PyArray_DATA(codes)
+    cdef const char* ssrc = NULL if scales is None else <const char*>cnp.PyArray_DATA(scales)
+    with nogil:
+        for r in prange(nrows, schedule="static", num_threads=num_threads()):
+            decode_row(fmt, src + r * code_row, ssrc + r * scale_row if ssrc != NULL else NULL,
+                       d, &out[r, 0])
+
+
+def _encode_fp8_raw(const float[::1] x, int fmt):
+    """Internal test hook: FP8 codes (uint8 [n]) of x float32 [n], unscaled."""
+    import numpy as np
+    out = np.empty(x.shape[0], dtype=np.uint8)
+    cdef uint8_t[::1] o = out
+    cdef Py_ssize_t j
+    with nogil:
+        if fmt == FP8_E4M3:
+            for j in range(x.shape[0]):
+                o[j] = _f32_to_e4m3(x[j])
+        else:
+            for j in range(x.shape[0]):
+                o[j] = _f32_to_e5m2(x[j])
+    return out
