@@ -7,6 +7,7 @@ from .errors import (CapacityError, CudaError, DTypeError, FormatError, KVCacheE
                      StateError)
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
+from .cache import KVCache
 from ._parallel import max_threads, openmp_enabled, set_num_threads
 
 __version__ = "0.1.0"
@@ -14,6 +15,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
     "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
-    "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec",
+    "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "max_threads", "openmp_enabled", "set_num_threads", "__version__",
 ]

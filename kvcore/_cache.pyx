@@ -1,0 +1,319 @@
+# cython: language_level=3
+"""CPU cache kernels: checked, atomic row writes into a KVCache's storage.
+
+1. `RowWriter` holds the base addresses of one cache's four regions (codes [L][N][Hkv][D],
+   scales [L][N][Hkv][S]) and its sizes; `KVCache` (cache.py) owns the storage array and
+   the bookkeeping (lengths, pending positions) and tells `write` where to write.
+2. `RowWriter.write(layer, pos, k, v)` checks everything before it writes a byte: k and v
+   are numpy arrays of float32, float16 or ml_dtypes bfloat16 in native byte order, of
+   the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
+   [pos, pos + T) fit the capacity, and every value is finite (and, for q8_0, below
+   `_quant.Q8_0_LIMIT`), tested on the raw input bits without conversion.
+3. Then each row (t, h) is encoded straight into storage at position pos + t with
+   `_quant.encode_row`: an aligned unit-stride float32 row is encoded in place; any
+   other row is first gathered through its strides into a small per-thread buffer
+   (f16/bf16 rows are widened by `_quant.decode_row`). No array of the step is made.
+4. Rows are spread over OpenMP threads only when a call holds at least
+   PARALLEL_MIN_VALUES values; a decode step (T = 1) stays on the calling thread, so
+   one append costs a few hundred nanoseconds plus the bytes.
+5. `decode_rows` is the reverse (codes + scales -> float32), for `KVCache.dequantize`.
+"""
+from libc.stdint cimport uint16_t, uint32_t
+from libc.string cimport memcpy
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
+from cython.parallel cimport parallel, prange, threadid
+cimport numpy as cnp
+
+from kvcore._quant cimport decode_row, encode_row
+from kvcore._parallel cimport num_threads
+
+import numpy as np
+
+from .errors import CapacityError, FormatError, NonFiniteError
+from .formats import Q8_0
+from ._quant import Q8_0_LIMIT
+from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
+
+cnp.import_array()
+
+# Input kinds; equal to the format ids of the same float types (formats.py), so that
+# `decode_row(kind, ...)` widens a raw input row to float32.
+cdef enum:
+    IN_F32 = 0
+    IN_F16 = 1
+    IN_BF16 = 2
+
+# Below this many values (K and V together) a call runs on one thread: OpenMP's
+# fork/join costs microseconds, more than a small step's work.
+PARALLEL_MIN_VALUES = 1 << 16
+cdef Py_ssize_t _parallel_min = PARALLEL_MIN_VALUES
+
+cdef int _bf16_num = -1
+try:
+    import ml_dtypes
+    _bf16_num = np.dtype(ml_dtypes.bfloat16).num
+except ImportError:
+    pass
+
+
+cdef struct Job:
+    # one checked append: rows r in [0, 2*T*H): K rows first, then V rows
+    int fmt
+    uint32_t limit           # refuse |x| >= this (float32 bits): inf, or q8_0's limit
+    Py_ssize_t T, H, D
+    const char* src[2]       # IN: k, v data (element [0, 0, 0])
+    Py_ssize_t s0[2]         # byte strides over t (0 for [Hkv, D] input), h, d
+    Py_ssize_t s1[2]
+    Py_ssize_t s2[2]
+    int kind[2]
+    bint direct[2]           # rows are aligned and unit-stride: read in place
+    char* codes[2]           # OUT: codes of row (pos, head 0) of the layer, K and V
+    char* scales[2]          # OUT: scales of the same row (NULL when S = 0)
+    Py_ssize_t code_row      # bytes of one row's codes / scales
+    Py_ssize_t scale_row
+
+
+cdef int _kind(object x):
+    """IN_* of a numpy array we take, or -1."""
+    if not cnp.PyArray_Check(x):
+        return -1
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    if not cnp.PyArray_ISNOTSWAPPED(a):
+        return -1
+    cdef int n = cnp.PyArray_TYPE(a)
+    if n == cnp.NPY_FLOAT32:
+        return IN_F32
+    if n == cnp.NPY_FLOAT16:
+        return IN_F16
+    if n == _bf16_num and _bf16_num >= 0:
+        return IN_BF16
+    return -1
+
+
+cdef inline bint _row_ok(const char* p, Py_ssize_t d, Py_ssize_t s, int kind,
+                        uint32_t limit) noexcept nogil:
+    """Every one of d values at p (byte stride s) is finite and |x| < limit, the bits of
+    a float32 (inf, or q8_0's range limit): max of the magnitude bits, no conversion."""
+    cdef Py_ssize_t i
+    cdef uint32_t u32, m32 = 0
+    cdef uint16_t u16, m16 = 0
+    if kind == IN_F32:
+        if s == 4:
+            for i in range(d):
+                memcpy(&u32, p + 4 * i, 4)
+                u32 &= 0x7fffffffu
+                m32 = u32 if u32 > m32 else m32
+        else:
+            for i in range(d):
+                memcpy(&u32, p + i * s, 4)
+                u32 &= 0x7fffffffu
+                m32 = u32 if u32 > m32 else m32
+        return m32 < limit
+    if s == 2:
+        for i in range(d):
+            memcpy(&u16, p + 2 * i, 2)
+            u16 &= 0x7fff
+            m16 = u16 if u16 > m16 else m16
+    else:
+        for i in range(d):
+            memcpy(&u16, p + i * s, 2)
+            u16 &= 0x7fff
+            m16 = u16 if u16 > m16 else m16
+    if kind == IN_F16:   # every finite float16 lies below q8_0's limit
+        return m16 < 0x7c00
+    return (<uint32_t>m16 << 16) < limit
+
+
+cdef inline const char* _row_src(const Job* j, Py_ssize_t r, int w) noexcept nogil:
+    """Input row r of the job (w: 0 for a K row, 1 for a V row)."""
+    cdef Py_ssize_t q = r - w * j.T * j.H
+    return j.src[w] + (q // j.H) * j.s0[w] + (q % j.H) * j.s1[w]
+
+
+cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
+    """Rows of k and v that hold a value the format refuses (NaN, inf, q8_0 range)."""
+    cdef Py_ssize_t r, th = j.T * j.H, bad = 0
+    cdef int w
+    if nt > 1:
+        for r in prange(2 * th, num_threads=nt, schedule="static"):
+            w = 1 if r >= th else 0
+            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit))
+    else:
+        for r in range(2 * th):
+            w = 1 if r >= th else 0
+            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit))
+    return bad
+
+
+cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* tmp, float* buf) noexcept nogil:
+    """Row r of the job into storage. tmp: D raw input values; buf: D floats."""
+    cdef int w = 1 if r >= j.T * j.H else 0
+    cdef const char* p = _row_src(j, r, w)
+    cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
+    cdef char* scales = j.scales[w] + q * j.scale_row if j.scales[w] != NULL else NULL
+    if not j.direct[w]:
+        if j.kind[w] == IN_F32:
+            for i in range(d):
+                memcpy(tmp + 4 * i, p + i * s, 4)
+        else:
+            for i in range(d):
+                memcpy(tmp + 2 * i, p + i * s, 2)
+        p = tmp
+    if j.kind[w] == IN_F32:
+        encode_row(j.fmt, <const float*>p, d, j.codes[w] + q * j.code_row, scales)
+    else:
+        decode_row(j.kind[w], p, NULL, d, buf)
+        encode_row(j.fmt, buf, d, j.codes[w] + q * j.code_row, scales)
+
+
+cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
+    """work: nt blocks of D * 8 bytes (per thread: D raw values, then D floats)."""
+    cdef Py_ssize_t r, n = 2 * j.T * j.H, block = j.D * 8
+    cdef char* mine
+    if nt > 1:
+        with parallel(num_threads=nt):
+            mine = work + threadid() * block
+            for r in prange(n, schedule="static"):
+                _encode_one(j, r, mine, <float*>(mine + 4 * j.D))
+    else:
+        for r in range(n):
+            _encode_one(j, r, work, <float*>(work + 4 * j.D))
+
+
+cdef void _set_input(Job* j, int i, cnp.ndarray x, int kind) noexcept:
+    """Input i (0: k, 1: v) of the job: address, byte strides, kind, whether in place."""
+    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(x)
+    j.src[i] = cnp.PyArray_BYTES(x)
+    if cnp.PyArray_NDIM(x) == 3:
+        j.s0[i], j.s1[i], j.s2[i] = st[0], st[1], st[2]
+    else:
+        j.s0[i], j.s1[i], j.s2[i] = 0, st[0], st[1]
+    j.kind[i] = kind
+    j.direct[i] = cnp.PyArray_ISALIGNED(x) and j.s2[i] == (4 if kind == IN_F32 else 2)
+
+
+def _raise_bad_input(k, v, Py_ssize_t H, Py_ssize_t D):
+    """Raises the error that says what is wrong with k or v (the checks' cold path)."""
+    allowed = float_input_dtypes()
+    for name, x in (("k", k), ("v", v)):
+        check_ndarray(name, x)
+        check_dtype(name, x, allowed)
+    check_shape("k", k, (H, D) if k.ndim == 2 else ("T", H, D))
+    check_shape("v", v, k.shape)
+    raise AssertionError("unreachable: the input passed every check")
+
+
+def _raise_refused_value(k, v, int fmt):
+    """Raises for the first value of k, then v, that the format refuses (cold path)."""
+    limit = Q8_0_LIMIT if fmt == Q8_0 else np.inf
+    for name, x in (("k", k), ("v", v)):
+        x32 = x.astype(np.float32)
+        bad = np.argwhere(~(np.abs(x32) < limit))
+        if len(bad):
+            idx = tuple(int(i) for i in bad[0])
+            where = f"{name}[{', '.join(map(str, idx))}] = {float(x32[idx])}"
+            if not np.isfinite(x32[idx]):
+                raise NonFiniteError(f"non-finite value in {name}: {where}")
+            raise FormatError(f"value out of range of format q8_0 in {name}: {where}, "
+                              f"expected |x| < {Q8_0_LIMIT} (the float16 block scale "
+                              f"would overflow)")
+    raise AssertionError("unreachable: no refused value found")
+
+
+cdef class RowWriter:
+    """Checked, atomic writes of k/v rows into one cache's storage (module comment)."""
+
+    cdef object _keep          # the region arrays (keep the storage alive)
+    cdef char* _codes[2]
+    cdef char* _scales[2]
+    cdef int _fmt
+    cdef uint32_t _limit
+    cdef Py_ssize_t _N, _H, _D, _code_row, _scale_row
+
+    def __init__(self, int fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
+        """k_codes, v_codes: [L, N, Hkv, D] C-contiguous, the format's code dtype;
+        k_scales, v_scales: [L, N, Hkv, S] C-contiguous, the scale dtype, or None (S = 0)."""
+        self._keep = (k_codes, v_codes, k_scales, v_scales)
+        self._fmt = fmt
+        limit = Q8_0_LIMIT if fmt == Q8_0 else np.inf
+        self._limit = int(np.array(limit, dtype=np.float32).view(np.uint32))
+        self._N, self._H, self._D = k_codes.shape[1], k_codes.shape[2], k_codes.shape[3]
+        self._codes[0] = cnp.PyArray_BYTES(k_codes)
+        self._codes[1] = cnp.PyArray_BYTES(v_codes)
+        self._code_row = self._D * k_codes.itemsize
+        if k_scales is None:
+            self._scales[0] = self._scales[1] = NULL
+            self._scale_row = 0
+        else:
+            self._scales[0] = cnp.PyArray_BYTES(<cnp.ndarray>k_scales)
+            self._scales[1] = cnp.PyArray_BYTES(<cnp.ndarray>v_scales)
+            self._scale_row = k_scales.shape[3] * k_scales.itemsize
+
+    def write(self, Py_ssize_t layer, Py_ssize_t pos, k, v) -> int:
+        """Encodes k, v (float32/float16/bfloat16, [T, Hkv, D] or [Hkv, D], any strides)
+        into positions [pos, pos + T) of `layer`; returns T. The caller checked layer and
+        pos; this checks the rest, all before writing a byte."""
+        cdef int kk = _kind(k), kv = _kind(v)
+        if kk < 0 or kv < 0:
+            _raise_bad_input(k, v, self._H, self._D)
+        cdef cnp.ndarray a = <cnp.ndarray>k, b = <cnp.ndarray>v
+        cdef int nd = cnp.PyArray_NDIM(a), i
+        cdef cnp.npy_intp* da = cnp.PyArray_DIMS(a)
+        cdef cnp.npy_intp* db = cnp.PyArray_DIMS(b)
+        cdef bint ok = (nd == 2 or nd == 3) and cnp.PyArray_NDIM(b) == nd \
+            and da[nd - 2] == self._H and da[nd - 1] == self._D
+        if ok:
+            for i in range(nd):
+                ok = ok and da[i] == db[i]
+        if not ok:
+            _raise_bad_input(k, v, self._H, self._D)
+        cdef Py_ssize_t T = da[0] if nd == 3 else 1
+        if T > self._N - pos:
+            raise CapacityError(
+                f"cache full: layer {layer} asked for position {pos + T - 1} "
+                f"(appending {T} after {pos}), capacity is {self._N} positions")
+
+        cdef Job j
+        j.fmt, j.limit, j.T, j.H, j.D = self._fmt, self._limit, T, self._H, self._D
+        j.code_row, j.scale_row = self._code_row, self._scale_row
+        cdef Py_ssize_t first = (layer * self._N + pos) * self._H
+        _set_input(&j, 0, a, kk)
+        _set_input(&j, 1, b, kv)
+        for i in range(2):
+            j.codes[i] = self._codes[i] + first * self._code_row
+            j.scales[i] = self._scales[i] + first * self._scale_row if self._scale_row else NULL
+
+        cdef int nt = num_threads() if 2 * T * self._H * self._D >= _parallel_min else 1
+        cdef char* work = <char*>PyMem_Malloc(nt * self._D * 8)
+        if work == NULL:
+            raise MemoryError(f"row buffers of {nt} x {self._D * 8} bytes")
+        cdef Py_ssize_t bad
+        with nogil:
+            bad = _count_bad_rows(&j, nt)
+            if bad == 0:
+                _encode_rows(&j, nt, work)
+        PyMem_Free(work)
+        if bad:
+            _raise_refused_value(k, v, self._fmt)
+        return T
+
+
+def decode_rows(int fmt, cnp.ndarray codes, scales, cnp.ndarray out) -> None:
+    """codes [n, Hkv, D] (the format's code dtype) and scales [n, Hkv, S] (its scale dtype;
+    None when S = 0), both C-contiguous -> OUT out [n, Hkv, D] float32, C-contiguous."""
+    cdef Py_ssize_t d = codes.shape[2], rows = codes.shape[0] * codes.shape[1], r
+    cdef Py_ssize_t code_row = d * codes.itemsize
+    cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[2] * scales.itemsize
+    cdef const char* c = cnp.PyArray_BYTES(codes)
+    cdef const char* s = NULL if scales is None else cnp.PyArray_BYTES(<cnp.ndarray>scales)
+    cdef float* o = <float*>cnp.PyArray_DATA(out)
+    cdef int nt = num_threads() if rows * d >= _parallel_min else 1
+    with nogil:
+        if nt > 1:
+            for r in prange(rows, num_threads=nt, schedule="static"):
+                decode_row(fmt, c + r * code_row, s + r * scale_row if s != NULL else NULL,
+                           d, o + r * d)
+        else:
+            for r in range(rows):
+                decode_row(fmt, c + r * code_row, s + r * scale_row if s != NULL else NULL,
+                           d, o + r * d)

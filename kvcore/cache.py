@@ -1,0 +1,258 @@
+"""KVCache: the CPU key/value cache of one sequence.
+
+Storage is one allocation of exactly `spec.memory_bytes` bytes (fresh anonymous pages:
+zero-filled, page-aligned, so every region is 64-byte aligned), in four regions:
+
+    [K scales][V scales][K codes][V codes]
+    codes:  [L][N][Hkv][D]  the format's code dtype  (token-major: a step is one block)
+    scales: [L][N][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
+
+`_Cells` keeps the bookkeeping (committed length, pending positions per layer) apart
+from the storage; the checked writes are `_cache.RowWriter`'s.
+"""
+from __future__ import annotations
+
+import mmap
+from math import prod
+
+import numpy as np
+
+from . import _cache
+from ._validate import check_index
+from .errors import OutOfRangeError, SpecError, StateError
+from .formats import view_dtype
+from .spec import KVSpec
+
+
+class _Cells:
+    """Positions of one cache, no storage: `length` committed positions (the same in
+    every layer) and, per layer, `pending` positions appended after them since the last
+    advance."""
+
+    __slots__ = ("length", "pending")
+
+    def __init__(self, num_layers: int):
+        self.length = 0
+        self.pending = [0] * num_layers
+
+    def end(self, layer: int) -> int:
+        """The position the layer's next append writes first."""
+        return self.length + self.pending[layer]
+
+    def commit(self) -> int:
+        """Commits the pending positions when every layer holds the same number; returns
+        it (0 when nothing is pending: a no-op)."""
+        t = self.pending[0]
+        if any(p != t for p in self.pending):
+            raise StateError("advance needs the same number of pending positions in every "
+                             f"layer: {_count_groups(self.pending)}")
+        self.length += t
+        self.pending = [0] * len(self.pending)
+        return t
+
+    def truncate(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            check_index("n", n, self.length + 1)  # raises the type error
+        if not 0 <= n <= self.length:
+            raise OutOfRangeError(f"truncate to {n} out of range: expected 0 <= n <= "
+                                  f"length {self.length}")
+        self.length = int(n)
+        self.pending = [0] * len(self.pending)
+
+
+def _count_groups(counts: list[int]) -> str:
+    """'layers 0-2 hold 1; layers 3-31 hold 0': layers grouped by their count."""
+    groups: dict[int, list[int]] = {}
+    for layer, c in enumerate(counts):
+        groups.setdefault(c, []).append(layer)
+    return "; ".join(f"layers {_ranges(ls)} hold {c}" if len(ls) > 1 else f"layer {ls[0]} holds {c}"
+                     for c, ls in groups.items())
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (xs sorted)."""
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def _zeroed_pages(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] on fresh anonymous pages: zero-filled, page-aligned, private to
+    this process (copied on write across fork), returned to the OS when freed."""
+    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    return np.frombuffer(mmap.mmap(-1, nbytes, **flags), dtype=np.uint8)
+
+
+class KVCache:
+    """The key/value cache of one sequence on the CPU, in any format of kvcore.FORMATS.
+
+    Positions are appended per layer (`append`, pending) and committed for every layer at
+    once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
+    """
+
+    def __init__(self, spec: KVSpec):
+        if not isinstance(spec, KVSpec):
+            raise SpecError(f"KVCache needs a KVSpec, got {type(spec).__name__}")
+        self._spec = spec
+        fmt = spec.fmt
+        L, N, H, D = spec.num_layers, spec.capacity, spec.num_kv_heads, spec.head_dim
+        S = fmt.scales_per_row(D)
+        regions = [("k_scales", (L, N, H, S), fmt.scale_dtype),
+                   ("v_scales", (L, N, H, S), fmt.scale_dtype)] if S else []
+        regions += [("k_codes", (L, N, H, D), fmt.code_dtype),
+                    ("v_codes", (L, N, H, D), fmt.code_dtype)]
+        self._storage = _zeroed_pages(spec.memory_bytes)
+        self._regions: dict[str, np.ndarray] = {}
+        self._offsets: dict[str, int] = {}
+        offset = 0
+        for name, shape, dtype in regions:
+            nbytes = prod(shape) * dtype.itemsize
+            self._regions[name] = self._storage[offset:offset + nbytes].view(dtype).reshape(shape)
+            self._offsets[name] = offset
+            offset += nbytes
+        r = self._regions
+        self._writer = _cache.RowWriter(fmt.id, r["k_codes"], r["v_codes"],
+                                        r.get("k_scales"), r.get("v_scales"))
+        self._read_only = {}
+        for name, arr in r.items():
+            view = arr.view(view_dtype(fmt)) if name.endswith("codes") else arr.view()
+            view.flags.writeable = False
+            self._read_only[name] = view
+        self._num_layers = L
+        self._cells = _Cells(L)
+
+    # -- writing -------------------------------------------------------------------
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Encodes T positions of one layer after its held ones; they stay pending (seen
+        only with `pending=True`) until `advance()`.
+
+        k, v: float32, float16 or ml_dtypes bfloat16, shape [T, Hkv, D] or [Hkv, D]
+        (T = 1), any strides; the same shape (dtypes may differ). Atomic: a refused call
+        (ShapeError, DTypeError, NonFiniteError, CapacityError, OutOfRangeError, and
+        FormatError for q8_0 values past its range) writes nothing.
+        """
+        if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+            layer = check_index("layer", layer, self._num_layers)
+        # the hot path of a decode step: _Cells.end / _Cells.add written out inline
+        cells = self._cells
+        pending = cells.pending
+        pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+
+    def advance(self) -> int:
+        """Commits the pending positions of every layer and returns how many. Every layer
+        must hold the same number (StateError names the layers that differ); with none
+        pending anywhere it is a no-op that returns 0."""
+        return self._cells.commit()
+
+    def truncate(self, n: int) -> None:
+        """Keeps the first n committed positions (0 <= n <= length) and drops every pending
+        one. Storage is not cleared: positions past n are simply no longer held."""
+        self._cells.truncate(n)
+
+    def reset(self) -> None:
+        """Empties the cache (length 0, nothing pending), like truncate(0)."""
+        self._cells.truncate(0)
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def spec(self) -> KVSpec:
+        return self._spec
+
+    @property
+    def length(self) -> int:
+        """Committed positions, the same in every layer."""
+        return self._cells.length
+
+    def pending(self, layer: int) -> int:
+        """Positions appended to `layer` since the last advance."""
+        return self._cells.pending[check_index("layer", layer, self._num_layers)]
+
+    # -- views ---------------------------------------------------------------------
+
+    def _held(self, layer: int, pending: bool) -> tuple[int, int]:
+        layer = check_index("layer", layer, self._num_layers)
+        return layer, self._cells.end(layer) if pending else self._cells.length
+
+    def _view(self, region: str, layer: int, pending: bool) -> np.ndarray:
+        layer, n = self._held(layer, pending)
+        return self._read_only[region][layer, :n]
+
+    def keys(self, layer: int, *, pending: bool = False) -> np.ndarray:
+        """K codes of the committed positions (and pending ones when asked): read-only,
+        zero-copy, [n, Hkv, D] in the format's view dtype (formats.view_dtype)."""
+        return self._view("k_codes", layer, pending)
+
+    def values(self, layer: int, *, pending: bool = False) -> np.ndarray:
+        """V codes, as `keys`."""
+        return self._view("v_codes", layer, pending)
+
+    def key_scales(self, layer: int, *, pending: bool = False) -> np.ndarray | None:
+        """K scales [n, Hkv, S], read-only, zero-copy; None when the format has none."""
+        return self._view("k_scales", layer, pending) if "k_scales" in self._regions else None
+
+    def value_scales(self, layer: int, *, pending: bool = False) -> np.ndarray | None:
+        """V scales, as `key_scales`."""
+        return self._view("v_scales", layer, pending) if "v_scales" in self._regions else None
+
+    def dequantize(self, layer: int, which: str, *, pending: bool = False) -> np.ndarray:
+        """A new float32 [n, Hkv, D] array of K (which="k") or V ("v") decoded."""
+        if which not in ("k", "v"):
+            raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
+        layer, n = self._held(layer, pending)
+        codes = self._regions[f"{which}_codes"][layer, :n]
+        scales = self._regions.get(f"{which}_scales")
+        out = np.empty(codes.shape, dtype=np.float32)
+        _cache.decode_rows(self._spec.fmt.id, codes,
+                           None if scales is None else scales[layer, :n], out)
+        return out
+
+    def _layer_arrays(self, layer: int):
+        """(k_codes, v_codes, k_scales, v_scales) of one layer: writable full-capacity
+        views, codes [N, Hkv, D] in the raw code dtype, scales [N, Hkv, S] or None.
+        Positions [0, length + pending(layer)) are valid. Internal (docs/design.md)."""
+        layer = check_index("layer", layer, self._num_layers)
+        r = self._regions
+        return (r["k_codes"][layer], r["v_codes"][layer],
+                r["k_scales"][layer] if "k_scales" in r else None,
+                r["v_scales"][layer] if "v_scales" in r else None)
+
+    # -- layout and memory ---------------------------------------------------------
+
+    @property
+    def layout(self) -> dict:
+        """The storage, region by region in address order: byte offset, byte count,
+        shape and dtype. Codes [L, N, Hkv, D], scales [L, N, Hkv, S] (token-major)."""
+        return {name: {"offset": self._offsets[name], "nbytes": arr.nbytes,
+                       "shape": arr.shape, "dtype": str(arr.dtype)}
+                for name, arr in self._regions.items()}
+
+    @property
+    def strides(self) -> dict[str, tuple[int, ...]]:
+        """Byte strides of each region over (layer, position, head, element)."""
+        return {name: arr.strides for name, arr in self._regions.items()}
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the storage, exactly (spec.memory_bytes)."""
+        return self._storage.nbytes
+
+    @property
+    def fp32_equivalent_bytes(self) -> int:
+        """Bytes the same cache would take in float32."""
+        return self._spec.fp32_equivalent_bytes
+
+    @property
+    def compression_ratio(self) -> float:
+        """fp32_equivalent_bytes / memory_bytes (int8 at D = 128: 512 / 132 = 3.88)."""
+        return self._spec.compression_ratio
+
+    def __repr__(self) -> str:
+        s = self._spec
+        return (f"KVCache(layers={s.num_layers}, kv_heads={s.num_kv_heads}, "
+                f"head_dim={s.head_dim}, capacity={s.capacity}, format={s.format!r}, "
+                f"length={self.length})")
