@@ -1,13 +1,46 @@
 """Snapshots: a compact copy of a cache's first n positions (codes and scales, no
-capacity padding) plus the spec, shared by the CPU and the GPU caches."""
+capacity padding) plus the spec, shared by the CPU and the GPU caches.
+
+Files are safetensors files (docs/snapshots.md gives the layout and the checks):
+
+    [u64 LE header length][JSON header, space-padded][K scales][V scales][K codes][V codes]
+
+`Snapshot.save` writes a temporary file beside the target, fsyncs it and renames it
+into place; `load_snapshot` validates the header against the file's size before it
+maps anything, memory-maps the tensors read-only and checks their SHA-256 digests.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import mmap
+import os
+import re
+import secrets
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import SnapshotError
+from .errors import (DTypeError, FormatError, KVCacheError, OutOfRangeError,
+                     SnapshotError, SpecError)
+from .formats import get_format
 from .spec import KVSpec
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+
+FILE_VERSION = 1
+_MAX_HEADER_BYTES = 16 * 2**20  # ours take ~1 KiB; a larger length field is a lie
+_DATA_ALIGN = 64  # the tensor data starts at a multiple of this offset in the file
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+              np.dtype(np.uint16): "U16", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8"}
+_SPEC_KEYS = ("num_layers", "num_kv_heads", "head_dim", "capacity", "num_heads")
+_UINT = re.compile(r"0|[1-9][0-9]{0,18}")
+_PARALLEL_HASH_BYTES = 1 << 20  # below this, hashing on worker threads costs more than it saves
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +81,41 @@ class Snapshot:
         return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales)
                    if a is not None)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the snapshot to `path` as a safetensors file (docs/snapshots.md).
+
+        Atomic: the bytes go to a temporary file in the same directory, which is fsynced
+        and renamed over `path`; a crash mid-save leaves any old file at `path` intact.
+        The SHA-256 digests are computed on worker threads while the data is written.
+        """
+        path = os.fspath(path)
+        parts = [(name, getattr(self, name)) for name, _, _ in _layout(self.spec, self.length)]
+        meta = _metadata(self.spec, self.length)
+        meta.update({f"sha256_{name}": "0" * 64 for name, _ in parts})
+        meta["sha256"] = "0" * 64
+        # The digests are fixed-width hex, so the placeholder header has the final length.
+        header = _encode_header(meta, parts)
+        tmp = os.path.join(os.path.dirname(path) or ".",
+                           f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            digests = _start_digests([a for _, a in parts])
+            offset = len(header)
+            for _, arr in parts:
+                _pwrite_all(fd, _bytes_of(arr), offset)
+                offset += arr.nbytes
+            meta.update({f"sha256_{name}": d for (name, _), d in zip(parts, digests())})
+            meta["sha256"] = _metadata_digest(meta)
+            _pwrite_all(fd, _encode_header(meta, parts), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path) or ".")
+
 
 def _check_part(name: str, arr, shape, dtype) -> None:
     if not isinstance(arr, np.ndarray):
@@ -57,3 +125,363 @@ def _check_part(name: str, arr, shape, dtype) -> None:
                             f"got {list(arr.shape)} {arr.dtype}")
     if not arr.flags.c_contiguous:
         raise SnapshotError(f"snapshot {name} must be C-contiguous")
+
+
+# ------------------------------------------------------------------ take / restore
+
+def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
+    """Copies committed positions [0, n) of every layer (n defaults to cache.length) out
+    of a CPU KVCache into a new Snapshot (compact token-major arrays, no capacity padding).
+    Pending positions are never included."""
+    length = cache.length
+    if n is None:
+        n = length
+    elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise DTypeError(f"invalid type of n: expected int or None, got {type(n).__name__}")
+    if not 0 <= n <= length:
+        raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
+                              f"0 <= n <= length {length}")
+    n = int(n)
+    spec = cache.spec
+    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, n)}
+    for layer in range(spec.num_layers):
+        for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
+            if arr is not None:
+                parts[name][layer] = arr[:n]
+    return Snapshot(spec, n, **parts)
+
+
+def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = False) -> None:
+    """Replaces a CPU KVCache's content with a snapshot: positions [0, snap.length) of
+    every layer, length = snap.length, nothing pending. Atomic: everything is checked
+    (see `fit_snapshot`) before a byte of the cache is written. Positions past the new
+    length are not cleared (as after truncate)."""
+    snap = fit_snapshot(cache.spec, snap, requantize=requantize)
+    n = snap.length
+    for layer in range(cache.spec.num_layers):
+        for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
+            if arr is not None:
+                arr[:n] = getattr(snap, name)[layer]
+    cells = cache._cells
+    cells.length = n
+    cells.pending = [0] * cache.spec.num_layers
+
+
+def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> Snapshot:
+    """The snapshot to write into a cache of `spec`, checked; shared by the CPU and GPU
+    caches' restore.
+
+    Refuses (SnapshotError) a snapshot of another num_layers, num_kv_heads or head_dim,
+    one longer than spec.capacity, one of another format unless requantize=True, and one
+    holding a value its format's encoder never produces (NaN/inf float codes, FP8 NaN
+    codes, int8/q8_0 code -128, negative or non-finite scales). num_heads and capacity
+    may differ: they do not change what a position stores. With requantize=True a
+    snapshot of another format is decoded to float32 and re-encoded with
+    kvcore.quantize, layer by layer, into a new Snapshot of spec's format (SnapshotError
+    when a value does not fit that format, e.g. past the float16 range).
+    """
+    if not isinstance(snap, Snapshot):
+        raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
+                         f"got {type(snap).__name__}")
+    have, want = snap.spec, spec
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(have, key) != getattr(want, key):
+            raise SnapshotError(f"snapshot {key} {getattr(have, key)} does not match the "
+                                f"cache's {getattr(want, key)}")
+    if snap.length > want.capacity:
+        raise SnapshotError(f"snapshot of {snap.length} positions exceeds the cache's "
+                            f"capacity {want.capacity}")
+    if have.format != want.format and not requantize:
+        raise SnapshotError(f"snapshot format {have.format} does not match the cache's "
+                            f"{want.format} (pass requantize=True to re-encode)")
+    _check_values(snap)
+    if have.format == want.format:
+        return snap
+    converted = _requantize(snap, want.fmt)
+    _check_values(converted)
+    return converted
+
+
+_PART_NAMES = ("k_codes", "v_codes", "k_scales", "v_scales")  # the order of _layer_arrays
+
+
+def _bad_codes(codes: np.ndarray, fmt) -> np.ndarray:
+    """Mask of codes the format's encoder never produces from finite input."""
+    if fmt.name in ("f32", "f16"):
+        return ~np.isfinite(codes)
+    if fmt.name == "bf16":
+        return (codes & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
+    if fmt.name == "fp8_e4m3":
+        return (codes & 0x7F) == 0x7F  # E4M3FN's only NaN; it has no inf
+    if fmt.name == "fp8_e5m2":
+        return (codes & 0x7F) >= 0x7C  # inf and NaN
+    return codes == -128  # int8, q8_0: codes lie in [-127, 127]
+
+
+def _check_values(snap: Snapshot) -> None:
+    """Raises SnapshotError naming the first impossible code or scale (layer by layer, so
+    the temporaries stay one layer's size)."""
+    fmt = snap.spec.fmt
+    for name in _PART_NAMES:
+        arr = getattr(snap, name)
+        if arr is None:
+            continue
+        for layer in range(snap.spec.num_layers):
+            part = arr[layer]
+            bad = (_bad_codes(part, fmt) if name.endswith("codes")
+                   else ~(np.isfinite(part) & (part >= 0)))
+            if bad.any():
+                idx = np.unravel_index(int(np.argmax(bad)), part.shape)
+                where = ", ".join(str(int(i)) for i in (layer, *idx))
+                raise SnapshotError(f"snapshot {name}[{where}] = {part[idx]!r} is not a value "
+                                    f"format {fmt.name} stores")
+
+
+def _requantize(snap: Snapshot, fmt) -> Snapshot:
+    """snap decoded to float32 and re-encoded in `fmt`, layer by layer."""
+    from .quant import dequantize, quantize
+    spec, src = snap.spec.replace(format=fmt.name), snap.spec.fmt
+    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.length)}
+    for which in ("k", "v"):
+        codes, scales = getattr(snap, f"{which}_codes"), getattr(snap, f"{which}_scales")
+        for layer in range(spec.num_layers):
+            x = dequantize(codes[layer], None if scales is None else scales[layer], src)
+            try:
+                c, s = quantize(x, fmt)
+            except KVCacheError as e:
+                raise SnapshotError(f"cannot requantize the {src.name} snapshot to {fmt.name}: "
+                                    f"{which}, layer {layer}: {e}") from None
+            parts[f"{which}_codes"][layer] = c.view(fmt.code_dtype)
+            if s is not None:
+                parts[f"{which}_scales"][layer] = s
+    return Snapshot(spec, snap.length, **parts)
+
+
+# ---------------------------------------------------------------------------- files
+
+def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(name, shape, dtype) of each tensor, in file order: widest element first (scales
+    before codes), so every tensor starts aligned to its element size."""
+    f, s = spec.fmt, spec
+    codes = (s.num_layers, length, s.num_kv_heads, s.head_dim)
+    out = []
+    if f.quantized:
+        scales = (s.num_layers, length, s.num_kv_heads, f.scales_per_row(s.head_dim))
+        out += [("k_scales", scales, f.scale_dtype), ("v_scales", scales, f.scale_dtype)]
+    return out + [("k_codes", codes, f.code_dtype), ("v_codes", codes, f.code_dtype)]
+
+
+def _metadata(spec: KVSpec, length: int) -> dict[str, str]:
+    from . import __version__
+    meta = {"file_version": str(FILE_VERSION), "kvcore_version": __version__,
+            "format": spec.format, "length": str(length)}
+    meta.update({k: str(getattr(spec, k)) for k in _SPEC_KEYS})
+    return meta
+
+
+def _metadata_digest(meta: dict[str, str]) -> str:
+    """SHA-256 of every metadata entry but "sha256" itself (the tensor digests included),
+    as sorted compact JSON: it covers the whole header's meaning."""
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+def _encode_header(meta: dict[str, str], parts) -> bytes:
+    """The 8-byte length plus the JSON header, space-padded so the data starts at a
+    multiple of _DATA_ALIGN."""
+    table: dict[str, object] = {"__metadata__": meta}
+    begin = 0
+    for name, arr in parts:
+        table[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                       "data_offsets": [begin, begin + arr.nbytes]}
+        begin += arr.nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _DATA_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _pwrite_all(fd: int, buf, offset: int) -> None:
+    view = memoryview(buf)
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _fsync_dir(directory: str) -> None:
+    """Makes the rename durable (POSIX); Windows cannot open a directory for fsync."""
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _start_digests(arrays: list[np.ndarray]):
+    """Starts hashing each array (SHA-256, hex) and returns a function that waits for the
+    digests. Large arrays hash on worker threads (hashlib releases the GIL), one per
+    array, so the caller can write or read meanwhile."""
+    if sum(a.nbytes for a in arrays) < _PARALLEL_HASH_BYTES:
+        digests = [hashlib.sha256(_bytes_of(a)).hexdigest() for a in arrays]
+        return lambda: digests
+    pool = ThreadPoolExecutor(max_workers=len(arrays))
+    futures = [pool.submit(lambda a: hashlib.sha256(_bytes_of(a)).hexdigest(), a) for a in arrays]
+    pool.shutdown(wait=False)
+    return lambda: [f.result() for f in futures]
+
+
+def load_snapshot(path: str | os.PathLike, *, verify: bool = True) -> Snapshot:
+    """Reads a snapshot file written by `Snapshot.save`.
+
+    The tensors are read-only numpy arrays over a read-only memory map of the file (no
+    copy). Everything is checked before a tensor is made: the header length against the
+    file size, the metadata (file version, format, spec, its own SHA-256), each tensor's
+    dtype, shape and byte range, and that the tensors tile the data exactly. With
+    verify=True (the default) every tensor's bytes are also checked against their
+    SHA-256; verify=False skips only that pass over the data. Any defect raises
+    SnapshotError naming it. Do not truncate the file in place while the snapshot lives
+    (the mapping would fault); `save` replaces files by rename, which is safe.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise SnapshotError(f"snapshot file {path!r}: {size} bytes is too short for the "
+                                f"8-byte header length of a safetensors file")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise SnapshotError(f"snapshot file {path!r}: header length {header_len} exceeds "
+                                f"the {size - 8} bytes after the length field (truncated file?)")
+        if header_len > _MAX_HEADER_BYTES:
+            raise SnapshotError(f"snapshot file {path!r}: header length {header_len} exceeds "
+                                f"the limit of {_MAX_HEADER_BYTES} bytes")
+        raw = f.read(header_len)
+        try:
+            spec, length, meta, offsets = _parse_header(raw, size - 8 - header_len)
+        except SnapshotError as e:
+            raise SnapshotError(f"snapshot file {path!r}: {e}") from None
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if len(mapped) != size:
+        raise SnapshotError(f"snapshot file {path!r} changed size while loading: "
+                            f"{size} -> {len(mapped)} bytes")
+    data_start = 8 + header_len
+    arrays = {
+        name: np.frombuffer(mapped, dtype, count=math.prod(shape),
+                            offset=data_start + offsets[name]).reshape(shape)
+        for name, shape, dtype in _layout(spec, length)
+    }
+    if verify:
+        names = list(arrays)
+        for name, digest in zip(names, _start_digests([arrays[n] for n in names])()):
+            if digest != meta[f"sha256_{name}"]:
+                raise SnapshotError(
+                    f"snapshot file {path!r}: the bytes of {name} do not match their SHA-256 "
+                    f"(header {meta[f'sha256_{name}']}, data {digest}): corrupt data")
+    return Snapshot(spec, length, **arrays)
+
+
+def _parse_header(raw: bytes, data_len: int):
+    """Validates the JSON header against the data section's size; returns
+    (spec, length, metadata, {tensor name: offset in the data section})."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SnapshotError(f"header is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"header must be a JSON object, got {type(header).__name__}")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SnapshotError("header has no __metadata__ of strings: not a kvcore snapshot")
+    spec, length = _parse_metadata(meta)
+    layout = _layout(spec, length)
+    return spec, length, meta, _parse_table(header, layout, data_len)
+
+
+def _meta_uint(meta: dict[str, str], key: str) -> int:
+    value = meta[key]
+    if not _UINT.fullmatch(value):
+        raise SnapshotError(f"metadata {key} must be a non-negative decimal integer below "
+                            f"10**19, got {value[:40]!r}")
+    return int(value)
+
+
+def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
+    if "file_version" not in meta:
+        raise SnapshotError("metadata has no file_version: not a kvcore snapshot")
+    version = _meta_uint(meta, "file_version")
+    if version > FILE_VERSION:
+        raise SnapshotError(f"file version {version} is newer than this kvcore reads "
+                            f"(up to {FILE_VERSION}): upgrade kvcore")
+    if version < 1:
+        raise SnapshotError(f"unknown file version {version}: expected 1..{FILE_VERSION}")
+    try:
+        fmt = get_format(meta.get("format"))
+    except FormatError as e:
+        raise SnapshotError(f"metadata format: {e}") from None
+    names = ["k_scales", "v_scales"] * fmt.quantized + ["k_codes", "v_codes"]
+    expected = {"file_version", "kvcore_version", "format", "length", "sha256",
+                *_SPEC_KEYS, *(f"sha256_{n}" for n in names)}
+    if set(meta) != expected:
+        missing, extra = sorted(expected - set(meta)), sorted(set(meta) - expected)
+        raise SnapshotError(f"metadata keys differ from a file of format {fmt.name}: "
+                            f"missing {missing}, unexpected {[k[:40] for k in extra]}")
+    if _metadata_digest(meta) != meta["sha256"]:
+        raise SnapshotError("the metadata does not match its SHA-256: corrupt header")
+    try:
+        spec = KVSpec(**{k: _meta_uint(meta, k) for k in _SPEC_KEYS}, format=fmt.name)
+    except SpecError as e:
+        raise SnapshotError(f"metadata spec: {e}") from None
+    length = _meta_uint(meta, "length")
+    if length > spec.capacity:
+        raise SnapshotError(f"metadata length {length} exceeds capacity {spec.capacity}")
+    return spec, length
+
+
+def _parse_table(table: dict, layout, data_len: int) -> dict[str, int]:
+    """Checks each tensor entry against the layout the metadata implies, and that the
+    entries tile the data section exactly; returns each tensor's offset."""
+    names = [name for name, _, _ in layout]
+    if set(table) != set(names):
+        missing, extra = sorted(set(names) - set(table)), sorted(set(table) - set(names))
+        raise SnapshotError(f"tensors differ from the format's: missing {missing}, "
+                            f"unexpected {[k[:40] for k in extra]}")
+    want_total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in layout)
+    if want_total != data_len:
+        raise SnapshotError(f"the data section is {data_len} bytes but the metadata describes "
+                            f"{want_total} (truncated or extended file?)")
+    spans = []
+    for name, shape, dtype in layout:
+        entry = table[name]
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise SnapshotError(f"tensor {name}: expected an object with dtype, shape and "
+                                f"data_offsets")
+        if entry["dtype"] != _ST_DTYPES[dtype]:
+            raise SnapshotError(f"tensor {name}: dtype {str(entry['dtype'])[:40]!r} does not "
+                                f"match the metadata (expected {_ST_DTYPES[dtype]})")
+        if entry["shape"] != list(shape) or not _all_ints(entry["shape"]):
+            raise SnapshotError(f"tensor {name}: shape {str(entry['shape'])[:80]} does not "
+                                f"match the metadata (expected {list(shape)})")
+        span = entry["data_offsets"]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if (not isinstance(span, list) or len(span) != 2 or not _all_ints(span)
+                or not 0 <= span[0] <= span[1] or span[1] - span[0] != nbytes):
+            raise SnapshotError(f"tensor {name}: data_offsets {str(span)[:80]} do not span "
+                                f"its {nbytes} bytes")
+        spans.append((span[0], span[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise SnapshotError(f"tensor {name} starts at byte {begin} of the data, expected "
+                                f"{end}: tensors must tile the data without gaps or overlaps")
+        end = stop
+    return {name: begin for begin, _, name in spans}
+
+
+def _all_ints(values: list) -> bool:
+    return all(type(v) is int for v in values)
