@@ -1,0 +1,25 @@
+"""kvcore's GPU layer on cuda-python's driver API (imported lazily: importing this package
+never needs cuda-python or a GPU; `is_available()` says whether one is usable).
+
+    from kvcore import gpu
+    if gpu.is_available():
+        cache = gpu.GpuKVCache(spec, slots=64)
+        cache.append(layer, k, v)      # k, v: device [M, Hkv, D] float32/float16/bfloat16
+        cache.advance()
+        cache.check()                  # raises CapacityError / NonFiniteError from the device flag
+
+See docs/gpu.md for layouts, the error flag and graph capture.
+"""
+from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
+from .driver import Context, CudaError, Event, Stream, is_available
+from .memory import DeviceArray, DeviceBuffer, as_device_array
+
+
+def live_bytes(device: int = 0) -> int:
+    """Bytes of device memory kvcore holds on `device` (0 when its context is not open)."""
+    ctx = Context._contexts.get(device)
+    return 0 if ctx is None else ctx.live_bytes
+
+
+__all__ = ["GpuKVCache", "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event",
+           "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes"]

@@ -1,0 +1,578 @@
+"""GpuKVCache: M sequences (slots) of one KVSpec in device memory, graph-safe.
+
+1. Storage (`GpuLayout`, pure arithmetic, CPU-testable): one device allocation of four
+   256-byte-aligned regions [K codes][V codes][K scales][V scales]:
+       codes  [L][M][Hkv][N][D]  code dtype      (head-major: one head's history is contiguous)
+       scales [L][M][Hkv][N][S]  scale dtype     (S = 0: the scale regions are empty)
+   and one small metadata allocation: per layer the M slot base pointers of K codes, V codes,
+   K scales, V scales (uint64 [L][M] each; 0 for formats without scales), the lengths
+   int32[M] and the error flag int32. Addresses never change while the cache lives.
+2. Launch path (graph-capturable, no sync): `append` quantizes on the device at the write
+   position read from the device lengths; `advance` commits. Errors set the device flag
+   (capacity: nothing written; non-finite row: step not committed).
+3. Sync path (refuses while capturing): `check`/`synchronize`, `length`, `truncate`,
+   `reset`, `scatter`, `snapshot`, `restore`; each turns a set flag into CapacityError or
+   NonFiniteError and clears it.
+4. `generation` bumps on anything that moves an address (only `free()` here); graphs
+   compare it before replay.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validate import check_index, float_input_dtypes
+from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError, ShapeError,
+                      SnapshotError, SpecError, StateError)
+from ..formats import Format
+from ..snapshot import Snapshot
+from ..spec import KVSpec
+from . import driver, kernels
+from .driver import Context, Stream
+from .memory import DeviceArray, DeviceBuffer, as_device_array
+
+ALIGN = 256
+ERR_CAPACITY, ERR_NONFINITE = 1, 2  # bits of the device error flag (cuda/common.cuh)
+_APPEND_WARPS = 8                   # warps per block of kv_append (one warp per head row)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Byte layout of a GpuKVCache of `slots` slots. Offsets are from the allocation's
+    base; `*_strides` are byte strides of codes [L, M, Hkv, N, D] / scales [L, M, Hkv, N, S]."""
+
+    spec: KVSpec
+    slots: int
+
+    @property
+    def fmt(self) -> Format:
+        return self.spec.fmt
+
+    @property
+    def scales_per_row(self) -> int:
+        return self.fmt.scales_per_row(self.spec.head_dim)
+
+    @property
+    def code_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, s.head_dim)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        return self.code_shape[:4] + (self.scales_per_row,)
+
+    @property
+    def code_strides(self) -> tuple[int, ...]:
+        return _strides(self.code_shape, self.fmt.code_bytes)
+
+    @property
+    def scale_strides(self) -> tuple[int, ...]:
+        return _strides(self.scale_shape, self.fmt.scale_dtype.itemsize if self.fmt.quantized else 0)
+
+    @property
+    def code_region_bytes(self) -> int:
+        return int(np.prod(self.code_shape)) * self.fmt.code_bytes
+
+    @property
+    def scale_region_bytes(self) -> int:
+        if not self.fmt.quantized:
+            return 0
+        return int(np.prod(self.scale_shape)) * self.fmt.scale_dtype.itemsize
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Byte offsets of the regions k_codes, v_codes, k_scales, v_scales."""
+        c, s = _align(self.code_region_bytes), _align(self.scale_region_bytes)
+        return {"k_codes": 0, "v_codes": c, "k_scales": 2 * c, "v_scales": 2 * c + s}
+
+    @property
+    def data_bytes(self) -> int:
+        return 2 * _align(self.code_region_bytes) + 2 * _align(self.scale_region_bytes)
+
+    # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
+    # then lengths int32[M], then the error flag int32
+    @property
+    def meta_offsets(self) -> dict[str, int]:
+        table = self.spec.num_layers * self.slots * 8
+        return {"k_codes": 0, "v_codes": table, "k_scales": 2 * table, "v_scales": 3 * table,
+                "lengths": 4 * table, "error": 4 * table + 4 * self.slots}
+
+    @property
+    def meta_bytes(self) -> int:
+        return self.meta_offsets["error"] + 4
+
+    @property
+    def total_bytes(self) -> int:
+        """Device bytes the cache allocates (data plus metadata)."""
+        return self.data_bytes + self.meta_bytes
+
+    def slot_offset(self, region: str, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot)'s [Hkv][N][D] codes / [Hkv][N][S] scales."""
+        strides = self.code_strides if region.endswith("codes") else self.scale_strides
+        return self.offsets[region] + layer * strides[0] + slot * strides[1]
+
+
+def _strides(shape, itemsize) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def max_slots_for_memory(spec: KVSpec, free_bytes: int, reserve_bytes: int = 0) -> int:
+    """The most slots whose GpuKVCache (data and metadata, exact bytes) fits in
+    `free_bytes - reserve_bytes`; 0 when not even one fits."""
+    for name, v in (("free_bytes", free_bytes), ("reserve_bytes", reserve_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise SpecError(f"{name} must be a non-negative int, got {v!r}")
+    budget = int(free_bytes) - int(reserve_bytes)
+    one = GpuLayout(spec, 1).total_bytes
+    if budget < one:
+        return 0
+    per_slot = GpuLayout(spec, 2).total_bytes - one  # without alignment padding
+    m = max(1, budget // per_slot)
+    while m > 1 and GpuLayout(spec, m).total_bytes > budget:
+        m -= 1
+    return m
+
+
+class GpuKVCache:
+    """M slots (sequences) of `spec` in device memory; see the module docstring.
+
+    Device views (DeviceArray; DLPack / __cuda_array_interface__):
+      keys(layer), values(layer)             [M, Hkv, N, D] code dtype
+      key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
+      k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
+      lengths                                int32[M];  error_flag  int32[1]
+    """
+
+    def __init__(self, spec: KVSpec, slots: int = 1, *, device: int = 0, stream=None):
+        if not isinstance(spec, KVSpec):
+            raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(spec).__name__}")
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
+            raise SpecError(f"slots must be a positive int, got {slots!r}")
+        self.spec = spec
+        self.slots = int(slots)
+        self.layout = GpuLayout(spec, self.slots)
+        self.ctx = Context.get(device)
+        self._own_stream = stream is None
+        self.stream = Stream.create(self.ctx) if stream is None else (
+            stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
+        driver.refuse_while_capturing("GpuKVCache()", self.stream)
+        free, _ = self.ctx.mem_get_info()
+        if self.layout.total_bytes > free:
+            fit = max_slots_for_memory(spec, free)
+            raise SpecError(f"GpuKVCache of {self.slots} slots needs {self.layout.total_bytes} bytes, "
+                            f"the device has {free} free: at most {fit} slots fit")
+        self.generation = 0
+        self._data = DeviceBuffer.alloc(self.layout.data_bytes, ctx=self.ctx)
+        try:
+            self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
+        except BaseException:
+            self._data.free()
+            raise
+        self._meta.copy_from_host(self._host_meta())
+        self._fn_append = kernels.function("kv_append", "kv_append", self.ctx)
+        self._fn_advance = kernels.function("kv_append", "kv_advance", self.ctx)
+
+    @classmethod
+    def fit(cls, spec: KVSpec, reserve_bytes: int = 0, *, device: int = 0, stream=None) -> "GpuKVCache":
+        """The cache with the most slots that fit in the device's free memory minus
+        `reserve_bytes`; SpecError with the numbers when not one slot fits."""
+        ctx = Context.get(device)
+        free, _ = ctx.mem_get_info()
+        m = max_slots_for_memory(spec, free, reserve_bytes)
+        if m == 0:
+            raise SpecError(f"one slot needs {GpuLayout(spec, 1).total_bytes} bytes, the device "
+                            f"has {free} free minus reserve {reserve_bytes}")
+        return cls(spec, m, device=device, stream=stream)
+
+    # ------------------------------------------------------------------ addresses
+
+    def _host_meta(self) -> np.ndarray:
+        lay, L, M = self.layout, self.spec.num_layers, self.slots
+        out = np.zeros(lay.meta_bytes, np.uint8)
+        base = self._data.ptr
+        for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            if region.endswith("scales") and not self.spec.fmt.quantized:
+                continue
+            ptrs = np.array([[base + lay.slot_offset(region, l, s) for s in range(M)]
+                             for l in range(L)], np.uint64)
+            off = lay.meta_offsets[region]
+            out[off:off + ptrs.nbytes] = ptrs.view(np.uint8).ravel()
+        return out
+
+    def _alive(self) -> None:
+        if self._data.freed:
+            raise StateError("use of a freed GpuKVCache")
+
+    def _ptr(self, region: str, layer, slot) -> int:
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        slot = check_index("slot", slot, self.slots)
+        if region.endswith("scales") and not self.spec.fmt.quantized:
+            raise FormatError(f"format {self.spec.format} has no scales")
+        return self._data.ptr + self.layout.slot_offset(region, layer, slot)
+
+    def k_ptr(self, layer: int, slot: int) -> int:
+        """Address of K codes [Hkv][N][D] of (layer, slot)."""
+        return self._ptr("k_codes", layer, slot)
+
+    def v_ptr(self, layer: int, slot: int) -> int:
+        return self._ptr("v_codes", layer, slot)
+
+    def k_scale_ptr(self, layer: int, slot: int) -> int:
+        """Address of K scales [Hkv][N][S] of (layer, slot); FormatError without scales."""
+        return self._ptr("k_scales", layer, slot)
+
+    def v_scale_ptr(self, layer: int, slot: int) -> int:
+        return self._ptr("v_scales", layer, slot)
+
+    def _ptr_table(self, region: str, layer) -> DeviceArray:
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        off = self.layout.meta_offsets[region] + layer * self.slots * 8
+        return self._meta.view((self.slots,), np.uint64, offset=off)
+
+    def k_ptrs(self, layer: int) -> DeviceArray:
+        """Device uint64[M]: the K code base pointer of every slot of `layer`."""
+        return self._ptr_table("k_codes", layer)
+
+    def v_ptrs(self, layer: int) -> DeviceArray:
+        return self._ptr_table("v_codes", layer)
+
+    def k_scale_ptrs(self, layer: int) -> DeviceArray:
+        """Device uint64[M] of K scale base pointers (all 0 for formats without scales)."""
+        return self._ptr_table("k_scales", layer)
+
+    def v_scale_ptrs(self, layer: int) -> DeviceArray:
+        return self._ptr_table("v_scales", layer)
+
+    @property
+    def lengths(self) -> DeviceArray:
+        """Device int32[M]: committed positions of every slot (what graphs read)."""
+        self._alive()
+        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["lengths"])
+
+    @property
+    def error_flag(self) -> DeviceArray:
+        """Device int32[1]: bit 1 capacity, bit 2 non-finite input; cleared by check()."""
+        self._alive()
+        return self._meta.view((1,), np.int32, offset=self.layout.meta_offsets["error"])
+
+    def _region_view(self, region: str, layer) -> DeviceArray:
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        f, lay = self.spec.fmt, self.layout
+        if region.endswith("codes"):
+            shape, dtype, strides = lay.code_shape[1:], f.code_dtype, lay.code_strides
+        else:
+            if not f.quantized:
+                raise FormatError(f"format {self.spec.format} has no scales")
+            shape, dtype, strides = lay.scale_shape[1:], f.scale_dtype, lay.scale_strides
+        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0])
+
+    def keys(self, layer: int) -> DeviceArray:
+        """K codes of `layer`, every slot, full capacity: [M, Hkv, N, D] code dtype."""
+        return self._region_view("k_codes", layer)
+
+    def values(self, layer: int) -> DeviceArray:
+        return self._region_view("v_codes", layer)
+
+    def key_scales(self, layer: int) -> DeviceArray:
+        """K scales of `layer`: [M, Hkv, N, S] scale dtype; FormatError without scales."""
+        return self._region_view("k_scales", layer)
+
+    def value_scales(self, layer: int) -> DeviceArray:
+        return self._region_view("v_scales", layer)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Exact device bytes allocated (data and metadata)."""
+        return self.layout.total_bytes
+
+    # ------------------------------------------------------------------ launch path
+
+    def append(self, layer: int, k, v, *, slot: int | None = None, stream=None) -> None:
+        """Quantizes k and v into `layer` at each slot's current length (no sync; capturable).
+
+        k, v: device arrays (DeviceArray, CuPy, torch, anything with
+        __cuda_array_interface__ or DLPack), float32, float16 or bfloat16, the same shape
+        and dtype, last axis contiguous, other strides free:
+          slot None: [M, Hkv, D], one position for every slot;
+          slot s:    [T, Hkv, D], T positions for slot s.
+        Runs on `stream` (default: the cache's). Past capacity nothing is written and the
+        error flag is set; a non-finite row sets it too (the step will not commit).
+        """
+        self._alive()
+        s = self.spec
+        layer = check_index("layer", layer, s.num_layers)
+        if slot is not None:
+            slot = check_index("slot", slot, self.slots)
+        st = self.stream if stream is None else stream
+        k = as_device_array(k, "k", stream=st)
+        v = as_device_array(v, "v", stream=st)
+        rows = self.slots if slot is None else "T"
+        expected = [rows, s.num_kv_heads, s.head_dim]
+        for name, x in (("k", k), ("v", v)):
+            _check_input(name, x, expected)
+        if v.shape != k.shape or v.dtype != k.dtype or v.strides != k.strides:
+            raise ShapeError(f"invalid v: expected the shape, dtype and strides of k "
+                             f"({list(k.shape)} {k.dtype}), got {list(v.shape)} {v.dtype}")
+        T = k.shape[0]
+        if slot is not None and not 1 <= T <= s.capacity:
+            raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
+                             f"with 1 <= T <= {s.capacity}, got {list(k.shape)}")
+        in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
+        isz = k.dtype.itemsize
+        lay, base, meta = self.layout, self._data.ptr, self._meta.ptr
+        heads = k.shape[0] * s.num_kv_heads * 2
+        grid = ((heads + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1)
+        driver.launch(self._fn_append, grid, (32 * _APPEND_WARPS, 1, 1), [
+            (k.ptr, None), (v.ptr, None), (in_dtype, ctypes.c_int),
+            (k.strides[0] // isz, ctypes.c_longlong), (k.strides[1] // isz, ctypes.c_longlong),
+            (base + lay.slot_offset("k_codes", layer, 0), None),
+            (base + lay.slot_offset("v_codes", layer, 0), None),
+            (base + lay.slot_offset("k_scales", layer, 0) if s.fmt.quantized else 0, None),
+            (base + lay.slot_offset("v_scales", layer, 0) if s.fmt.quantized else 0, None),
+            (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["error"], None),
+            (s.fmt.id, ctypes.c_int), (self.slots, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
+            (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
+        ], stream=st)
+
+    def advance(self, *, slot: int | None = None, steps: int = 1, stream=None) -> None:
+        """Commits a step (no sync; capturable): slot None: every slot's length += 1;
+        slot s: length[s] += steps. Commits nothing while the error flag is set or when a
+        slot would pass capacity (then sets the flag)."""
+        self._alive()
+        if slot is None:
+            if steps != 1:
+                raise ShapeError(f"invalid steps: advance of every slot commits 1, got {steps}")
+        else:
+            slot = check_index("slot", slot, self.slots)
+            if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= self.spec.capacity:
+                raise ShapeError(f"invalid steps: expected 1 <= steps <= {self.spec.capacity}, got {steps!r}")
+        meta, off = self._meta.ptr, self.layout.meta_offsets
+        driver.launch(self._fn_advance, (1, 1, 1), (min(1024, _round32(self.slots)), 1, 1), [
+            (meta + off["lengths"], None), (meta + off["error"], None),
+            (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
+            (-1 if slot is None else slot, ctypes.c_int), (int(steps), ctypes.c_int),
+        ], stream=self.stream if stream is None else stream)
+
+    # ------------------------------------------------------------------ sync path
+
+    def _sync(self, what: str) -> None:
+        self._alive()
+        driver.refuse_while_capturing(f"GpuKVCache.{what}", self.stream)
+        self.stream.synchronize()
+        flag = np.zeros(1, np.int32)
+        self._meta.copy_to_host(flag, offset=self.layout.meta_offsets["error"])
+        if flag[0]:
+            self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.layout.meta_offsets["error"])
+            if flag[0] & ERR_NONFINITE:
+                raise NonFiniteError("a GPU append got non-finite input (NaN or inf); that step "
+                                     "was not committed")
+            raise CapacityError(f"a GPU append or advance would pass capacity {self.spec.capacity}; "
+                                f"that step was not written or committed")
+
+    def check(self) -> None:
+        """Synchronises the cache's stream; raises CapacityError / NonFiniteError (and
+        clears the flag) when a launch since the last check failed."""
+        self._sync("check")
+
+    synchronize = check
+
+    def lengths_host(self) -> np.ndarray:
+        """A host copy of the lengths, int32[M] (synchronises)."""
+        self._sync("lengths_host")
+        out = np.empty(self.slots, np.int32)
+        return self._meta.copy_to_host(out, offset=self.layout.meta_offsets["lengths"])
+
+    def length(self, slot: int) -> int:
+        """Committed positions of `slot` (synchronises)."""
+        slot = check_index("slot", slot, self.slots)
+        return int(self.lengths_host()[slot])
+
+    def _set_length(self, slot: int, n: int) -> None:
+        self._meta.copy_from_host(np.array([n], np.int32),
+                                  offset=self.layout.meta_offsets["lengths"] + 4 * slot)
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Rolls `slot` back to its first n positions (0 <= n <= length)."""
+        cur = self.length(slot)
+        n = check_index("n", n, cur + 1)
+        self._set_length(slot, n)
+
+    def reset(self, slot: int | None = None) -> None:
+        """Empties `slot` (every slot when None); codes are left, lengths become 0."""
+        if slot is None:
+            self._sync("reset")
+            self._meta.copy_from_host(np.zeros(self.slots, np.int32),
+                                      offset=self.layout.meta_offsets["lengths"])
+        else:
+            self.truncate(slot, 0)
+
+    def _copy3d(self, region: str, slot: int, layers: range, n: int, *,
+                host: np.ndarray | None = None, src: "GpuKVCache | None" = None,
+                to_host: bool = False) -> None:
+        """Copies positions [0, n) of `layers` of (region, slot) with one cuMemcpy3DAsync:
+        with the host array [len(layers)][Hkv][n][row] (either way), or from slot 0 of src."""
+        drv = driver.cuda()
+        f, s = self.spec.fmt, self.spec
+        row = f.code_row_bytes(s.head_dim) if region.endswith("codes") else f.scale_row_bytes(s.head_dim)
+        p = drv.CUDA_MEMCPY3D()
+        heads = s.num_kv_heads
+        dev = self._data.ptr + self.layout.slot_offset(region, layers.start, slot)
+
+        def device_side(prefix, ptr, slots, cap):
+            setattr(p, prefix + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+            setattr(p, prefix + "Device", drv.CUdeviceptr(ptr))
+            setattr(p, prefix + "Pitch", cap * row)
+            setattr(p, prefix + "Height", slots * heads)
+
+        if src is not None:
+            device_side("src", src._data.ptr + src.layout.slot_offset(region, layers.start, 0),
+                        src.slots, src.spec.capacity)
+            device_side("dst", dev, self.slots, s.capacity)
+        else:
+            side, other = ("dst", "src") if to_host else ("src", "dst")
+            setattr(p, side + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+            setattr(p, side + "Host", host.ctypes.data)
+            setattr(p, side + "Pitch", n * row)
+            setattr(p, side + "Height", heads)
+            device_side(other, dev, self.slots, s.capacity)
+        p.WidthInBytes = n * row
+        p.Height = heads
+        p.Depth = len(layers)
+        driver.call("cuMemcpy3DAsync", p, self.stream.handle)
+
+    def snapshot(self, slot: int) -> Snapshot:
+        """Positions [0, length) of `slot`, all layers, as the token-major Snapshot the CPU
+        cache gives (k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        n = self.length(slot)
+        s, f = self.spec, self.spec.fmt
+        L, H = s.num_layers, s.num_kv_heads
+        parts = {}
+        for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            if region.endswith("scales") and not f.quantized:
+                parts[region] = None
+                continue
+            codes = region.endswith("codes")
+            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            dtype = f.code_dtype if codes else f.scale_dtype
+            host = np.empty((L, H, n, width), dtype)
+            if n:
+                self._copy3d(region, slot, range(L), n, host=host, to_host=True)
+            parts[region] = host
+        self.stream.synchronize()
+        parts = {k: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1, 3))
+                 for k, a in parts.items()}
+        return Snapshot(s, n, parts["k_codes"], parts["v_codes"], parts["k_scales"], parts["v_scales"])
+
+    def _check_source(self, src_spec: KVSpec, n: int, what: str) -> None:
+        a, b = self.spec, src_spec
+        if (a.num_layers, a.num_kv_heads, a.head_dim, a.format) != (
+                b.num_layers, b.num_kv_heads, b.head_dim, b.format):
+            raise SnapshotError(
+                f"{what} does not fit: expected num_layers={a.num_layers}, num_kv_heads="
+                f"{a.num_kv_heads}, head_dim={a.head_dim}, format={a.format}, got "
+                f"{b.num_layers}, {b.num_kv_heads}, {b.head_dim}, {b.format}")
+        if n > a.capacity:
+            raise CapacityError(f"{what} holds {n} positions, the cache's capacity is {a.capacity}")
+
+    def restore(self, snapshot: Snapshot, slot: int) -> None:
+        """Makes `slot` hold exactly `snapshot` (all layers); its length becomes snapshot.length."""
+        self.scatter(snapshot, slot)
+
+    def scatter(self, src, slot: int, layer: int | None = None) -> None:
+        """Copies positions [0, n) of `src` into `slot`: every layer, or only `layer`.
+        src: a Snapshot (from a CPU or GPU cache) or a one-slot GpuKVCache of the same
+        layers, heads, head_dim and format. The slot's length becomes n; when copying
+        one layer, copy the others too before reading the slot."""
+        self._alive()
+        slot = check_index("slot", slot, self.slots)
+        s = self.spec
+        layers = range(s.num_layers) if layer is None else range(
+            check_index("layer", layer, s.num_layers), layer + 1)
+        if isinstance(src, GpuKVCache):
+            if src.slots != 1:
+                raise ShapeError(f"invalid src: expected a one-slot GpuKVCache, got {src.slots} slots")
+            if src is self or src.ctx is not self.ctx:
+                raise ShapeError("invalid src: expected another cache on the same device")
+            n = src.length(0)
+            self._check_source(src.spec, n, "source cache")
+            self._sync("scatter")
+            src.stream.synchronize()
+            regions = ("k_codes", "v_codes") + (("k_scales", "v_scales") if s.fmt.quantized else ())
+            if n:
+                for region in regions:
+                    self._copy3d(region, slot, layers, n, src=src)
+        elif isinstance(src, Snapshot):
+            n = src.length
+            self._check_source(src.spec, n, "snapshot")
+            self._sync("scatter")
+            hosts = []  # kept alive until the stream has copied them
+            for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+                arr = getattr(src, region)
+                if arr is None or not n:
+                    continue
+                host = np.ascontiguousarray(arr[layers.start:layers.stop].transpose(0, 2, 1, 3))
+                hosts.append(host)
+                self._copy3d(region, slot, layers, n, host=host)
+        else:
+            raise DTypeError(f"invalid type of src: expected Snapshot or GpuKVCache, got {type(src).__name__}")
+        self.stream.synchronize()
+        self._set_length(slot, n)
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def freed(self) -> bool:
+        return self._data.freed
+
+    def free(self) -> None:
+        """Releases the device memory (and the cache's own stream); bumps `generation`.
+        A second call does nothing; any other use afterwards raises StateError."""
+        if self._data.freed:
+            return
+        driver.refuse_while_capturing("GpuKVCache.free", self.stream)
+        self.stream.synchronize()
+        self._meta.free()
+        self._data.free()
+        if self._own_stream:
+            self.stream.destroy()
+        self.generation += 1
+
+    def __repr__(self):
+        s = self.spec
+        state = "freed" if self.freed else f"{self.memory_bytes} bytes"
+        return (f"GpuKVCache(L={s.num_layers}, M={self.slots}, Hkv={s.num_kv_heads}, "
+                f"N={s.capacity}, D={s.head_dim}, format={s.format}, {state})")
+
+
+def _round32(n: int) -> int:
+    return (n + 31) // 32 * 32
+
+
+def _check_input(name: str, x: DeviceArray, expected) -> None:
+    allowed = float_input_dtypes()
+    if x.dtype not in allowed:
+        names = ", ".join(str(a) for a in allowed)
+        raise DTypeError(f"invalid dtype of {name}: expected one of {names}, got {x.dtype}")
+    if x.ndim != 3 or any(not isinstance(e, str) and e != n for e, n in zip(expected, x.shape)):
+        want = "[" + ", ".join(str(e) for e in expected) + "]"
+        raise ShapeError(f"invalid shape of {name}: expected {want}, got {list(x.shape)}")
+    isz = x.dtype.itemsize
+    if x.shape[2] > 1 and x.strides[2] != isz or any(st % isz for st in x.strides):
+        raise ShapeError(f"invalid strides of {name}: the last axis must be contiguous, "
+                         f"got strides {list(x.strides)} bytes for itemsize {isz}")
+    if x.ptr % isz:
+        raise ShapeError(f"invalid address of {name}: 0x{x.ptr:x} is not aligned to {isz} bytes")

@@ -1,0 +1,298 @@
+"""Checked calls into the CUDA driver API (cuda-python), and the handles built on it.
+
+1. cuda-python is imported lazily, on the first call that needs it: importing kvcore or
+   kvcore.gpu never needs it.
+2. Every driver call goes through `call(name, *args)`: a CUresult other than
+   CUDA_SUCCESS raises CudaError("cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory").
+3. `Context.get(device)` retains the device's primary context once per process and makes
+   it current on the calling thread; `release()` gives it back.
+4. Raw handles are exposed as plain ints (`ptr` / `handle`); a stream argument is
+   keyword-only everywhere and may be a Stream, an int handle, or None (the cache's own).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ..errors import CudaError, StateError
+
+_lock = threading.Lock()
+_driver_module = None
+
+
+def cuda():
+    """The cuda-python driver module (`cuda.bindings.driver`, or `cuda.cuda` before 12.6)."""
+    global _driver_module
+    if _driver_module is None:
+        try:
+            from cuda.bindings import driver as mod
+        except ImportError:
+            from cuda import cuda as mod
+        _driver_module = mod
+    return _driver_module
+
+
+def _error_text(err) -> str:
+    drv = cuda()
+    name_res, name = drv.cuGetErrorName(err)
+    text_res, text = drv.cuGetErrorString(err)
+    name = name.decode() if name_res == drv.CUresult.CUDA_SUCCESS and name else f"CUresult {int(err)}"
+    text = text.decode() if text_res == drv.CUresult.CUDA_SUCCESS and text else "unknown error"
+    return f"{name}: {text}"
+
+
+def check(name: str, result):
+    """Checks the tuple a driver call returned; gives back the values after the CUresult
+    (None, the one value, or a tuple)."""
+    err, *values = result
+    if err != cuda().CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{name}: {_error_text(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def call(name: str, *args):
+    """`cuda().<name>(*args)`, checked (see `check`)."""
+    return check(name, getattr(cuda(), name)(*args))
+
+
+def init() -> None:
+    """cuInit(0), checked."""
+    call("cuInit", 0)
+
+
+def device_count() -> int:
+    init()
+    return call("cuDeviceGetCount")
+
+
+_available: bool | None = None
+
+
+def is_available() -> bool:
+    """True when cuda-python imports, the driver initialises and a device exists. Never
+    raises: whatever goes wrong on the way (no module, no libcuda, no device) is False."""
+    global _available
+    if _available is None:
+        try:
+            _available = device_count() > 0
+        except Exception:  # ImportError, missing libcuda (RuntimeError), CudaError
+            _available = False
+    return _available
+
+
+# ---------------------------------------------------------------------------- context
+
+class Context:
+    """The retained primary context of one device, with its properties and the bytes of
+    device memory kvcore holds in it (`live_bytes`)."""
+
+    _contexts: dict[int, "Context"] = {}
+
+    def __init__(self, ordinal: int, device, handle):
+        self.ordinal = ordinal
+        self._device = device
+        self._handle = handle
+        self.live_bytes = 0
+        self.modules: dict[str, object] = {}  # PTX modules loaded in it (kernels.py)
+        drv = cuda()
+        attr = drv.CUdevice_attribute
+        self.name = call("cuDeviceGetName", 256, device).split(b"\0")[0].decode()
+        self.sm_count = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.compute_capability = (
+            self.attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            self.attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.total_memory = call("cuDeviceTotalMem", device)
+
+    @classmethod
+    def get(cls, device: int = 0) -> "Context":
+        """The primary context of device `device`, retained on first use and made current
+        on the calling thread."""
+        with _lock:
+            ctx = cls._contexts.get(device)
+            if ctx is None:
+                n = device_count()
+                if not 0 <= device < n:
+                    raise CudaError(f"cuDeviceGet: device {device} out of range: "
+                                    f"expected 0 <= device < {n}")
+                dev = call("cuDeviceGet", device)
+                handle = call("cuDevicePrimaryCtxRetain", dev)
+                call("cuCtxSetCurrent", handle)
+                ctx = cls(device, dev, handle)
+                cls._contexts[device] = ctx
+        ctx.activate()
+        return ctx
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise StateError(f"the primary context of device {self.ordinal} was released")
+        return self._handle
+
+    def activate(self) -> None:
+        """Makes this context current on the calling thread (cuCtxSetCurrent)."""
+        call("cuCtxSetCurrent", self.handle)
+
+    def attribute(self, attr) -> int:
+        return call("cuDeviceGetAttribute", attr, self._device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory (cuMemGetInfo)."""
+        self.activate()
+        return call("cuMemGetInfo")
+
+    def synchronize(self) -> None:
+        self.activate()
+        call("cuCtxSynchronize")
+
+    def release(self) -> None:
+        """Releases the primary context; refuses while kvcore memory is live in it."""
+        if self.live_bytes:
+            raise StateError(f"cannot release the context of device {self.ordinal}: "
+                             f"{self.live_bytes} bytes of device memory are still live")
+        with _lock:
+            if self._handle is not None:
+                self.modules.clear()
+                call("cuDevicePrimaryCtxRelease", self._device)
+                self._handle = None
+                Context._contexts.pop(self.ordinal, None)
+
+    def __repr__(self):
+        cc = ".".join(map(str, self.compute_capability))
+        return (f"Context(device={self.ordinal}, name={self.name!r}, sm_count={self.sm_count}, "
+                f"cc={cc}, live_bytes={self.live_bytes})")
+
+
+# ---------------------------------------------------------------------------- streams
+
+class Stream:
+    """A CUDA stream. `create()` owns a new one (destroyed by `destroy()`);
+    `from_handle(h)` wraps one owned elsewhere (torch, CuPy)."""
+
+    def __init__(self, ctx: Context, handle, owned: bool):
+        self.ctx = ctx
+        self._handle = handle
+        self._owned = owned
+
+    @classmethod
+    def create(cls, ctx: Context | None = None) -> "Stream":
+        ctx = ctx or Context.get()
+        ctx.activate()
+        flags = cuda().CUstream_flags.CU_STREAM_NON_BLOCKING
+        return cls(ctx, call("cuStreamCreate", flags), True)
+
+    @classmethod
+    def from_handle(cls, handle: int, ctx: Context | None = None) -> "Stream":
+        return cls(ctx or Context.get(), cuda().CUstream(int(handle)), False)
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise StateError("use of a destroyed stream")
+        return self._handle
+
+    @property
+    def ptr(self) -> int:
+        return int(self.handle)
+
+    def synchronize(self) -> None:
+        call("cuStreamSynchronize", self.handle)
+
+    def is_capturing(self) -> bool:
+        return is_capturing(self)
+
+    def destroy(self) -> None:
+        """Destroys an owned stream (idempotent); wrapped handles are only forgotten."""
+        if self._handle is not None and self._owned:
+            self.ctx.activate()
+            call("cuStreamDestroy", self._handle)
+        self._handle = None
+
+    def __repr__(self):
+        return f"Stream(0x{int(self._handle or 0):x}, owned={self._owned})"
+
+
+def stream_handle(stream) -> object:
+    """A CUstream from a Stream, an int handle (0 = legacy default stream), or anything
+    with a `cuda_stream` / `ptr` attribute (CuPy, torch's `cuda_stream`)."""
+    if isinstance(stream, Stream):
+        return stream.handle
+    if isinstance(stream, int):
+        return cuda().CUstream(stream)
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return cuda().CUstream(int(getattr(stream, attr)))
+    raise TypeError(f"invalid type of stream: expected kvcore.gpu.Stream or int, "
+                    f"got {type(stream).__name__}")
+
+
+def is_capturing(stream) -> bool:
+    """True when `stream` is capturing a graph, or when it is the legacy default stream
+    and another stream captures in global mode (cuStreamIsCapturing)."""
+    drv = cuda()
+    err, status = drv.cuStreamIsCapturing(stream_handle(stream))
+    if err == drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+        return True
+    check("cuStreamIsCapturing", (err,))
+    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def refuse_while_capturing(what: str, *streams) -> None:
+    """Raises StateError when any of `streams` (or the legacy stream, implicitly) is
+    capturing: `what` would allocate or synchronise, which a capture cannot hold."""
+    for s in (*streams, 0):
+        if is_capturing(s):
+            raise StateError(f"{what} would synchronise or allocate, which is not allowed "
+                             f"while a stream is capturing a CUDA graph")
+
+
+# ---------------------------------------------------------------------------- events
+
+class Event:
+    """A CUDA event with timing (for benchmarks) or without (for ordering)."""
+
+    def __init__(self, ctx: Context, handle):
+        self.ctx = ctx
+        self._handle = handle
+
+    @classmethod
+    def create(cls, ctx: Context | None = None, *, timing: bool = True) -> "Event":
+        ctx = ctx or Context.get()
+        ctx.activate()
+        flags = cuda().CUevent_flags
+        f = flags.CU_EVENT_DEFAULT if timing else flags.CU_EVENT_DISABLE_TIMING
+        return cls(ctx, call("cuEventCreate", f))
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise StateError("use of a destroyed event")
+        return self._handle
+
+    def record(self, *, stream) -> None:
+        call("cuEventRecord", self.handle, stream_handle(stream))
+
+    def synchronize(self) -> None:
+        call("cuEventSynchronize", self.handle)
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds from this event to `end` (both recorded and complete)."""
+        return call("cuEventElapsedTime", self.handle, end.handle)
+
+    def destroy(self) -> None:
+        if self._handle is not None:
+            call("cuEventDestroy", self._handle)
+        self._handle = None
+
+
+# ---------------------------------------------------------------------------- launches
+
+def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args, *,
+           stream, shmem: int = 0) -> None:
+    """cuLaunchKernel with typed arguments: `args` is a sequence of (value, ctype) pairs,
+    ctype None for a device pointer given as an int (passed as ctypes.c_void_p)."""
+    values = tuple(a for a, _ in args)
+    types = tuple(ctypes.c_void_p if t is None else t for _, t in args)
+    call("cuLaunchKernel", fn, *grid, *block, shmem, stream_handle(stream), (values, types), 0)
+

@@ -1,0 +1,57 @@
+"""The shipped kernels: each PTX module (cuda/<name>.ptx, installed as kvcore/_cuda/) is
+loaded once per context with cuModuleLoadDataEx; a failed JIT raises CudaError carrying
+the JIT log. No compilation at run time beyond the driver's PTX JIT.
+
+    fn = kernels.function("kv_append", "kv_append")
+    driver.launch(fn, grid, block, [(ptr, None), (n, ctypes.c_int)], stream=s)
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import CudaError
+from . import driver
+from .driver import Context
+
+_PKG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cuda")
+_REPO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cuda")
+_LOG_BYTES = 16384
+
+
+def ptx_path(module: str) -> str:
+    """The PTX of `module`: the installed package data, else (editable install) cuda/."""
+    for d in (_PKG_DIR, _REPO_DIR):
+        path = os.path.join(d, module + ".ptx")
+        if os.path.exists(path):
+            return path
+    raise CudaError(f"cuModuleLoadData: no PTX for module {module!r} in {_PKG_DIR} or "
+                    f"{_REPO_DIR} (build it with tools/build_ptx.py)")
+
+
+def _load(ctx: Context, module: str):
+    with open(ptx_path(module), "rb") as f:
+        image = f.read() + b"\0"
+    drv = driver.cuda()
+    opt = drv.CUjit_option
+    log = bytearray(_LOG_BYTES)
+    options = [opt.CU_JIT_ERROR_LOG_BUFFER, opt.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    ctx.activate()
+    err, handle = drv.cuModuleLoadDataEx(image, len(options), options, [log, _LOG_BYTES])
+    if err != drv.CUresult.CUDA_SUCCESS:
+        jit = bytes(log).split(b"\0")[0].decode(errors="replace").strip()
+        raise CudaError(f"cuModuleLoadDataEx({module}.ptx): {driver._error_text(err)}"
+                        + (f"\nJIT log:\n{jit}" if jit else ""))
+    return handle
+
+
+def function(module: str, kernel: str, ctx: Context | None = None):
+    """The CUfunction `kernel` of PTX module `module`, loaded once per context."""
+    ctx = ctx or Context.get()
+    entry = ctx.modules.get(module)
+    if entry is None:
+        entry = ctx.modules[module] = (_load(ctx, module), {})
+    handle, functions = entry
+    fn = functions.get(kernel)
+    if fn is None:
+        fn = functions[kernel] = driver.call("cuModuleGetFunction", handle, kernel.encode())
+    return fn

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Compiles cuda/*.cu to the checked-in cuda/*.ptx, or checks that they match.
+
+    python3 tools/build_ptx.py            # rebuild cuda/*.ptx in place
+    python3 tools/build_ptx.py --check    # rebuild into a temp dir, fail on any difference,
+                                          # then ptxas -arch=sm_90 -v each PTX, fail on spills
+
+Flags: nvcc -ptx -arch=compute_80 -O3 with IEEE division and square root and no
+flush-to-zero (the encoders must equal the CPU's bit for bit); never --use_fast_math.
+The PTX text depends on the nvcc release: the checked-in files come from the release that
+--check prints, and --check needs that release.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_DIR = os.path.join(ROOT, "cuda")
+NVCC_FLAGS = ["-ptx", "-arch=compute_80", "-O3", "-std=c++17",
+              "-prec-div=true", "-prec-sqrt=true", "-ftz=false"]
+SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu")))
+
+
+def nvcc_version() -> str:
+    out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def compile_ptx(src: str, out_dir: str) -> str:
+    """nvcc src -> out_dir/<name>.ptx, run inside cuda/ so that no absolute path ends up
+    in the PTX; returns the output path."""
+    name = os.path.splitext(os.path.basename(src))[0] + ".ptx"
+    out = os.path.join(out_dir, name)
+    cmd = ["nvcc", *NVCC_FLAGS, os.path.basename(src), "-o", out]
+    res = subprocess.run(cmd, cwd=CUDA_DIR, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"nvcc failed on {os.path.basename(src)}:\n{res.stderr}")
+    return out
+
+
+def ptxas_report(ptx: str) -> tuple[str, bool]:
+    """ptxas -arch=sm_90 -v: (its report, whether any kernel spills)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run(["ptxas", "-arch=sm_90", "-v", ptx, "-o", os.path.join(tmp, "a.cubin")],
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"ptxas failed on {os.path.basename(ptx)}:\n{res.stderr}")
+    spills = any(int(a) or int(b) for a, b in SPILL.findall(res.stderr))
+    return res.stderr, spills
+
+
+def build() -> None:
+    for src in sources():
+        out = compile_ptx(src, CUDA_DIR)
+        print(f"built {os.path.relpath(out, ROOT)}")
+
+
+def check() -> int:
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sources():
+            fresh = compile_ptx(src, tmp)
+            name = os.path.basename(fresh)
+            shipped = os.path.join(CUDA_DIR, name)
+            if not os.path.exists(shipped):
+                failures.append(f"cuda/{name} is missing: run python3 tools/build_ptx.py")
+                continue
+            with open(fresh, "rb") as a, open(shipped, "rb") as b:
+                if a.read() != b.read():
+                    failures.append(f"cuda/{name} differs from what {os.path.basename(src)} "
+                                    f"compiles to: run python3 tools/build_ptx.py")
+                    continue
+            report, spills = ptxas_report(shipped)
+            kernels = re.findall(r"entry function '(\w+)'", report)
+            regs = re.findall(r"Used (\d+) registers", report)
+            print(f"cuda/{name}: up to date; ptxas sm_90 registers: "
+                  + ", ".join(f"{k} {r}" for k, r in zip(kernels, regs)))
+            if spills:
+                failures.append(f"cuda/{name} spills registers on sm_90:\n{report}")
+    stale = sorted(set(glob.glob(os.path.join(CUDA_DIR, "*.ptx")))
+                   - {os.path.splitext(s)[0] + ".ptx" for s in sources()})
+    failures += [f"{os.path.relpath(p, ROOT)} has no source .cu" for p in stale]
+    for f in failures:
+        print("FAIL:", f, file=sys.stderr)
+    if failures:
+        print(f"(nvcc here: {nvcc_version()})", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="fail if a checked-in PTX is stale or a kernel spills on sm_90")
+    args = ap.parse_args()
+    for tool in ("nvcc", "ptxas"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} not found on PATH")
+    if args.check:
+        return check()
+    build()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
