@@ -17,6 +17,7 @@
    PARALLEL_MIN_VALUES values; a decode step (T = 1) stays on the calling thread, so
    one append costs a few hundred nanoseconds plus the bytes.
 5. `decode_rows` is the reverse (codes + scales -> float32), for `KVCache.dequantize`.
+6. `build_info` reports how the kernels were compiled (`python -m kvcore info`).
 """
 from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memcpy
@@ -35,6 +36,48 @@ from ._quant import Q8_0_LIMIT
 from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
 
 cnp.import_array()
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define KVCORE_COMPILER __VERSION__
+    #else
+    #define KVCORE_COMPILER "unknown"
+    #endif
+    #ifdef __OPTIMIZE__
+    #define KVCORE_OPTIMIZED 1
+    #else
+    #define KVCORE_OPTIMIZED 0
+    #endif
+    static const char* kvcore_isa(void) {
+        return ""
+    #ifdef __SSE4_2__
+            " SSE4.2"
+    #endif
+    #ifdef __AVX__
+            " AVX"
+    #endif
+    #ifdef __AVX2__
+            " AVX2"
+    #endif
+    #ifdef __FMA__
+            " FMA"
+    #endif
+    #ifdef __F16C__
+            " F16C"
+    #endif
+    #ifdef __AVX512F__
+            " AVX512F"
+    #endif
+    #ifdef __ARM_NEON
+            " NEON"
+    #endif
+            ;
+    }
+    """
+    const char* KVCORE_COMPILER
+    int KVCORE_OPTIMIZED
+    const char* kvcore_isa()
 
 # Input kinds; equal to the format ids of the same float types (formats.py), so that
 # `decode_row(kind, ...)` widens a raw input row to float32.
@@ -296,6 +339,13 @@ cdef class RowWriter:
         if bad:
             _raise_refused_value(k, v, self._fmt)
         return T
+
+
+def build_info() -> dict:
+    """How this extension was compiled: compiler, optimisation on, the instruction-set
+    extensions the compiler targeted (what -march=native found on the build machine)."""
+    return {"compiler": KVCORE_COMPILER.decode(), "optimized": bool(KVCORE_OPTIMIZED),
+            "isa": kvcore_isa().decode().split()}
 
 
 def decode_rows(int fmt, cnp.ndarray codes, scales, cnp.ndarray out) -> None:
