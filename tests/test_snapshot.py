@@ -1,0 +1,467 @@
+"""Snapshots: take/restore on a KVCache, requantize, safetensors files (round trip, the
+safetensors library as an independent reader, atomic save, every refusal), and prefix
+reuse end to end."""
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import kvcore
+from kvcore import FORMATS, KVCache, KVSpec, SnapshotError
+from kvcore.errors import DTypeError, OutOfRangeError
+from kvcore.snapshot import (Snapshot, _metadata_digest, load_snapshot, restore_snapshot,
+                             take_snapshot)
+
+PARTS = ("k_codes", "v_codes", "k_scales", "v_scales")
+
+
+def small_spec(fmt, **kw):
+    fields = dict(num_layers=3, num_kv_heads=2, head_dim=32, capacity=12, format=fmt)
+    fields.update(kw)
+    return KVSpec(**fields)
+
+
+def fill(cache, rng, steps, *, t=1):
+    """Appends `steps` batches of t random positions to every layer, advancing each."""
+    s = cache.spec
+    for _ in range(steps):
+        for layer in range(s.num_layers):
+            k, v = (rng.standard_normal((t, s.num_kv_heads, s.head_dim)).astype(np.float32)
+                    for _ in range(2))
+            cache.append(layer, k, v)
+        cache.advance()
+
+
+def filled_cache(fmt, rng, n=7, **kw):
+    cache = KVCache(small_spec(fmt, **kw))
+    fill(cache, rng, n)
+    return cache
+
+
+def assert_same_snapshot(a: Snapshot, b: Snapshot):
+    assert a.spec == b.spec and a.length == b.length
+    for name in PARTS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert x.tobytes() == y.tobytes(), name
+
+
+def assert_cache_holds(cache, snap: Snapshot):
+    """The cache's committed positions are byte-for-byte the snapshot's, nothing pending."""
+    assert cache.length == snap.length
+    for layer in range(cache.spec.num_layers):
+        assert cache.pending(layer) == 0
+        views = (cache.keys(layer), cache.values(layer),
+                 cache.key_scales(layer), cache.value_scales(layer))
+        for name, view in zip(PARTS, views):
+            part = getattr(snap, name)
+            if part is None:
+                assert view is None
+            else:
+                assert view.tobytes() == part[layer].tobytes(), (name, layer)
+
+
+def random_snapshot(fmt, rng, length=5, **kw):
+    """A Snapshot of valid codes and scales, built without a cache."""
+    spec = small_spec(fmt, **kw)
+    f = spec.fmt
+    shape = (spec.num_layers, length, spec.num_kv_heads, spec.head_dim)
+    parts = {}
+    for which in "kv":
+        codes, scales = kvcore.quantize(rng.standard_normal(shape).astype(np.float32), f)
+        parts[f"{which}_codes"] = codes.view(f.code_dtype)
+        if scales is not None:
+            parts[f"{which}_scales"] = scales
+    return Snapshot(spec, length, **parts)
+
+
+# ---------------------------------------------------------------- take / restore
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_take_copies_committed_positions(fmt, rng):
+    cache = filled_cache(fmt, rng, 6)
+    full = take_snapshot(cache)
+    assert full.length == 6 and full.spec == cache.spec
+    assert_cache_holds(cache, full)
+    part = take_snapshot(cache, 4)
+    for name in PARTS:
+        if getattr(full, name) is not None:
+            assert np.array_equal(getattr(part, name), getattr(full, name)[:, :4])
+            assert not np.shares_memory(getattr(part, name), cache._storage)
+    assert part.nbytes == 4 * cache.spec.bytes_per_position
+
+
+def test_take_leaves_pending_out(rng):
+    cache = filled_cache("int8", rng, 3)
+    cache.append(0, np.ones((2, 2, 32), np.float32), np.ones((2, 2, 32), np.float32))
+    assert take_snapshot(cache).length == 3
+
+
+def test_take_refuses_bad_n(rng):
+    cache = filled_cache("f16", rng, 3)
+    with pytest.raises(OutOfRangeError, match=r"snapshot of 4 positions out of range: "
+                                              r"expected 0 <= n <= length 3"):
+        take_snapshot(cache, 4)
+    with pytest.raises(OutOfRangeError, match="-1 positions"):
+        take_snapshot(cache, -1)
+    with pytest.raises(DTypeError, match="expected int or None, got float"):
+        take_snapshot(cache, 2.0)
+    assert take_snapshot(cache, np.int64(0)).length == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restore_replaces_content(fmt, rng):
+    snap = take_snapshot(filled_cache(fmt, rng, 5))
+    target = filled_cache(fmt, rng, 9)
+    target.append(1, np.ones((1, 2, 32), np.float32), np.ones((1, 2, 32), np.float32))
+    restore_snapshot(target, snap)
+    assert_cache_holds(target, snap)
+    for layer in range(3):
+        ref = kvcore.dequantize(snap.k_codes[layer], None if snap.k_scales is None
+                                else snap.k_scales[layer], fmt)
+        assert np.array_equal(target.dequantize(layer, "k"), ref)
+
+
+def test_restore_of_empty_snapshot_empties(rng):
+    cache = filled_cache("q8_0", rng, 4)
+    restore_snapshot(cache, take_snapshot(cache, 0))
+    assert cache.length == 0 and cache.keys(0).shape == (0, 2, 32)
+
+
+def test_restore_takes_other_num_heads_and_capacity(rng):
+    snap = take_snapshot(filled_cache("int8", rng, 5))
+    cache = KVCache(small_spec("int8", num_heads=4, capacity=5))
+    restore_snapshot(cache, snap)
+    assert_cache_holds(cache, snap)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_layers=2), "snapshot num_layers 3 does not match the cache's 2"),
+    (dict(num_kv_heads=1), "snapshot num_kv_heads 2 does not match the cache's 1"),
+    (dict(head_dim=64), "snapshot head_dim 32 does not match the cache's 64"),
+    (dict(format="fp8_e4m3"), r"snapshot format int8 does not match the cache's fp8_e4m3 "
+                              r"\(pass requantize=True"),
+    (dict(capacity=4), "snapshot of 5 positions exceeds the cache's capacity 4"),
+])
+def test_restore_refuses_mismatch_untouched(change, match, rng):
+    snap = take_snapshot(filled_cache("int8", rng, 5))
+    cache = KVCache(small_spec("int8", **change))
+    fill(cache, rng, 2)
+    before = cache._storage.tobytes()
+    with pytest.raises(SnapshotError, match=match):
+        restore_snapshot(cache, snap)
+    assert cache._storage.tobytes() == before and cache.length == 2
+
+
+def test_restore_refuses_non_snapshot(rng):
+    cache = filled_cache("f32", rng, 1)
+    with pytest.raises(DTypeError, match="expected Snapshot, got dict"):
+        restore_snapshot(cache, {})
+
+
+@pytest.mark.parametrize("fmt, part, value, shown", [
+    ("f32", "k_codes", np.float32(np.nan), "nan"),
+    ("f16", "v_codes", np.float16(np.inf), "inf"),
+    ("bf16", "k_codes", np.uint16(0x7F80), "32640"),  # +inf bits
+    ("int8", "v_codes", np.int8(-128), "-128"),
+    ("fp8_e4m3", "k_codes", np.uint8(0xFF), "255"),  # NaN
+    ("fp8_e5m2", "k_codes", np.uint8(0x7C), "124"),  # +inf
+    ("int8", "k_scales", np.float32(-1.0), "-1.0"),
+    ("q8_0", "v_scales", np.float16(np.nan), "nan"),
+])
+def test_restore_refuses_impossible_values(fmt, part, value, shown, rng):
+    snap = random_snapshot(fmt, rng)
+    getattr(snap, part)[2, 4, 1, 0] = value
+    cache = KVCache(snap.spec)
+    before = cache._storage.tobytes()
+    with pytest.raises(SnapshotError, match=rf"snapshot {part}\[2, 4, 1, 0\] = .*{shown}.* "
+                                            rf"is not a value format {fmt} stores"):
+        restore_snapshot(cache, snap)
+    assert cache._storage.tobytes() == before
+
+
+@pytest.mark.parametrize("src", FORMATS)
+@pytest.mark.parametrize("dst", ["f16", "int8", "fp8_e5m2", "q8_0"])
+def test_restore_requantizes(src, dst, rng):
+    snap = random_snapshot(src, rng)
+    cache = KVCache(small_spec(dst))
+    restore_snapshot(cache, snap, requantize=True)
+    assert cache.length == snap.length
+    for layer in range(3):
+        x = kvcore.dequantize(snap.v_codes[layer], None if snap.v_scales is None
+                              else snap.v_scales[layer], src)
+        codes, scales = kvcore.quantize(x, dst)
+        assert cache.values(layer).tobytes() == codes.tobytes()
+        if scales is not None:
+            assert cache.value_scales(layer).tobytes() == scales.tobytes()
+
+
+def test_requantize_refuses_values_past_the_target_range(rng):
+    snap = random_snapshot("f32", rng)
+    snap.k_codes[1, 2, 0, 5] = 1e6  # past float16's 65504: would be stored as inf
+    cache = KVCache(small_spec("f16"))
+    with pytest.raises(SnapshotError, match=r"snapshot k_codes\[1, 2, 0, 5\] = .*inf"):
+        restore_snapshot(cache, snap, requantize=True)
+    snap.k_codes[1, 2, 0, 5] = 1e7  # past q8_0's float16 block scale
+    with pytest.raises(SnapshotError, match=r"cannot requantize the f32 snapshot to q8_0: "
+                                            r"k, layer 1: format q8_0 cannot hold"):
+        restore_snapshot(KVCache(small_spec("q8_0")), snap, requantize=True)
+
+
+# ----------------------------------------------------------------------- files
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("length", [0, 1, 5])
+def test_save_load_round_trip(fmt, length, rng, tmp_path):
+    snap = random_snapshot(fmt, rng, length)
+    path = tmp_path / "s.safetensors"
+    snap.save(path)
+    loaded = load_snapshot(path)
+    assert_same_snapshot(loaded, snap)
+    assert os.listdir(tmp_path) == ["s.safetensors"]  # no temporary left behind
+    for name in PARTS:
+        arr = getattr(loaded, name)
+        if arr is not None and arr.size:
+            assert not arr.flags.writeable
+            base = arr
+            while isinstance(base, np.ndarray):
+                base = base.base
+            assert isinstance(base.obj, mmap.mmap)  # memory-mapped, not copied
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_files_read_by_the_safetensors_library(fmt, rng, tmp_path):
+    snap = random_snapshot(fmt, rng)
+    snap.save(tmp_path / "s.safetensors")
+    with safe_open(str(tmp_path / "s.safetensors"), framework="numpy") as f:
+        meta = f.metadata()
+        names = set(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    assert names == {n for n in PARTS if getattr(snap, n) is not None}
+    for name, arr in tensors.items():
+        assert arr.dtype == getattr(snap, name).dtype
+        assert arr.tobytes() == getattr(snap, name).tobytes()
+    assert meta["format"] == fmt and meta["length"] == "5" and meta["num_layers"] == "3"
+    assert meta["kvcore_version"] == kvcore.__version__ and meta["file_version"] == "1"
+
+
+def test_save_replaces_atomically(rng, tmp_path, monkeypatch):
+    path = tmp_path / "s.safetensors"
+    old = random_snapshot("int8", rng)
+    old.save(path)
+    before = path.read_bytes()
+
+    def crash(fd):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        random_snapshot("int8", rng, 2).save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["s.safetensors"]
+    monkeypatch.undo()
+    new = random_snapshot("q8_0", rng, 3)
+    new.save(path)
+    assert_same_snapshot(load_snapshot(path), new)
+
+
+def test_save_load_snapshot_of_a_cache(rng, tmp_path):
+    cache = filled_cache("fp8_e4m3", rng, 6)
+    take_snapshot(cache).save(str(tmp_path / "c.safetensors"))
+    other = KVCache(cache.spec)
+    restore_snapshot(other, load_snapshot(str(tmp_path / "c.safetensors")))
+    assert other._storage.tobytes() == cache._storage.tobytes()
+
+
+# The file layout the tests below corrupt: [u64 header length][JSON header][data].
+
+def read_file(path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_file(path, header, data, *, redigest=True):
+    """Writes a header (re-signing its metadata, so deeper checks are reached) and data."""
+    if redigest:
+        header["__metadata__"]["sha256"] = _metadata_digest(header["__metadata__"])
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.fixture
+def saved(rng, tmp_path):
+    path = tmp_path / "s.safetensors"
+    random_snapshot("int8", rng).save(path)
+    return path
+
+
+def edit_meta(**changes):
+    def edit(header, data):
+        header["__metadata__"].update(changes)
+        return header, data
+    return edit
+
+
+def edit_tensor(name, key, value):
+    def edit(header, data):
+        header[name][key] = value
+        return header, data
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (edit_meta(file_version="2"), r"file version 2 is newer than this kvcore reads \(up to 1\)"),
+    (edit_meta(file_version="0"), "unknown file version 0"),
+    (edit_meta(format="int4"), "metadata format: unknown format 'int4'"),
+    (edit_meta(format="f16"), r"metadata keys differ from a file of format f16: missing \[\], "
+                              r"unexpected \['sha256_k_scales', 'sha256_v_scales'\]"),
+    (edit_meta(length="-1"), "metadata length must be a non-negative decimal integer"),
+    (edit_meta(length="13"), "metadata length 13 exceeds capacity 12"),
+    (edit_meta(head_dim="33"), "metadata spec: format int8 needs|metadata describes|shape"),
+    (edit_meta(num_layers="99999999999999999999"), "below 10\\*\\*19"),
+    (edit_meta(num_heads="3"), "metadata spec: num_heads must be a multiple of num_kv_heads"),
+    (edit_meta(length="4"), "data section is 2160 bytes but the metadata describes 1728"),
+    (edit_tensor("k_codes", "dtype", "U8"), r"tensor k_codes: dtype 'U8' does not match the "
+                                            r"metadata \(expected I8\)"),
+    (edit_tensor("k_codes", "dtype", "F32"), "tensor k_codes: dtype 'F32'"),
+    (edit_tensor("v_codes", "shape", [3, 5, 2, 16, 2]), r"tensor v_codes: shape \[3, 5, 2, 16, 2\] "
+                                                        r"does not match the metadata"),
+    (edit_tensor("v_codes", "shape", [3, 5, 2, 32.0]), "tensor v_codes: shape"),
+    (edit_tensor("k_scales", "data_offsets", [0, 2**70]), r"data_offsets \[0, 118059"),
+    (edit_tensor("k_scales", "data_offsets", [8, 128]), "k_scales starts at byte 8 of the data, "
+                                                        "expected 0"),
+    (edit_tensor("k_scales", "data_offsets", [120, 0]), "do not span its 120 bytes"),
+    (edit_tensor("k_scales", "extra", 1), "expected an object with dtype, shape and data_offsets"),
+])
+def test_load_refuses_lying_headers(saved, edit, match):
+    header, data = edit(*read_file(saved))
+    write_file(saved, header, data)
+    with pytest.raises(SnapshotError, match=match):
+        load_snapshot(saved)
+
+
+def test_load_refuses_edited_metadata_without_its_digest(saved):
+    header, data = read_file(saved)
+    header["__metadata__"]["capacity"] = "13"
+    write_file(saved, header, data, redigest=False)
+    with pytest.raises(SnapshotError, match="the metadata does not match its SHA-256"):
+        load_snapshot(saved)
+
+
+def test_load_refuses_missing_and_extra_tensors(saved):
+    header, data = read_file(saved)
+    header["bias"] = header.pop("v_scales")
+    write_file(saved, header, data)
+    with pytest.raises(SnapshotError, match=r"missing \['v_scales'\], unexpected \['bias'\]"):
+        load_snapshot(saved)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_load_checks_data_digests(saved, verify):
+    raw = bytearray(saved.read_bytes())
+    raw[-3] ^= 0x10  # a byte of v_codes
+    saved.write_bytes(bytes(raw))
+    if verify:
+        with pytest.raises(SnapshotError, match=r"the bytes of v_codes do not match their "
+                                                r"SHA-256 \(header [0-9a-f]{64}, data"):
+            load_snapshot(saved)
+    else:  # the data pass is skipped; the header is still checked
+        assert load_snapshot(saved, verify=False).v_codes.reshape(-1)[-3] != 0
+
+
+def test_load_refuses_truncated_and_extended_files(saved):
+    raw = saved.read_bytes()
+    for cut, match in [(0, "0 bytes is too short"), (7, "7 bytes is too short"),
+                       (100, r"header length \d+ exceeds the 92 bytes after the length field"),
+                       (len(raw) - 1, "data section is 2159 bytes but the metadata describes 2160")]:
+        saved.write_bytes(raw[:cut])
+        with pytest.raises(SnapshotError, match=match):
+            load_snapshot(saved)
+    saved.write_bytes(raw + b"\0")
+    with pytest.raises(SnapshotError, match="data section is 2161 bytes"):
+        load_snapshot(saved)
+
+
+def test_load_refuses_garbage_headers(tmp_path):
+    path = tmp_path / "x"
+    cases = [
+        (struct.pack("<Q", 2**64 - 1) + b"{}", "header length 18446744073709551615 exceeds"),
+        (struct.pack("<Q", 2**25) + b" " * 2**25, "exceeds the limit of 16777216 bytes"),
+        (struct.pack("<Q", 4) + b"\xff\xfe{}", "header is not valid JSON: UnicodeDecodeError"),
+        (struct.pack("<Q", 3) + b"{x}", "header is not valid JSON: JSONDecodeError"),
+        (struct.pack("<Q", 200000) + b"[" * 200000, "header is not valid JSON: RecursionError"),
+        (struct.pack("<Q", 2) + b"[]", "header must be a JSON object, got list"),
+        (struct.pack("<Q", 2) + b"{}", "no __metadata__ of strings: not a kvcore snapshot"),
+        (struct.pack("<Q", 29) + b'{"__metadata__":{"a":"b"}}   ',
+         "metadata has no file_version: not a kvcore snapshot"),
+    ]
+    for raw, match in cases:
+        path.write_bytes(raw)
+        with pytest.raises(SnapshotError, match=match):
+            load_snapshot(path)
+
+
+def test_load_names_the_file(saved):
+    saved.write_bytes(b"1234")
+    with pytest.raises(SnapshotError, match=f"snapshot file '{saved}'"):
+        load_snapshot(saved)
+
+
+# ------------------------------------------------------------------ prefix reuse
+
+PROMPT, PREFIX, DECODE = 9, 6, 4
+
+
+def prompt_and_steps(spec, rng):
+    """Float32 K/V for PROMPT prompt positions and DECODE decode steps, per layer."""
+    shape = (spec.num_layers, PROMPT + DECODE, spec.num_kv_heads, spec.head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    return k, v
+
+
+def append_range(cache, k, v, start, stop):
+    for layer in range(cache.spec.num_layers):
+        cache.append(layer, k[layer, start:stop], v[layer, start:stop])
+    cache.advance()
+
+
+def decode_rest(cache, k, v):
+    """The rest of the prompt in one prefill, then DECODE one-position steps."""
+    append_range(cache, k, v, cache.length, PROMPT)
+    for pos in range(PROMPT, PROMPT + DECODE):
+        append_range(cache, k, v, pos, pos + 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("through_file", [False, True])
+def test_prefix_reuse_is_bit_identical(fmt, through_file, rng, tmp_path):
+    spec = small_spec(fmt, capacity=16)
+    k, v = prompt_and_steps(spec, rng)
+    whole = KVCache(spec)
+    append_range(whole, k, v, 0, PROMPT)
+    for pos in range(PROMPT, PROMPT + DECODE):
+        append_range(whole, k, v, pos, pos + 1)
+
+    prefix = KVCache(spec)
+    append_range(prefix, k, v, 0, PREFIX)
+    snap = take_snapshot(prefix)
+    if through_file:
+        snap.save(tmp_path / "prefix.safetensors")
+        snap = load_snapshot(tmp_path / "prefix.safetensors")
+    reused = KVCache(spec)
+    restore_snapshot(reused, snap)
+    decode_rest(reused, k, v)
+
+    assert reused.length == whole.length == PROMPT + DECODE
+    assert reused._storage.tobytes() == whole._storage.tobytes()
+    for layer in range(spec.num_layers):
+        for which in "kv":
+            assert np.array_equal(reused.dequantize(layer, which), whole.dequantize(layer, which))
