@@ -314,7 +314,7 @@ cdef class RowWriter:
         if T > self._N - pos:
             raise CapacityError(
                 f"cache full: layer {layer} asked for position {pos + T - 1} "
-                f"(appending {T} after {pos}), capacity is {self._N} positions")
+                f"(holds {pos}, appending {T}), capacity is {self._N} positions")
 
         cdef Job j
         j.fmt, j.limit, j.T, j.H, j.D = self._fmt, self._limit, T, self._H, self._D
