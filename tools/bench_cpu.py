@@ -16,11 +16,12 @@ import importlib.util
 import os
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import median_time, print_table  # noqa: E402
+from _benchlib import print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 
@@ -37,14 +38,27 @@ def _inputs(n: int) -> tuple[np.ndarray, np.ndarray]:
             rng.standard_normal((n, HEADS, HEAD_DIM), dtype=np.float32))
 
 
-def _time_kvcache(fmt: str, ks: np.ndarray, vs: np.ndarray, t: int) -> float:
-    """Seconds per step of KVCache in `fmt`, writing positions [t, t + STEPS)."""
+def _interleaved(fns: dict[str, Callable[[], object]], repeat: int = 9) -> dict[str, float]:
+    """Median seconds of one call of each fn, the fns timed in turn within each round so
+    that a change of machine load hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeat + 2):  # two warm-up rounds
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
+def _kvcache_steps(fmt: str, ks: np.ndarray, vs: np.ndarray, t: int) -> Callable[[], None]:
+    """STEPS decode steps of a KVCache in `fmt`, writing positions [t, t + STEPS)."""
     cache = kvcore.KVCache(kvcore.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS,
                                          head_dim=HEAD_DIM, capacity=CAPACITY, format=fmt))
     cache._storage[:] = 0  # touch every page once, as a cache in use has been
-    fill_k = np.zeros((t, HEADS, HEAD_DIM), np.float32)
+    fill = np.zeros((t, HEADS, HEAD_DIM), np.float32)
     for layer in range(LAYERS):
-        cache.append(layer, fill_k, fill_k)
+        cache.append(layer, fill, fill)
     cache.advance()
     append, advance = cache.append, cache.advance
 
@@ -55,11 +69,11 @@ def _time_kvcache(fmt: str, ks: np.ndarray, vs: np.ndarray, t: int) -> float:
             for layer in range(LAYERS):
                 append(layer, k, v)
             advance()
-    return median_time(steps, repeat=9, warmup=2) / STEPS
+    return steps
 
 
-def _time_numpy_slices(ks: np.ndarray, vs: np.ndarray, t: int) -> float:
-    """Seconds per step of a preallocated [L, N, Hkv, D] float32 pair, slice assignment."""
+def _numpy_steps(ks: np.ndarray, vs: np.ndarray, t: int) -> Callable[[], None]:
+    """The same steps into a preallocated [L, N, Hkv, D] float32 pair, slice assignment."""
     K = np.zeros((LAYERS, CAPACITY, HEADS, HEAD_DIM), np.float32)
     V = np.zeros_like(K)
 
@@ -70,7 +84,7 @@ def _time_numpy_slices(ks: np.ndarray, vs: np.ndarray, t: int) -> float:
             for layer in range(LAYERS):
                 K[layer, p] = k
                 V[layer, p] = v
-    return median_time(steps, repeat=9, warmup=2) / STEPS
+    return steps
 
 
 def _time_concat(ks: np.ndarray, vs: np.ndarray, t: int, steps: int = 8) -> float:
@@ -90,48 +104,49 @@ def _time_concat(ks: np.ndarray, vs: np.ndarray, t: int, steps: int = 8) -> floa
     return float(np.median(times))
 
 
-def _time_append_call(ks: np.ndarray, vs: np.ndarray, n: int = 2000) -> tuple[float, float]:
-    """Seconds per call: one KVCache.append of one f32 position [8, 128] (K and V) into
-    layer 0, and the numpy peer (two slice assignments), over n consecutive positions."""
+def _append_calls(k: np.ndarray, v: np.ndarray, n: int = 64, batches: int = 50):
+    """Call loops for the per-call cost of one KVCache.append of one f32 position [8, 128]
+    (K and V) into layer 0, and of the numpy peer (two slice assignments): n positions
+    (256 KiB, cache-resident) written over and over, so what is left is per-call cost."""
     cache = kvcore.KVCache(kvcore.KVSpec(num_layers=1, num_kv_heads=HEADS, head_dim=HEAD_DIM,
                                          capacity=n, format="f32"))
-    cache._storage[:] = 0
-    append, k, v = cache.append, ks[0], vs[0]
-
-    def ours():
-        cache.reset()
-        for _ in range(n):
-            append(0, k, v)
+    append, reset = cache.append, cache.reset
     K = np.zeros((n, HEADS, HEAD_DIM), np.float32)
     V = np.zeros_like(K)
 
+    def ours():
+        for _ in range(batches):
+            reset()
+            for _ in range(n):
+                append(0, k, v)
+
     def peer():
-        for p in range(n):
-            K[p] = k
-            V[p] = v
-    return (median_time(ours, repeat=15) / n, median_time(peer, repeat=15) / n)
+        for _ in range(batches):
+            for p in range(n):
+                K[p] = k
+                V[p] = v
+    return {"kvcore KVCache.append (f32)": ours,
+            "numpy slice assignment x2 (K and V)": peer}, n * batches
 
 
 def bench_step() -> None:
     ks, vs = _inputs(STEPS)
     t = CAPACITY - STEPS
-    slices = _time_numpy_slices(ks, vs, t)
-    rows = []
-    for fmt in kvcore.FORMATS:
-        ours = _time_kvcache(fmt, ks, vs, t)
-        rows.append([f"kvcore KVCache {fmt}", t, ours * 1e6, slices / ours])
-    rows.insert(1, ["numpy preallocated f32, slice assignment", t, slices * 1e6, 1.0])
+    fns = {"numpy preallocated f32, slice assignment": _numpy_steps(ks, vs, t)}
+    fns.update({f"kvcore KVCache {fmt}": _kvcache_steps(fmt, ks, vs, t) for fmt in kvcore.FORMATS})
+    per_step = {name: secs / STEPS for name, secs in _interleaved(fns).items()}
+    peer = per_step["numpy preallocated f32, slice assignment"]
+    rows = [[name, t, secs * 1e6, peer / secs] for name, secs in per_step.items()]
     concat = _time_concat(ks, vs, CONCAT_T)
-    rows.insert(2, ["numpy np.concatenate growth f32 (HF DynamicCache style)", CONCAT_T,
-                    concat * 1e6, slices / concat])
+    rows.insert(1, ["numpy np.concatenate growth f32 (HF DynamicCache style)", CONCAT_T,
+                    concat * 1e6, peer / concat])
     print_table(f"Decode step: append 1 position (K and V, f32 input [{HEADS}, {HEAD_DIM}]) "
                 f"to each of {LAYERS} layers, then advance ({kvcore.max_threads()} threads)",
                 ["implementation", "at t", "us / step", "speed vs numpy slices"], rows)
-    ours, peer = _time_append_call(ks, vs)
-    print_table("One append call: 1 position f32 [8, 128], K and V",
+    calls, n = _append_calls(ks[0], vs[0])
+    print_table("One append call: 1 position f32 [8, 128], K and V, into cache-resident memory",
                 ["implementation", "us / call"],
-                [["kvcore KVCache.append (f32)", ours * 1e6],
-                 ["numpy slice assignment x2 (K and V)", peer * 1e6]])
+                [[name, secs / n * 1e6] for name, secs in _interleaved(calls, repeat=15).items()])
 
 
 SECTIONS = {"step": bench_step, "quant": "bench_quant", "attention": "bench_attention",
