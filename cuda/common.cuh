@@ -11,7 +11,8 @@
 //      fp8_e4m3  s = amax / 448 (f32),   c = E4M3FN(x / s), RNE, saturating;  s = 0 -> c = 0
 //      fp8_e5m2  s = amax / 57344 (f32), c = E5M2(x / s), RNE, saturating;    s = 0 -> c = 0
 //      q8_0      per 32 values: d = amax / 127 (f32), id = d ? 1 / d : 0,
-//                q = round-half-away(x * id), scale stored as f16(d) (RNE)
+//                q = round-half-away(x * id), scale stored as f16(d) (RNE);
+//                |x| >= KV_Q8_0_LIMIT is refused like a non-finite value
 //    Decoding: x = code * scale (f32 multiply); q8_0 x = q * f32(f16 scale).
 // 4. Codes are passed around as their raw bits: f16/bf16 as uint16, fp8 as uint8.
 #pragma once
@@ -30,6 +31,9 @@
 #define KV_INT8_MAX 127.0f
 #define KV_E4M3_MAX 448.0f
 #define KV_E5M2_MAX 57344.0f
+// q8_0 refuses |x| >= this (0x4afdf020): its f16 block scale max|x| / 127 would be inf
+// (kvcore._quant.Q8_0_LIMIT).
+#define KV_Q8_0_LIMIT 8321040.0f
 
 // Bits of the device error flag (one int32 per cache; see docs/gpu.md).
 #define KV_ERR_CAPACITY 1
@@ -119,9 +123,11 @@ __device__ __forceinline__ float kv_round_half_away(float v) {
     return fabsf(__fsub_rn(v, t)) >= 0.5f ? __fadd_rn(t, copysignf(1.0f, v)) : t;
 }
 
-// q8_0 code of x for block inverse scale id = 1 / d (0 when d = 0).
+// q8_0 code of x for block inverse scale id = 1 / d (0 when d = 0). When 1 / d overflows
+// (max|x| < ~3.7e-37) the codes saturate to +-127 and zeros stay 0, as on the CPU.
 __device__ __forceinline__ int8_t kv_q8_0_code(float x, float id) {
-    return (int8_t)(int)kv_round_half_away(__fmul_rn(x, id));
+    float r = fminf(fmaxf(kv_round_half_away(__fmul_rn(x, id)), -127.0f), 127.0f);
+    return x == 0.0f ? (int8_t)0 : (int8_t)(int)r;
 }
 
 // Row scale of int8 / fp8 rows, and q8_0 block scale d, from amax.

@@ -21,14 +21,14 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
-// Returns false (writing nothing) when a value is not finite.
+// Returns false (writing nothing) when a value is not finite (or, for q8_0, too large).
 __device__ bool encode_row(const void* in, int in_dtype, long long base, int D, int fmt,
                            void* codes, void* scales, int lane) {
     bool bad = false;
     float amax = 0.0f;
     for (int j = lane; j < D; j += WARP) {
         float x = kv_load_input(in, in_dtype, base + j);
-        bad |= !isfinite(x);
+        bad |= !isfinite(x) || (fmt == KV_Q8_0 && fabsf(x) >= KV_Q8_0_LIMIT);
         amax = fmaxf(amax, fabsf(x));
     }
     if (__any_sync(0xffffffffu, bad)) return false;
