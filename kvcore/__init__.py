@@ -9,6 +9,7 @@ from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
 from ._parallel import max_threads, openmp_enabled, set_num_threads
+from .quant import dequantize, quantize
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,6 @@ __all__ = [
     "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
     "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
-    "max_threads", "openmp_enabled", "set_num_threads", "__version__",
+    "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
+    "__version__",
 ]

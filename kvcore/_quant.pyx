@@ -16,7 +16,7 @@ kvcore.quantize / kvcore.dequantize.
    copy of the input.
 """
 from cython.parallel cimport parallel, prange, threadid
-from libc.math cimport fabsf, ldexpf, rintf, truncf, copysignf, nextafterf
+from libc.math cimport copysignf, ldexpf, nextafterf, rintf
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy, memset
 
@@ -232,17 +232,18 @@ cdef Py_ssize_t first_bad_value(int fmt, const float* x, Py_ssize_t d) noexcept 
 cdef inline void _encode_int8(const float* x, Py_ssize_t d, float amax,
                               int8_t* codes, float* scales) noexcept nogil:
     cdef float scale = amax / <float>127.0
-    cdef float v
+    cdef int q
     cdef Py_ssize_t j
     scales[0] = scale
     if scale == 0:                        # an all-zero row (or max|x| / 127 underflows)
         memset(codes, 0, d)
         return
     for j in range(d):
-        v = rintf(x[j] / scale)
-        v = <float>-127.0 if v < <float>-127.0 else v
-        v = <float>127.0 if v > <float>127.0 else v
-        codes[j] = <int8_t>(<int>v)
+        # |x / scale| <= 127 * (1 + 2^-23) for a normal scale, < 255 for a subnormal one
+        q = <int>rintf(x[j] / scale)
+        q = -127 if q < -127 else q
+        q = 127 if q > 127 else q
+        codes[j] = <int8_t>q
 
 
 cdef inline void _encode_e4m3(const float* x, Py_ssize_t d, float amax,
@@ -269,6 +270,16 @@ cdef inline void _encode_e5m2(const float* x, Py_ssize_t d, float amax,
         codes[j] = _f32_to_e5m2(x[j] / scale)
 
 
+cdef inline void _round_q8_0_block(const float* x, float idd, int8_t* codes) noexcept nogil:
+    # codes = roundf(x * id): adding copysign(0.5 - 2^-25, v) then truncating (the int
+    # conversion) rounds half away from zero exactly; |x * id| <= 127 * (1 + 2^-22)
+    cdef float v
+    cdef int j
+    for j in range(QK):
+        v = x[j] * idd
+        codes[j] = <int8_t>(<int>(v + copysignf(<float>0.49999997, v)))
+
+
 cdef inline void _encode_q8_0(const float* x, Py_ssize_t d, int8_t* codes,
                               uint16_t* scales) noexcept nogil:
     # ggml quantize_row_q8_0_ref, block by block.
@@ -278,16 +289,14 @@ cdef inline void _encode_q8_0(const float* x, Py_ssize_t d, int8_t* codes,
         dd = _as_f32(_amax_bits(x + b * QK, QK)) / <float>127.0
         idd = <float>1.0 / dd if dd != 0 else <float>0.0
         scales[b] = _f32_to_f16(dd)
-        if _as_u32(idd) == F32_INF:
+        if _as_u32(idd) != F32_INF:
+            _round_q8_0_block(x + b * QK, idd, codes + b * QK)
+        else:
             # 1/d overflows (max|x| < ~3.7e-37, where ggml's float->int8 cast is
             # undefined): codes saturate to +-127, zeros stay 0.
             for j in range(QK):
                 v = x[b * QK + j]
                 codes[b * QK + j] = 0 if v == 0 else (127 if v > 0 else -127)
-            continue
-        for j in range(QK):
-            v = x[b * QK + j] * idd
-            codes[b * QK + j] = <int8_t>(<int>truncf(v + copysignf(<float>0.49999997, v)))
 
 
 cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,

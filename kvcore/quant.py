@@ -1,0 +1,117 @@
+"""quantize / dequantize: rows of any leading shape to and from every storage format.
+
+The rules and byte layouts are in docs/formats.md; the kernels in _quant.pyx.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _quant
+from ._parallel import max_threads
+from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
+from .errors import FormatError, NonFiniteError, ShapeError
+from .formats import BF16, F16, F32, Q8_0, Format, get_format, view_dtype
+
+Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
+"""q8_0 refuses |x| >= Q8_0_LIMIT (8321040.0 = 65520 * 127): the block scale
+max|x| / 127 would round to float16 infinity."""
+
+_INPUT_KIND = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}
+
+
+def _input_kind(x: np.ndarray) -> int:
+    return _INPUT_KIND.get(x.dtype, BF16)  # dtype already checked: the rest is bfloat16
+
+
+def _row_offsets(x: np.ndarray) -> np.ndarray:
+    """Byte offset of each row's first value from x's data pointer: int64 [R], R the
+    product of x.shape[:-1], in C order (works for any strides, negative included)."""
+    lead, strides = x.shape[:-1], x.strides[:-1]
+    off = np.zeros(lead, dtype=np.int64)
+    for axis, (n, s) in enumerate(zip(lead, strides)):
+        shape = [1] * len(lead)
+        shape[axis] = n
+        off += (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return off.reshape(-1)
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(flat, shape)) + "]"
+
+
+def _raise_bad_value(x: np.ndarray, fmt: Format) -> None:
+    """Raises for the first value of x (in C order) that fmt cannot take."""
+    xf = x.astype(np.float32)
+    nonfinite = ~np.isfinite(xf)
+    if nonfinite.any():
+        flat = int(np.argmax(nonfinite))
+        raise NonFiniteError(
+            f"x holds a non-finite value ({xf.flat[flat]}) at index {_index(flat, x.shape)}")
+    flat = int(np.argmax(np.abs(xf) >= Q8_0_LIMIT))
+    raise FormatError(
+        f"format q8_0 cannot hold x{_index(flat, x.shape)} = {xf.flat[flat]}: |x| must be "
+        f"below {Q8_0_LIMIT} (the float16 block scale max|x|/127 overflows)")
+
+
+def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray | None]:
+    """Encodes rows of D values in a storage format.
+
+    x: float32, float16 or bfloat16 (ml_dtypes), shape [..., D], any strides (read in
+    place: no copy of x is made). fmt: a format name or Format; q8_0 needs D % 32 == 0.
+    Returns (codes, scales), both new C-contiguous arrays:
+      codes [..., D] of view_dtype(fmt): int8, float16, float32, or ml_dtypes
+        bfloat16 / float8_e4m3fn / float8_e5m2 (uint16 / uint8 without ml_dtypes);
+      scales [..., S], S = fmt.scales_per_row(D): float32 (S = 1) for int8 and fp8,
+        float16 (S = D/32) for q8_0; None for f32, f16 and bf16.
+    Raises NonFiniteError for NaN/inf (naming the first bad index), FormatError for a
+    q8_0 value with |x| >= Q8_0_LIMIT, ShapeError / DTypeError for bad arrays.
+    """
+    f = get_format(fmt)
+    check_ndarray("x", x)
+    check_dtype("x", x, float_input_dtypes())
+    if x.ndim == 0:
+        raise ShapeError("invalid shape of x: expected [..., D], got []")
+    d = x.shape[-1]
+    f.check_head_dim(d)
+    lead = x.shape[:-1]
+    codes = np.empty(lead + (d,), dtype=f.code_dtype)
+    scales = np.empty(lead + (f.scales_per_row(d),), dtype=f.scale_dtype) if f.quantized else None
+    work = np.empty((max_threads(), d), dtype=np.float32)
+    bad = _quant.quantize_rows(x, _row_offsets(x), x.strides[-1], _input_kind(x), f.id,
+                               codes, scales, work)
+    if bad:
+        _raise_bad_value(x, f)
+    return codes.view(view_dtype(f)), scales
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format") -> np.ndarray:
+    """Decodes codes and scales back to float32.
+
+    codes: shape [..., D], fmt's code dtype (raw or its ml_dtypes view dtype).
+    scales: shape [..., S] of fmt's scale dtype for int8/fp8/q8_0, None for f32/f16/bf16.
+    Non-contiguous codes or scales are first copied to C order (one copy each).
+    Returns a new float32 array [..., D]: code * scale for int8/fp8, code * float32(d)
+    per 32-value block for q8_0, the value itself for the float formats.
+    """
+    f = get_format(fmt)
+    check_ndarray("codes", codes)
+    check_dtype("codes", codes, list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
+    if codes.ndim == 0:
+        raise ShapeError("invalid shape of codes: expected [..., D], got []")
+    d = codes.shape[-1]
+    f.check_head_dim(d)
+    lead = codes.shape[:-1]
+    if f.quantized:
+        check_ndarray("scales", scales)
+        check_dtype("scales", scales, [f.scale_dtype])
+        check_shape("scales", scales, lead + (f.scales_per_row(d),))
+        scales = np.ascontiguousarray(scales)
+    elif scales is not None:
+        raise FormatError(f"format {f.name} has no scales: expected scales=None, "
+                          f"got {type(scales).__name__}")
+    codes = np.ascontiguousarray(codes).view(f.code_dtype)
+    out = np.empty(lead + (d,), dtype=np.float32)
+    _quant.dequantize_rows(f.id, codes, scales, out.reshape(math.prod(lead), d))
+    return out

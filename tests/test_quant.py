@@ -1,0 +1,377 @@
+"""kvcore.quantize / dequantize: bit-exact against independent references.
+
+FP8, f16 and bf16 against ml_dtypes / numpy conversions; int8 and q8_0 against plain
+numpy implementations of the documented rules (q8_0 mirrors ggml's
+quantize_row_q8_0_ref line by line).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import kvcore
+from kvcore import _quant
+from kvcore.errors import DTypeError, FormatError, NonFiniteError, ShapeError
+from kvcore.quant import Q8_0_LIMIT
+
+FP8 = {"fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+QUANT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+F32 = np.float32
+
+
+# ---------------------------------------------------------------------------------
+# References
+
+def fp8_codes(v, name):
+    """OCP FP8 codes (uint8) of float32 v: ml_dtypes' RNE conversion, saturated."""
+    dtype, fmax = FP8[name]
+    return np.clip(v, -fmax, fmax).astype(dtype).view(np.uint8)
+
+
+def encode_fp8_raw(v, name):
+    return _quant._encode_fp8_raw(np.ascontiguousarray(v, dtype=F32), kvcore.FORMATS[name].id)
+
+
+def ref_quantize(x, name):
+    """The documented rule in numpy float32; x float32 [..., D]."""
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if name == "int8":
+            scale = amax / F32(127)
+            q = np.clip(np.rint(x / scale), -127, 127)
+            return np.where(scale == 0, 0, q).astype(np.int8), scale
+        if name in FP8:
+            scale = amax / F32(FP8[name][1])
+            return np.where(scale == 0, 0, fp8_codes(x / scale, name)).astype(np.uint8), scale
+        # q8_0: ggml quantize_row_q8_0_ref
+        blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
+        d = np.abs(blocks).max(axis=-1, keepdims=True) / F32(127)
+        inv = np.where(d != 0, F32(1) / d, F32(0))
+        v = blocks * inv
+        q = np.trunc(v.astype(np.float64) + np.copysign(0.5, v))   # roundf
+        # where 1/d overflows (max|x| < ~3.7e-37) ggml's cast is undefined; kvcore saturates
+        q = np.where(np.isinf(inv), np.sign(blocks) * 127, q)
+        return q.astype(np.int8).reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+def ref_dequantize(codes, scales, name):
+    with np.errstate(over="ignore"):     # 127 * scale may round past float32 max
+        if name == "int8":
+            return codes.astype(F32) * scales
+        if name in FP8:
+            return codes.view(np.uint8).view(FP8[name][0]).astype(F32) * scales
+    d = scales.astype(F32)[..., None]
+    q = codes.astype(F32).reshape(codes.shape[:-1] + (codes.shape[-1] // 32, 32))
+    return (q * d).reshape(codes.shape)
+
+
+def raw(a):
+    """Bytes of an array as an unsigned integer array (for bit comparisons)."""
+    return np.ascontiguousarray(a).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_quantized_exact(x, name):
+    codes, scales = kvcore.quantize(x, name)
+    ref_codes, ref_scales = ref_quantize(np.asarray(x, dtype=F32), name)
+    assert codes.shape == x.shape
+    assert scales.shape == x.shape[:-1] + (kvcore.FORMATS[name].scales_per_row(x.shape[-1]),)
+    np.testing.assert_array_equal(raw(codes), raw(ref_codes))
+    np.testing.assert_array_equal(raw(scales), raw(ref_scales))
+    np.testing.assert_array_equal(raw(kvcore.dequantize(codes, scales, name)),
+                                  raw(ref_dequantize(codes, scales, name)))
+    return codes, scales
+
+
+def random_finite_f32(rng, n):
+    """n float32 values whose bit patterns are uniform over all finite patterns
+    (so every binade, subnormals included, appears in proportion)."""
+    bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    bits = bits[(bits & 0x7F800000) != 0x7F800000]
+    return bits.view(F32)
+
+
+# ---------------------------------------------------------------------------------
+# FP8 scalar encoders and decoders against ml_dtypes
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_decode_every_code(name):
+    codes = np.arange(256, dtype=np.uint8)
+    out = kvcore.dequantize(codes, np.ones(1, F32), name)
+    ref = codes.view(FP8[name][0]).astype(F32)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(raw(out)[~nan], raw(ref)[~nan])
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_encode_every_float16(name):
+    v = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(F32)
+    v = v[np.isfinite(v)]
+    np.testing.assert_array_equal(encode_fp8_raw(v, name), fp8_codes(v, name))
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_encode_random_float32(name, rng):
+    v = random_finite_f32(rng, 10_000_000)
+    assert (np.abs(v) < np.finfo(F32).tiny).sum() > 1000     # subnormals are in the draw
+    np.testing.assert_array_equal(encode_fp8_raw(v, name), fp8_codes(v, name))
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_ties_go_to_even(name):
+    dtype, fmax = FP8[name]
+    values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    pos = np.unique(values[np.isfinite(values) & (values >= 0)])       # ascending, 0 .. max
+    mid = ((pos[:-1] + pos[1:]) / 2).astype(F32)                     # exact in float32
+    mid = np.concatenate([mid, -mid])
+    got = encode_fp8_raw(mid, name)
+    np.testing.assert_array_equal(got, fp8_codes(mid, name))
+    assert not (got & 1).any()                                       # even mantissa wins
+    near = np.concatenate([np.nextafter(mid, F32(np.inf)), np.nextafter(mid, F32(-np.inf))])
+    np.testing.assert_array_equal(encode_fp8_raw(near, name), fp8_codes(near, name))
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_saturates_above_largest_finite(name):
+    dtype, fmax = FP8[name]
+    max_code = int(np.array(fmax, F32).astype(dtype).view(np.uint8))
+    big = np.array([fmax, np.nextafter(F32(fmax), F32(np.inf)), fmax * 1.0625, fmax * 1.07,
+                    fmax * 2, 1e30, np.finfo(F32).max], dtype=F32)
+    np.testing.assert_array_equal(encode_fp8_raw(big, name), max_code)
+    np.testing.assert_array_equal(encode_fp8_raw(-big, name), max_code | 0x80)
+    assert np.isnan(encode_fp8_raw(np.array([np.nan], F32), name).view(dtype).astype(F32)).all()
+
+
+# ---------------------------------------------------------------------------------
+# f16 / bf16 conversions
+
+@pytest.mark.parametrize("name,dtype", [("f16", np.float16), ("bf16", ml_dtypes.bfloat16)])
+def test_half_formats_exact(name, dtype, rng):
+    v = random_finite_f32(rng, 2_000_000)
+    halves = np.arange(2**16, dtype=np.uint16).view(dtype).astype(F32)
+    halves = halves[np.isfinite(halves)]
+    pos = np.unique(np.abs(halves).astype(np.float64))
+    mid = ((pos[:-1] + pos[1:]) / 2).astype(F32)                      # ties, exact in f32
+    for x in (v, halves, mid, -mid, np.nextafter(mid, F32(0))):
+        codes, scales = kvcore.quantize(x, name)
+        assert scales is None
+        with np.errstate(over="ignore"):
+            np.testing.assert_array_equal(raw(codes), raw(x.astype(dtype)))
+    every = np.arange(2**16, dtype=np.uint16).view(dtype)
+    out = kvcore.dequantize(every, None, name)
+    ref = every.astype(F32)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(raw(out)[~nan], raw(ref)[~nan])
+
+
+def test_f32_is_a_copy(rng):
+    x = rng.standard_normal((5, 3, 64)).astype(F32)
+    codes, scales = kvcore.quantize(x, "f32")
+    assert scales is None and not np.shares_memory(codes, x)
+    np.testing.assert_array_equal(codes, x)
+    np.testing.assert_array_equal(kvcore.dequantize(codes, None, "f32"), x)
+
+
+# ---------------------------------------------------------------------------------
+# Quantized formats against the numpy references
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_exact_gaussian_and_heavy_tailed(name, d, rng):
+    assert_quantized_exact(rng.standard_normal((97, 3, d)).astype(F32), name)
+    assert_quantized_exact(rng.standard_t(3, size=(33, d)).astype(F32), name)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_exact_over_wide_magnitudes(name, rng):
+    x = random_finite_f32(rng, 64 * 128)[: 63 * 128].reshape(63, 128)
+    if name == "q8_0":
+        x = np.clip(x, -Q8_0_LIMIT / 2, Q8_0_LIMIT / 2)
+    x *= rng.choice(np.array([1.0, 1e-30, 1e-38, 1e-44], F32), size=(63, 1))  # tiny rows
+    assert_quantized_exact(x, name)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_exact_on_rounding_ties(name, rng):
+    # rows whose scaled values land exactly on .5: int8 ties go to even, q8_0 away from 0
+    x = (np.arange(-127, 128, dtype=F32) / 2)[: 32 * 7].reshape(7, 32)
+    x[:, 0] = 127.0                                 # scale (d) = 1 exactly
+    codes, _ = assert_quantized_exact(x, name)
+    if name == "int8":
+        assert codes[0, 2] == -62                  # -62.5 -> -62 (even)
+    if name == "q8_0":
+        assert codes[0, 2] == -63                  # -62.5 -> -63 (away from zero)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_zero_rows_and_float32_max(name):
+    x = np.zeros((4, 64), F32)
+    x[1, 5] = np.finfo(F32).max
+    x[2] = -np.finfo(F32).max
+    x[3, ::3] = 1e-3
+    if name == "q8_0":
+        below = np.nextafter(F32(Q8_0_LIMIT), F32(0))
+        x[1:3] = np.clip(x[1:3], -below, below)
+    codes, scales = assert_quantized_exact(x, name)
+    assert not raw(codes[0]).any() and not raw(scales[0]).any()
+    assert np.isfinite(scales.astype(F32)).all()        # max|x| / 127 does not overflow
+    # (decoding may: 127 * scale can round past float32 max; docs/formats.md says so)
+    assert np.isfinite(kvcore.dequantize(codes[3], scales[3], name)).all()
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_leading_shapes(name, rng):
+    for shape in [(32,), (1, 32), (1, 1, 64), (0, 64), (2, 0, 3, 32), (3, 1, 2, 1, 32)]:
+        x = rng.standard_normal(shape).astype(F32)
+        assert_quantized_exact(x, name)
+
+
+@pytest.mark.parametrize("name", QUANT + ("f16", "bf16"))
+def test_any_strides(name, rng):
+    base = rng.standard_normal((6, 5, 4, 256)).astype(F32)
+    ref_codes, ref_scales = kvcore.quantize(np.ascontiguousarray(base[::-2, :, 1:3, ::2]), name)
+    for x in (base[::-2, :, 1:3, ::2], base[::-2, :, 1:3, ::2].copy(order="F"),
+              np.broadcast_to(base[0, 0, 0, ::2], (3, 128))):
+        codes, scales = kvcore.quantize(x, name)
+        want = ref_codes if x.shape == ref_codes.shape else kvcore.quantize(x.copy(), name)[0]
+        np.testing.assert_array_equal(raw(codes), raw(want))
+        assert codes.flags.c_contiguous
+    # non-contiguous codes and scales decode the same
+    full = kvcore.dequantize(ref_codes, ref_scales, name)
+    np.testing.assert_array_equal(
+        kvcore.dequantize(ref_codes[:, ::2], None if ref_scales is None else ref_scales[:, ::2],
+                          name), full[:, ::2])
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_half_inputs(name, dtype, rng):
+    x = rng.standard_normal((9, 2, 64)).astype(dtype)
+    codes, scales = kvcore.quantize(x, name)
+    ref_codes, ref_scales = kvcore.quantize(x.astype(F32), name)
+    np.testing.assert_array_equal(raw(codes), raw(ref_codes))
+    np.testing.assert_array_equal(raw(scales), raw(ref_scales))
+    np.testing.assert_array_equal(raw(kvcore.quantize(x[:, :, ::2], name)[0]),
+                                  raw(kvcore.quantize(x[:, :, ::2].astype(F32), name)[0]))
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_threads_agree(name, rng):
+    x = rng.standard_normal((301, 128)).astype(F32)
+    results = []
+    for n in (1, 2, 0):
+        kvcore.set_num_threads(n)
+        results.append(kvcore.quantize(x, name))
+    for codes, scales in results[1:]:
+        np.testing.assert_array_equal(raw(codes), raw(results[0][0]))
+        np.testing.assert_array_equal(raw(scales), raw(results[0][1]))
+
+
+def test_codes_view_dtypes():
+    x = np.ones((2, 32), F32)
+    assert kvcore.quantize(x, "fp8_e4m3")[0].dtype == ml_dtypes.float8_e4m3fn
+    assert kvcore.quantize(x, "fp8_e5m2")[0].dtype == ml_dtypes.float8_e5m2
+    assert kvcore.quantize(x, "bf16")[0].dtype == ml_dtypes.bfloat16
+    assert kvcore.quantize(x, "int8")[1].dtype == np.float32
+    assert kvcore.quantize(x, "q8_0")[1].dtype == np.float16
+    codes, scales = kvcore.quantize(x, "fp8_e4m3")
+    np.testing.assert_array_equal(kvcore.dequantize(codes.view(np.uint8), scales, "fp8_e4m3"),
+                                  kvcore.dequantize(codes, scales, "fp8_e4m3"))
+
+
+# ---------------------------------------------------------------------------------
+# Round-trip error bounds (property tests)
+
+rows = hnp.arrays(F32, st.tuples(st.integers(1, 4), st.sampled_from([32, 64, 96])),
+                  elements=st.floats(-1e6, 1e6, width=32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows, name=st.sampled_from(QUANT))
+def test_round_trip_error_bound(x, name):
+    codes, scales = kvcore.quantize(x, name)
+    y = kvcore.dequantize(codes, scales, name)
+    err = np.abs(y.astype(np.float64) - x)
+    amax = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True)
+    if name == "int8":
+        bound = amax / 127 * (0.5 + 1e-5)                   # half a step
+    elif name == "q8_0":
+        # half a step of the exact d, plus 127 times the error of d's float16 rounding
+        d = np.abs(x.astype(np.float64)).reshape(x.shape[0], -1, 32).max(-1) / 127
+        bound = np.repeat(d * (0.5 + 1e-5) + 127 * np.abs(d - scales.astype(np.float64)),
+                          32, axis=-1)
+    else:
+        man = {"fp8_e4m3": 3, "fp8_e5m2": 2}[name]
+        scale = scales.astype(np.float64)
+        sub = np.ldexp(1.0, {"fp8_e4m3": -9, "fp8_e5m2": -16}[name]) * scale
+        bound = np.maximum(np.abs(x) * 2.0**-(man + 1), sub / 2) * (1 + 1e-5)
+    assert (err <= bound + 1e-30).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=rows, name=st.sampled_from(QUANT))
+def test_requantize_is_stable(x, name):
+    # decoding and encoding again gives the same codes (idempotent on its own output)
+    codes, scales = kvcore.quantize(x, name)
+    again, _ = kvcore.quantize(kvcore.dequantize(codes, scales, name), name)
+    if name != "q8_0":
+        np.testing.assert_array_equal(raw(again), raw(codes))
+    else:   # the fp16 scale moves the grid: near-idempotent where that scale is normal
+        normal = np.repeat(scales.astype(F32) >= np.finfo(np.float16).tiny, 32, axis=-1)
+        assert (np.abs(again.astype(int) - codes.astype(int))[normal] <= 1).all()
+
+
+# ---------------------------------------------------------------------------------
+# Errors
+
+@pytest.mark.parametrize("name", QUANT + ("f16",))
+def test_non_finite_names_the_first_index(name):
+    x = np.ones((3, 4, 64), F32)
+    x[2, 3, 63] = np.inf                       # the very last value
+    with pytest.raises(NonFiniteError, match=r"non-finite value \(inf\) at index \[2, 3, 63\]"):
+        kvcore.quantize(x, name)
+    x[1, 0, 7] = np.nan
+    with pytest.raises(NonFiniteError, match=r"\(nan\) at index \[1, 0, 7\]"):
+        kvcore.quantize(x[:, :, :], name)
+    with pytest.raises(NonFiniteError, match=r"\[1, 0, 7\]"):
+        kvcore.quantize(x.astype(np.float16), name)
+
+
+def test_q8_0_range():
+    x = np.zeros((2, 32), F32)
+    x[1, 4] = -Q8_0_LIMIT
+    with pytest.raises(FormatError, match=r"x\[1, 4\] = -8321040\.0.*below 8321040\.0"):
+        kvcore.quantize(x, "q8_0")
+    x[1, 4] = np.nextafter(F32(-Q8_0_LIMIT), F32(0))
+    codes, scales = kvcore.quantize(x, "q8_0")
+    assert scales[1, 0] == np.float16(65504)
+
+
+def test_bad_arguments():
+    with pytest.raises(FormatError, match=r"head_dim divisible by 32, got 48"):
+        kvcore.quantize(np.ones((2, 48), F32), "q8_0")
+    with pytest.raises(FormatError, match=r"unknown format 'int4'"):
+        kvcore.quantize(np.ones((2, 32), F32), "int4")
+    with pytest.raises(DTypeError, match=r"invalid dtype of x: expected float32, float16 or "
+                                         r"bfloat16, got float64"):
+        kvcore.quantize(np.ones((2, 32)), "int8")
+    with pytest.raises(DTypeError, match=r"expected numpy.ndarray, got list"):
+        kvcore.quantize([1.0, 2.0], "int8")
+    with pytest.raises(ShapeError, match=r"expected \[\.\.\., D\], got \[\]"):
+        kvcore.quantize(np.ones((), F32), "int8")
+    codes, scales = kvcore.quantize(np.ones((3, 2, 64), F32), "q8_0")
+    with pytest.raises(ShapeError, match=r"invalid shape of scales: expected \[3, 2, 2\], "
+                                         r"got \[3, 2, 1\]"):
+        kvcore.dequantize(codes, scales[..., :1], "q8_0")
+    with pytest.raises(DTypeError, match=r"invalid dtype of scales: expected float16, got float32"):
+        kvcore.dequantize(codes, scales.astype(F32), "q8_0")
+    with pytest.raises(DTypeError, match=r"invalid dtype of codes: expected int8, got uint8"):
+        kvcore.dequantize(codes.view(np.uint8), scales, "q8_0")
+    with pytest.raises(DTypeError, match=r"invalid type of scales: expected numpy.ndarray, "
+                                         r"got NoneType"):
+        kvcore.dequantize(codes, None, "int8")
+    with pytest.raises(FormatError, match=r"format f16 has no scales"):
+        kvcore.dequantize(np.ones(4, np.float16), np.ones(1, F32), "f16")
