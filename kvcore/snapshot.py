@@ -435,7 +435,7 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
         raise SnapshotError("the metadata does not match its SHA-256: corrupt header")
     try:
         spec = KVSpec(**{k: _meta_uint(meta, k) for k in _SPEC_KEYS}, format=fmt.name)
-    except SpecError as e:
+    except (SpecError, FormatError) as e:
         raise SnapshotError(f"metadata spec: {e}") from None
     length = _meta_uint(meta, "length")
     if length > spec.capacity:

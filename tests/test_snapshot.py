@@ -324,7 +324,7 @@ def edit_tensor(name, key, value):
                               r"unexpected \['sha256_k_scales', 'sha256_v_scales'\]"),
     (edit_meta(length="-1"), "metadata length must be a non-negative decimal integer"),
     (edit_meta(length="13"), "metadata length 13 exceeds capacity 12"),
-    (edit_meta(head_dim="33"), "metadata spec: format int8 needs|metadata describes|shape"),
+    (edit_meta(head_dim="33"), "data section is 2160 bytes but the metadata describes 2220"),
     (edit_meta(num_layers="99999999999999999999"), "below 10\\*\\*19"),
     (edit_meta(num_heads="3"), "metadata spec: num_heads must be a multiple of num_kv_heads"),
     (edit_meta(length="4"), "data section is 2160 bytes but the metadata describes 1728"),
@@ -345,6 +345,17 @@ def test_load_refuses_lying_headers(saved, edit, match):
     write_file(saved, header, data)
     with pytest.raises(SnapshotError, match=match):
         load_snapshot(saved)
+
+
+def test_load_refuses_a_spec_kvspec_refuses(rng, tmp_path):
+    path = tmp_path / "q.safetensors"
+    random_snapshot("q8_0", rng).save(path)
+    header, data = read_file(path)
+    header["__metadata__"]["head_dim"] = "16"
+    write_file(path, header, data)
+    with pytest.raises(SnapshotError, match="metadata spec: format q8_0 needs head_dim "
+                                            "divisible by 32, got 16"):
+        load_snapshot(path)
 
 
 def test_load_refuses_edited_metadata_without_its_digest(saved):

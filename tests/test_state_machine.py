@@ -1,0 +1,333 @@
+"""Nothing is lost: a hypothesis state machine drives a KVCache of each format with random
+sequences of append, advance, truncate, reset, snapshot (through a file too) and restore,
+good calls and bad ones of every kind, against a plain numpy model of the cache.
+
+After every step the views (committed and pending), lengths and dequantized values equal
+the model's; after every refused call the storage is byte-identical to before. The model
+takes its expected codes and scales from kvcore.quantize of each appended step (the
+documented contract of append) and its dequantized values from kvcore.dequantize.
+
+Examples per format: KVCORE_STATE_EXAMPLES (default 20, the CI budget), steps per
+example: KVCORE_STATE_STEPS (default 30); e.g. KVCORE_STATE_EXAMPLES=500 for a long run.
+"""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+import kvcore
+from kvcore import FORMATS, KVCache, KVSpec
+from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
+                           OutOfRangeError, ShapeError, SnapshotError, StateError)
+from kvcore.quant import Q8_0_LIMIT
+from kvcore.snapshot import Snapshot, load_snapshot, restore_snapshot, take_snapshot
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "20"))
+STEPS = int(os.environ.get("KVCORE_STATE_STEPS", "30"))
+L, H, D, N = 2, 2, 32, 6
+INPUT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+# One value per format that its encoder never produces (a NaN or inf code, code -128,
+# a negative scale), placed by the bad-snapshot rule.
+IMPOSSIBLE = {"f32": ("k_codes", np.nan), "f16": ("v_codes", np.inf),
+              "bf16": ("k_codes", 0x7FC0), "int8": ("v_codes", -128),
+              "fp8_e4m3": ("k_codes", 0x7F), "fp8_e5m2": ("v_codes", 0xFC),
+              "q8_0": ("k_scales", -1.0)}
+
+
+def make_input(seed, kind, dtype, t, layout):
+    """K or V for one append: [t, H, D] (or [H, D] for layout "2d", t = 1), finite,
+    in `dtype`; "strided" gives a non-contiguous view of a larger array."""
+    rng = np.random.default_rng(seed)
+    shape = (t, H, D)
+    if kind == "zeros":
+        x = np.zeros(shape)
+    elif kind == "heavy":
+        x = rng.standard_t(3, shape) * 100
+    elif kind == "tiny":
+        x = rng.standard_normal(shape) * 1e-30
+    else:
+        x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3)
+    x[rng.random(shape[:2]) < 0.2] = 0  # some all-zero rows
+    x = x.astype(np.float32).astype(dtype)
+    if layout == "2d":
+        return x[0] if t == 1 else x
+    if layout == "strided":
+        big = np.zeros((t, H, 2 * D), dtype)
+        big[:, :, ::2] = x
+        return big[:, :, ::2]
+    return x
+
+
+class Model:
+    """The cache as plain numpy: full-capacity expected codes, scales and decoded
+    floats per layer, the committed length and the pending count per layer."""
+
+    def __init__(self, spec: KVSpec):
+        f = spec.fmt
+        self.fmt = f
+        self.S = f.scales_per_row(D)
+        self.codes = {w: np.zeros((L, N, H, D), f.code_dtype) for w in "kv"}
+        self.scales = {w: np.zeros((L, N, H, self.S), f.scale_dtype) for w in "kv"} if self.S else None
+        self.floats = {w: np.zeros((L, N, H, D), np.float32) for w in "kv"}
+        self.length = 0
+        self.pending = [0] * L
+
+    def encode(self, x):
+        """Expected (codes, scales, decoded) of appended rows: kvcore.quantize's."""
+        x = x.reshape(-1, H, D)
+        codes, scales = kvcore.quantize(x, self.fmt)
+        codes = codes.view(self.fmt.code_dtype)
+        return codes, scales, kvcore.dequantize(codes, scales, self.fmt)
+
+    def write(self, layer, pos, which, codes, scales, floats):
+        t = codes.shape[0]
+        self.codes[which][layer, pos:pos + t] = codes
+        if self.S:
+            self.scales[which][layer, pos:pos + t] = scales
+        self.floats[which][layer, pos:pos + t] = floats
+
+    def set_length(self, n):
+        self.length, self.pending = n, [0] * L
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Subclassed once per format (FORMAT)."""
+
+    FORMAT = "f32"
+    snapshots = Bundle("snapshots")
+
+    def __init__(self):
+        super().__init__()
+        self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N,
+                           format=self.FORMAT)
+        self.cache = KVCache(self.spec)
+        self.model = Model(self.spec)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.files = 0
+
+    def teardown(self):
+        self.tmp.cleanup()
+
+    def refused(self, error, call, *args, **kwargs):
+        """Runs a call that must raise `error` and leave the cache exactly as it was."""
+        before = self.cache._storage.tobytes()
+        length, pending = self.cache.length, [self.cache.pending(i) for i in range(L)]
+        with pytest.raises(error):
+            call(*args, **kwargs)
+        assert self.cache._storage.tobytes() == before
+        assert self.cache.length == length
+        assert [self.cache.pending(i) for i in range(L)] == pending
+
+    # ---------------------------------------------------------------- appends
+
+    @rule(layer=st.integers(0, L - 1), t=st.integers(0, 3), seed=st.integers(0, 2**32 - 1),
+          kind=st.sampled_from(["normal", "zeros", "heavy", "tiny"]),
+          kdt=st.sampled_from(INPUT_DTYPES), vdt=st.sampled_from(INPUT_DTYPES),
+          layout=st.sampled_from(["contiguous", "strided", "2d"]))
+    def append(self, layer, t, seed, kind, kdt, vdt, layout):
+        if layout == "2d":
+            t = 1
+        k = make_input(seed, kind, kdt, t, layout)
+        v = make_input(seed + 1, kind, vdt, t, layout)
+        m = self.model
+        pos = m.length + m.pending[layer]
+        if pos + t > N:
+            self.refused(CapacityError, self.cache.append, layer, k, v)
+            return
+        if self.FORMAT == "q8_0" and max(np.abs(k.astype(np.float32)).max(initial=0),
+                                         np.abs(v.astype(np.float32)).max(initial=0)) >= Q8_0_LIMIT:
+            self.refused(FormatError, self.cache.append, layer, k, v)
+            return
+        self.cache.append(layer, k, v)
+        for which, x in (("k", k), ("v", v)):
+            m.write(layer, pos, which, *m.encode(x))
+        m.pending[layer] += t
+
+    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1),
+          fault=st.sampled_from(["layer", "layer type", "heads", "head_dim", "ndim",
+                                 "k/v shapes", "float64", "int32", "list", "nan", "inf",
+                                 "-inf", "q8_0 range", "full"]))
+    def append_bad(self, layer, seed, fault):
+        rng = np.random.default_rng(seed)
+        room = N - self.model.length - self.model.pending[layer]
+        t = min(int(rng.integers(1, 3)), room)  # only the fault itself may be wrong
+        if t == 0 and fault in ("nan", "inf", "-inf", "q8_0 range"):
+            return
+        k = rng.standard_normal((t, H, D)).astype(np.float32)
+        v = rng.standard_normal((t, H, D)).astype(np.float32)
+        error = {"layer": OutOfRangeError, "layer type": DTypeError, "heads": ShapeError,
+                 "head_dim": ShapeError, "ndim": ShapeError, "k/v shapes": ShapeError,
+                 "float64": DTypeError, "int32": DTypeError, "list": DTypeError,
+                 "nan": NonFiniteError, "inf": NonFiniteError, "-inf": NonFiniteError,
+                 "q8_0 range": FormatError, "full": CapacityError}[fault]
+        if fault == "layer":
+            layer = int(rng.choice([-1, L, L + 5]))
+        elif fault == "layer type":
+            layer = float(layer)
+        elif fault == "heads":
+            k = v = np.zeros((t, H + 1, D), np.float32)
+        elif fault == "head_dim":
+            k = v = np.zeros((t, H, D - 1), np.float32)
+        elif fault == "ndim":
+            k = v = np.zeros((1, t, H, D), np.float32)
+        elif fault == "k/v shapes":
+            v = np.zeros((t + 1, H, D), np.float32)
+        elif fault in ("float64", "int32"):
+            k = k.astype(fault)
+        elif fault == "list":
+            v = v.tolist()
+        elif fault in ("nan", "inf", "-inf"):
+            target = k if rng.integers(2) else v
+            target[tuple(rng.integers(s) for s in target.shape)] = float(fault)
+        elif fault == "q8_0 range":
+            if self.FORMAT != "q8_0":
+                return
+            k[tuple(rng.integers(s) for s in k.shape)] = Q8_0_LIMIT * float(rng.choice([1, -2]))
+        else:  # full: one position more than the layer has room for
+            k = v = np.zeros((room + 1, H, D), np.float32)
+        self.refused(error, self.cache.append, layer, k, v)
+
+    # ---------------------------------------------------------- commit, rollback
+
+    @rule()
+    def advance(self):
+        m = self.model
+        if len(set(m.pending)) > 1:
+            self.refused(StateError, self.cache.advance)
+            return
+        assert self.cache.advance() == m.pending[0]
+        m.set_length(m.length + m.pending[0])
+
+    @rule(n=st.integers(-1, N + 1))
+    def truncate(self, n):
+        if not 0 <= n <= self.model.length:
+            self.refused(OutOfRangeError, self.cache.truncate, n)
+            return
+        self.cache.truncate(n)
+        self.model.set_length(n)
+
+    @rule()
+    def reset(self):
+        self.cache.reset()
+        self.model.set_length(0)
+
+    # ------------------------------------------------------ snapshot, restore
+
+    @rule(target=snapshots, n=st.integers(0, N), through_file=st.booleans())
+    def snapshot(self, n, through_file):
+        m = self.model
+        if n > m.length:
+            self.refused(OutOfRangeError, take_snapshot, self.cache, n)
+            n = m.length
+        snap = take_snapshot(self.cache, n)
+        if through_file:
+            self.files += 1
+            path = os.path.join(self.tmp.name, f"{self.files}.safetensors")
+            snap.save(path)
+            snap = load_snapshot(path)
+        expected = ({w: m.codes[w][:, :n].copy() for w in "kv"},
+                    {w: m.scales[w][:, :n].copy() for w in "kv"} if m.S else None,
+                    {w: m.floats[w][:, :n].copy() for w in "kv"})
+        return snap, expected
+
+    @rule(saved=snapshots)
+    def restore(self, saved):
+        snap, (codes, scales, floats) = saved
+        restore_snapshot(self.cache, snap)
+        m = self.model
+        n = snap.length
+        for w in "kv":
+            for layer in range(L):
+                m.write(layer, 0, w, codes[w][layer],
+                        None if scales is None else scales[w][layer], floats[w][layer])
+        m.set_length(n)
+
+    @rule(other=st.sampled_from(list(FORMATS)), n=st.integers(0, N),
+          seed=st.integers(0, 2**32 - 1))
+    def restore_requantized(self, other, n, seed):
+        """A snapshot of another format, re-encoded into the cache's."""
+        rng = np.random.default_rng(seed)
+        spec = self.spec.replace(format=other)
+        parts = {}
+        for w in "kv":
+            x = (rng.standard_normal((L, n, H, D)) * 10).astype(np.float32)
+            codes, scales = kvcore.quantize(x, other)
+            parts[f"{w}_codes"] = codes.view(spec.fmt.code_dtype)
+            if scales is not None:
+                parts[f"{w}_scales"] = scales
+        snap = Snapshot(spec, n, **parts)
+        restore_snapshot(self.cache, snap, requantize=True)
+        m = self.model
+        for w in "kv":
+            for layer in range(L):
+                floats = kvcore.dequantize(parts[f"{w}_codes"][layer],
+                                           parts[f"{w}_scales"][layer] if scales is not None
+                                           else None, other)
+                m.write(layer, 0, w, *m.encode(floats))
+        m.set_length(n)
+
+    @rule(fault=st.sampled_from(["num_layers", "num_kv_heads", "head_dim", "format",
+                                 "too long", "impossible value"]),
+          n=st.integers(0, N))
+    def restore_bad(self, fault, n):
+        spec = self.spec
+        if fault == "num_layers":
+            spec = spec.replace(num_layers=L + 1)
+        elif fault == "num_kv_heads":
+            spec = spec.replace(num_kv_heads=H + 1, num_heads=H + 1)
+        elif fault == "head_dim":
+            spec = spec.replace(head_dim=2 * D)
+        elif fault == "format":
+            spec = spec.replace(format="f16" if self.FORMAT != "f16" else "int8")
+        elif fault == "too long":
+            spec, n = spec.replace(capacity=N + 3), N + 1 + n % 3
+        f = spec.fmt
+        S = f.scales_per_row(spec.head_dim)
+        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        parts = {f"{w}_codes": np.zeros(shape, f.code_dtype) for w in "kv"}
+        if S:
+            parts.update({f"{w}_scales": np.zeros(shape[:3] + (S,), f.scale_dtype) for w in "kv"})
+        if fault == "impossible value":
+            if n == 0:
+                return
+            name, value = IMPOSSIBLE[self.FORMAT]
+            parts[name][-1, n - 1, -1, -1] = value
+        self.refused(SnapshotError, restore_snapshot, self.cache, Snapshot(spec, n, **parts))
+
+    # -------------------------------------------------------------- invariant
+
+    @invariant()
+    def matches_model(self):
+        c, m = self.cache, self.model
+        assert c.length == m.length
+        for layer in range(L):
+            assert c.pending(layer) == m.pending[layer]
+            n, end = m.length, m.length + m.pending[layer]
+            for w, view, scales in (("k", c.keys, c.key_scales), ("v", c.values, c.value_scales)):
+                assert view(layer).tobytes() == m.codes[w][layer, :n].tobytes()
+                assert view(layer, pending=True).tobytes() == m.codes[w][layer, :end].tobytes()
+                if m.S:
+                    assert scales(layer).tobytes() == m.scales[w][layer, :n].tobytes()
+                    assert (scales(layer, pending=True).tobytes()
+                            == m.scales[w][layer, :end].tobytes())
+                else:
+                    assert scales(layer) is None
+                assert c.dequantize(layer, w).tobytes() == m.floats[w][layer, :n].tobytes()
+
+
+def _machine_test(fmt):
+    machine = type(f"CacheMachine_{fmt}", (CacheMachine,), {"FORMAT": fmt})
+    machine.TestCase.settings = settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    return machine.TestCase
+
+
+for _fmt in FORMATS:
+    globals()[f"TestCache_{_fmt}"] = _machine_test(_fmt)
