@@ -1,0 +1,132 @@
+"""Quantize / dequantize throughput against peers measured in the same run.
+
+    python tools/bench_quant.py [--shape 4096 8 128] [--threads 1 2]
+
+Input: a float32 array [4096, 8, 128] (16 MiB, Gaussian). Every figure is GB/s of
+float32 (bytes of the float side per second), so columns compare directly:
+- `np.copyto`: copying the same float32 array into an existing one (the bandwidth
+  ceiling; it reads and writes 16 MiB, more traffic than a quantizer's 16 + 4 MiB);
+- `numpy`: a vectorised numpy implementation of the same rule (numpy runs one thread);
+- `ml_dtypes`: `astype` of the same float32 array to the FP8 / bfloat16 type (the
+  conversion alone, without the scale).
+kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
+allocation of their outputs included.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchlib import median_time, print_table  # noqa: E402
+
+import kvcore  # noqa: E402
+
+F32 = np.float32
+
+
+def _numpy_quantize(name: str):
+    """The documented rule, vectorised in numpy (None where numpy has no peer)."""
+    if name == "int8":
+        def run(x):
+            scale = np.abs(x).max(axis=-1, keepdims=True) / F32(127)
+            safe = np.where(scale == 0, F32(1), scale)
+            return np.clip(np.rint(x / safe), -127, 127).astype(np.int8), scale
+        return run
+    if name == "q8_0":
+        def run(x):
+            b = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
+            d = np.abs(b).max(axis=-1, keepdims=True) / F32(127)
+            inv = F32(1) / np.where(d == 0, F32(1), d) * (d != 0)
+            v = b * inv
+            q = np.trunc(v + np.copysign(F32(0.49999997), v)).astype(np.int8)
+            return q.reshape(x.shape), d[..., 0].astype(np.float16)
+        return run
+    if name in ("fp8_e4m3", "fp8_e5m2"):
+        import ml_dtypes
+        dtype, fmax = ((ml_dtypes.float8_e4m3fn, 448.0) if name == "fp8_e4m3"
+                       else (ml_dtypes.float8_e5m2, 57344.0))
+
+        def run(x):
+            scale = np.abs(x).max(axis=-1, keepdims=True) / F32(fmax)
+            safe = np.where(scale == 0, F32(1), scale)
+            return np.clip(x / safe, -fmax, fmax).astype(dtype), scale
+        return run
+    if name == "f16":
+        return lambda x: x.astype(np.float16)
+    return None
+
+
+def _numpy_dequantize(name: str, codes, scales):
+    if name == "q8_0":
+        q = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // 32, 32)).astype(F32)
+        return lambda: (q * scales.astype(F32)[..., None]).reshape(codes.shape)
+    if scales is None:
+        return lambda: codes.astype(F32)
+    return lambda: codes.astype(F32) * scales
+
+
+def _ml_dtypes_type(name: str):
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2,
+            "bf16": ml_dtypes.bfloat16}.get(name)
+
+
+def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
+    """Prints one markdown table per thread count."""
+    x = np.random.default_rng(0).standard_normal(shape).astype(F32)
+    gbs = lambda t: x.nbytes / t / 1e9  # noqa: E731
+    dst = np.empty_like(x)
+    names = ["int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "f16", "bf16"]
+
+    peers = {}      # numpy and ml_dtypes run one thread: measure once
+    for name in names:
+        codes, scales = kvcore.quantize(x, name)
+        nq = _numpy_quantize(name)
+        dt = _ml_dtypes_type(name)
+        peers[name] = (
+            gbs(median_time(lambda: nq(x), repeat=repeat)) if nq else None,
+            gbs(median_time(_numpy_dequantize(name, codes, scales), repeat=repeat)),
+            gbs(median_time(lambda: x.astype(dt), repeat=repeat)) if dt else None,
+        )
+
+    try:
+        for n in threads:
+            kvcore.set_num_threads(n)
+            copy = gbs(median_time(lambda: np.copyto(dst, x), repeat=repeat))
+            rows = [["np.copyto (ceiling)", copy, copy, "", "", "", "1.00", "", ""]]
+            for name in names:
+                codes, scales = kvcore.quantize(x, name)
+                q = gbs(median_time(lambda: kvcore.quantize(x, name), repeat=repeat))
+                dq = gbs(median_time(lambda: kvcore.dequantize(codes, scales, name), repeat=repeat))
+                nq, ndq, ml = peers[name]
+                ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+                rows.append([name, q, dq, nq or "-", ndq, ml or "-", ratio(q, copy),
+                             ratio(q, nq), ratio(q, ml)])
+            print_table(
+                f"quantize / dequantize {list(shape)} float32, {n} thread(s) "
+                f"(GB/s of float32; numpy and ml_dtypes: 1 thread)",
+                ["format", "quantize", "dequantize", "numpy quantize", "numpy dequantize",
+                 "ml_dtypes astype", "quantize / copyto", "quantize / numpy",
+                 "quantize / ml_dtypes"],
+                rows)
+    finally:
+        kvcore.set_num_threads(0)       # back to OpenMP's default
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=int, nargs="+", default=[4096, 8, 128])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    a = p.parse_args(argv)
+    run(tuple(a.shape), tuple(a.threads))
+
+
+if __name__ == "__main__":
+    main()
