@@ -10,6 +10,7 @@ from .spec import KVSpec
 from .cache import KVCache
 from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
+from .snapshot import Snapshot, load_snapshot
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,5 @@ __all__ = [
     "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "__version__",
+    "Snapshot", "load_snapshot", "__version__",
 ]

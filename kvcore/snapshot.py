@@ -366,7 +366,11 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool = True) -> Snapshot:
             spec, length, meta, offsets = _parse_header(raw, size - 8 - header_len)
         except SnapshotError as e:
             raise SnapshotError(f"snapshot file {path!r}: {e}") from None
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if verify and hasattr(mmap, "MAP_POPULATE"):  # the digests read every page: map all now
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                               prot=mmap.PROT_READ)
+        else:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if len(mapped) != size:
         raise SnapshotError(f"snapshot file {path!r} changed size while loading: "
                             f"{size} -> {len(mapped)} bytes")
