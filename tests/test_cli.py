@@ -1,0 +1,54 @@
+"""python -m kvcore demo | info."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import _demo
+from kvcore.__main__ import main
+
+
+def _pool(rng, heads=2, head_dim=64):
+    return (rng.standard_normal((_demo.POOL, heads, head_dim)).astype(np.float32),
+            rng.standard_t(3, (_demo.POOL, heads, head_dim)).astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", list(kvcore.FORMATS))
+def test_demo_row_reads_back_by_the_rule(fmt, rng):
+    keys, vals = _pool(rng)
+    row = _demo.run_format(fmt, keys, vals, layers=3, capacity=70)
+    name, mib, per_pos, ratio, step_us, check, err_g, err_t = row
+    assert name == fmt and check == ("exact" if fmt == "f32" else "as rule")
+    spec = kvcore.KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, capacity=70, format=fmt)
+    assert per_pos == spec.bytes_per_position and float(ratio) == round(spec.compression_ratio, 2)
+    assert float(step_us) > 0
+    bound = {"f32": 0, "f16": 1e-3, "bf16": 5e-3, "int8": 2e-2, "q8_0": 2e-2,
+             "fp8_e4m3": 6e-2, "fp8_e5m2": 1.2e-1}[fmt]
+    assert float(err_g) <= bound and float(err_t) <= bound
+
+
+def test_demo_reports_a_mismatch(rng, monkeypatch):
+    keys, vals = _pool(rng)
+    wrong = lambda x, fmt: kvcore.quantize(x + 1, fmt)  # noqa: E731
+    monkeypatch.setattr(_demo, "_expected_codes", wrong)
+    assert _demo.run_format("int8", keys, vals, layers=1, capacity=4)[5] == "MISMATCH"
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"kvcore {kvcore.__version__}" in out
+    assert ("OpenMP on" if kvcore.openmp_enabled() else "OpenMP off") in out
+    assert f"threads: {kvcore.max_threads()}" in out
+    for name in kvcore.FORMATS:
+        assert f"\n{name} " in out
+    assert "cuda-python: " in out and "GPU: " in out
+
+
+def test_module_entry_point():
+    run = subprocess.run([sys.executable, "-m", "kvcore", "info"], capture_output=True, text=True)
+    assert run.returncode == 0 and "formats (per head row, head_dim 128)" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvcore", "bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'bogus'" in bad.stderr
