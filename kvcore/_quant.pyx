@@ -36,6 +36,7 @@ cdef enum:
     FP8_E5M2 = 5
     Q8_0 = 6
     QK = 32                 # q8_0 block
+    ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     ABS_MASK = 0x7fffffff
     F32_INF = 0x7f800000    # bits of +inf
 
@@ -390,18 +391,19 @@ cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_ki
     return buf
 
 
-def quantize_rows(cnp.ndarray x, const int64_t[::1] offsets, Py_ssize_t stride,
-                  int in_kind, int fmt, cnp.ndarray codes, cnp.ndarray scales,
-                  float[:, ::1] work) -> int:
-    """Encodes R rows of D values into codes [R, D] and scales [R, S] (both C-contiguous).
+def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
+                  Py_ssize_t inner_stride, Py_ssize_t stride, int in_kind, int fmt,
+                  cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work) -> int:
+    """Encodes R = len(outer) * n_inner rows of D values into codes [R, D] and scales
+    [R, S] (both C-contiguous).
 
-    IN x: the input array; row r starts `offsets[r]` bytes after x's data pointer, its
-    values `stride` bytes apart, of kind F32 / F16 / BF16 (format ids).
-    OUT codes, scales (scales None for float formats). work: float32 [threads, D] scratch.
-    Returns the number of rows refused (a non-finite value, or q8_0 out of range); those
-    rows are left unwritten and the caller raises.
+    IN x: the input array. Row r = o * n_inner + i starts outer[o] + i * inner_stride
+    bytes after x's data pointer, its D values `stride` bytes apart, of kind F32 / F16 /
+    BF16 (format ids). OUT codes, scales (None for float formats). work: float32
+    [threads, D] scratch. Returns the number of rows refused (a non-finite value, or q8_0
+    out of range); those rows are left unwritten and the caller raises.
     """
-    cdef Py_ssize_t r, nrows = offsets.shape[0], d = codes.shape[codes.ndim - 1]
+    cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = codes.shape[codes.ndim - 1]
     cdef Py_ssize_t code_row = d * codes.itemsize
     cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
     cdef const char* src = <const char*>cnp.PyArray_DATA(x)
@@ -410,19 +412,29 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] offsets, Py_ssize_t stride,
     cdef uint32_t limit = _Q8_0_LIMIT_BITS if fmt == Q8_0 else F32_INF
     cdef uint32_t amax
     cdef const float* row
-    cdef Py_ssize_t bad = 0
+    cdef Py_ssize_t c, r, o, i, bad = 0
+    cdef Py_ssize_t nchunks = (nrows + ROW_CHUNK - 1) // ROW_CHUNK
     cdef int nt = num_threads()
     if work.shape[0] < nt:
         raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
     with nogil, parallel(num_threads=nt):
-        for r in prange(nrows, schedule="static"):
-            row = _load_row(src + offsets[r], stride, in_kind, d, &work[threadid(), 0])
-            amax = _amax_bits(row, d)
-            if amax >= limit:
-                bad += 1
-            else:
-                _encode_scaled(fmt, row, d, amax, dst + r * code_row,
-                               sdst + r * scale_row if sdst != NULL else NULL)
+        # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it steps
+        for c in prange(nchunks, schedule="static"):
+            o = c * ROW_CHUNK // n_inner
+            i = c * ROW_CHUNK - o * n_inner
+            for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
+                row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
+                                &work[threadid(), 0])
+                amax = _amax_bits(row, d)
+                if amax >= limit:
+                    bad += 1
+                else:
+                    _encode_scaled(fmt, row, d, amax, dst + r * code_row,
+                                   sdst + r * scale_row if sdst != NULL else NULL)
+                i = i + 1
+                if i == n_inner:
+                    i = 0
+                    o = o + 1
     return bad
 
 

@@ -25,16 +25,27 @@ def _input_kind(x: np.ndarray) -> int:
     return _INPUT_KIND.get(x.dtype, BF16)  # dtype already checked: the rest is bfloat16
 
 
-def _row_offsets(x: np.ndarray) -> np.ndarray:
-    """Byte offset of each row's first value from x's data pointer: int64 [R], R the
-    product of x.shape[:-1], in C order (works for any strides, negative included)."""
-    lead, strides = x.shape[:-1], x.strides[:-1]
-    off = np.zeros(lead, dtype=np.int64)
-    for axis, (n, s) in enumerate(zip(lead, strides)):
-        shape = [1] * len(lead)
+def _row_walk(x: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """How the kernel walks the rows of x [..., D] in C order without copying x:
+    (outer byte offsets int64 [R_outer], n_inner, inner byte stride), row
+    o * n_inner + i starting at outer[o] + i * inner stride. Leading axes that are
+    contiguous with each other are merged first, so a C-contiguous x has one outer row."""
+    dims = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n != 1]
+    merged: list[tuple[int, int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if not merged or 0 in x.shape[:-1]:
+        merged = [(0 if 0 in x.shape[:-1] else 1, 0)]
+    n_inner, inner_stride = merged[-1]
+    outer = np.zeros([n for n, _ in merged[:-1]], dtype=np.int64)
+    for axis, (n, s) in enumerate(merged[:-1]):
+        shape = [1] * outer.ndim
         shape[axis] = n
-        off += (np.arange(n, dtype=np.int64) * s).reshape(shape)
-    return off.reshape(-1)
+        outer += (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return outer.reshape(-1), n_inner, inner_stride
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> str:
@@ -79,8 +90,9 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
     codes = np.empty(lead + (d,), dtype=f.code_dtype)
     scales = np.empty(lead + (f.scales_per_row(d),), dtype=f.scale_dtype) if f.quantized else None
     work = np.empty((max_threads(), d), dtype=np.float32)
-    bad = _quant.quantize_rows(x, _row_offsets(x), x.strides[-1], _input_kind(x), f.id,
-                               codes, scales, work)
+    outer, n_inner, inner_stride = _row_walk(x)
+    bad = _quant.quantize_rows(x, outer, n_inner, inner_stride, x.strides[-1], _input_kind(x),
+                               f.id, codes, scales, work)
     if bad:
         _raise_bad_value(x, f)
     return codes.view(view_dtype(f)), scales
