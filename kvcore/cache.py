@@ -83,7 +83,11 @@ def _zeroed_pages(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] on fresh anonymous pages: zero-filled, page-aligned, private to
     this process (copied on write across fork), returned to the OS when freed."""
     flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
-    return np.frombuffer(mmap.mmap(-1, nbytes, **flags), dtype=np.uint8)
+    try:
+        pages = mmap.mmap(-1, nbytes, **flags)
+    except OSError as e:
+        raise MemoryError(f"cannot allocate the cache's {nbytes} bytes: {e.strerror}") from e
+    return np.frombuffer(pages, dtype=np.uint8)
 
 
 class KVCache:

@@ -525,3 +525,14 @@ def test_random_call_sequences(fmt, ops):
         if held[layer]:
             ks, vs = (np.stack(x) for x in zip(*held[layer]))
             assert_held(cache, layer, ks, vs, pending=True)
+
+
+def test_allocation_failure_names_the_bytes(monkeypatch):
+    import errno
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match=r"cannot allocate the cache's 4096 bytes"):
+        make("f32", layers=1, heads=1, head_dim=128, capacity=4)
