@@ -27,7 +27,7 @@ from .._validate import check_index, float_input_dtypes
 from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError, ShapeError,
                       SnapshotError, SpecError, StateError)
 from ..formats import Format
-from ..snapshot import Snapshot
+from ..snapshot import Snapshot, fit_snapshot
 from ..spec import KVSpec
 from . import driver, kernels
 from .driver import Context, Stream
@@ -162,15 +162,15 @@ class GpuKVCache:
         self.slots = int(slots)
         self.layout = GpuLayout(spec, self.slots)
         self.ctx = Context.get(device)
-        self._own_stream = stream is None
-        self.stream = Stream.create(self.ctx) if stream is None else (
-            stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
-        driver.refuse_while_capturing("GpuKVCache()", self.stream)
+        driver.refuse_while_capturing("GpuKVCache()", *(() if stream is None else (stream,)))
         free, _ = self.ctx.mem_get_info()
         if self.layout.total_bytes > free:
             fit = max_slots_for_memory(spec, free)
             raise SpecError(f"GpuKVCache of {self.slots} slots needs {self.layout.total_bytes} bytes, "
                             f"the device has {free} free: at most {fit} slots fit")
+        self._own_stream = stream is None
+        self.stream = Stream.create(self.ctx) if stream is None else (
+            stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
         self.generation = 0
         self._data = DeviceBuffer.alloc(self.layout.data_bytes, ctx=self.ctx)
         try:
@@ -488,15 +488,18 @@ class GpuKVCache:
         if n > a.capacity:
             raise CapacityError(f"{what} holds {n} positions, the cache's capacity is {a.capacity}")
 
-    def restore(self, snapshot: Snapshot, slot: int) -> None:
-        """Makes `slot` hold exactly `snapshot` (all layers); its length becomes snapshot.length."""
-        self.scatter(snapshot, slot)
+    def restore(self, snapshot: Snapshot, slot: int, *, requantize: bool = False) -> None:
+        """Makes `slot` hold `snapshot` (all layers); its length becomes snapshot.length.
+        Checked by kvcore.snapshot.fit_snapshot, as the CPU cache's restore."""
+        self.scatter(snapshot, slot, requantize=requantize)
 
-    def scatter(self, src, slot: int, layer: int | None = None) -> None:
+    def scatter(self, src, slot: int, layer: int | None = None, *,
+                requantize: bool = False) -> None:
         """Copies positions [0, n) of `src` into `slot`: every layer, or only `layer`.
-        src: a Snapshot (from a CPU or GPU cache) or a one-slot GpuKVCache of the same
-        layers, heads, head_dim and format. The slot's length becomes n; when copying
-        one layer, copy the others too before reading the slot."""
+        src: a Snapshot (from a CPU or GPU cache; checked by fit_snapshot, re-encoded when
+        requantize=True) or a one-slot GpuKVCache of the same layers, heads, head_dim and
+        format. The slot's length becomes n; when copying one layer, copy the others too
+        before reading the slot."""
         self._alive()
         slot = check_index("slot", slot, self.slots)
         s = self.spec
@@ -516,8 +519,8 @@ class GpuKVCache:
                 for region in regions:
                     self._copy3d(region, slot, layers, n, src=src)
         elif isinstance(src, Snapshot):
+            src = fit_snapshot(s, src, requantize=requantize)
             n = src.length
-            self._check_source(src.spec, n, "snapshot")
             self._sync("scatter")
             hosts = []  # kept alive until the stream has copied them
             for region in ("k_codes", "v_codes", "k_scales", "v_scales"):

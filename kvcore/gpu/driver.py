@@ -96,6 +96,7 @@ class Context:
         self._handle = handle
         self.live_bytes = 0
         self.modules: dict[str, object] = {}  # PTX modules loaded in it (kernels.py)
+        self.order_event: Event | None = None  # reused by order_after
         drv = cuda()
         attr = drv.CUdevice_attribute
         self.name = call("cuDeviceGetName", 256, device).split(b"\0")[0].decode()
@@ -176,10 +177,13 @@ class Stream:
         self._owned = owned
 
     @classmethod
-    def create(cls, ctx: Context | None = None) -> "Stream":
+    def create(cls, ctx: Context | None = None, *, non_blocking: bool = False) -> "Stream":
+        """A new stream; by default a blocking one, ordered after the legacy default
+        stream (where torch and CuPy queue their work unless told otherwise)."""
         ctx = ctx or Context.get()
         ctx.activate()
-        flags = cuda().CUstream_flags.CU_STREAM_NON_BLOCKING
+        f = cuda().CUstream_flags
+        flags = f.CU_STREAM_NON_BLOCKING if non_blocking else f.CU_STREAM_DEFAULT
         return cls(ctx, call("cuStreamCreate", flags), True)
 
     @classmethod
@@ -284,6 +288,17 @@ class Event:
         if self._handle is not None:
             call("cuEventDestroy", self._handle)
         self._handle = None
+
+
+def order_after(producer: int, consumer) -> None:
+    """Makes `consumer` wait for the work queued so far on stream handle `producer`
+    (1 = legacy default stream, 2 = per-thread default), via an event recorded there."""
+    ctx = Context.get()
+    if ctx.order_event is None:
+        ctx.order_event = Event.create(ctx, timing=False)
+    ev = ctx.order_event.handle
+    call("cuEventRecord", ev, cuda().CUstream(producer))
+    call("cuStreamWaitEvent", stream_handle(consumer), ev, 0)
 
 
 # ---------------------------------------------------------------------------- launches

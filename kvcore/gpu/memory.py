@@ -257,12 +257,16 @@ def _c_strides(shape, itemsize) -> tuple[int, ...]:
 def as_device_array(obj, name: str = "array", *, stream=None) -> DeviceArray:
     """A DeviceArray view of `obj`: a DeviceArray / DeviceBuffer, anything with
     `__cuda_array_interface__` (CuPy, torch, Numba), or a DLPack producer on a CUDA device
-    (torch bfloat16, JAX). `stream` is the stream the caller will use it on (passed to the
-    producer so that it orders its pending work before). No copy is made."""
+    (torch bfloat16, JAX). `stream` is the stream the caller will use it on: it waits for
+    the producer's pending work (the CAI "stream" entry, or DLPack's stream argument).
+    No copy is made."""
     if isinstance(obj, DeviceArray):
         return obj
     if isinstance(obj, DeviceBuffer):
         return obj.view((obj.nbytes,), np.uint8)
+    if isinstance(obj, np.ndarray):
+        raise DTypeError(f"invalid type of {name}: expected a device array, got numpy.ndarray "
+                         f"(copy it with DeviceBuffer.from_numpy)")
     ctx = Context.get()
     cai = None
     try:
@@ -270,6 +274,9 @@ def as_device_array(obj, name: str = "array", *, stream=None) -> DeviceArray:
     except (AttributeError, TypeError):  # torch raises TypeError for bfloat16
         pass
     if cai is not None:
+        producer = cai.get("stream")
+        if producer is not None and stream is not None and int(producer) != int(driver.stream_handle(stream)):
+            driver.order_after(int(producer), stream)
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
         return DeviceArray(ctx, int(cai["data"][0]), shape, dtype, owner=obj,

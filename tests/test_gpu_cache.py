@@ -1,0 +1,506 @@
+"""GpuKVCache and the layer under it, on a device (skipped without one).
+
+The reference is the CPU: kvcore.quantize for codes and scales, KVCache and
+take_snapshot / restore_snapshot for layouts. Device memory is poisoned (0xA5) before
+kernels run, so a byte a kernel should not write is caught."""
+import ctypes
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import (CapacityError, FORMATS, KVCache, KVSpec, NonFiniteError, OutOfRangeError,
+                    ShapeError, SnapshotError, SpecError, StateError, quantize)
+from kvcore.snapshot import restore_snapshot, take_snapshot
+
+pytestmark = pytest.mark.gpu
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+POISON = 0xA5
+IN_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from kvcore import gpu
+    return gpu
+
+
+def rows(rng, shape, dtype, fmt="f32"):
+    """Head rows with scales spread over 2^-12..2^12 and the edge rows: all zeros, signed
+    zeros, tiny values, and a row of quarter steps (many exact halves after scaling)."""
+    x = rng.standard_normal(shape) * np.exp2(rng.uniform(-12, 12, shape[:-1] + (1,)))
+    flat = x.reshape(-1, shape[-1])
+    if flat.shape[0] >= 4:
+        flat[0] = 0.0
+        flat[1] = -0.0
+        flat[1, ::3] = 0.0
+        flat[2] *= 1e-30
+        d = shape[-1]
+        flat[3] = (np.arange(d) % 64 - 31.5) * 0.25
+    return x.astype(np.float32).astype(dtype)
+
+
+def dev(gpu, x):
+    """A device copy of numpy x, as a DeviceArray of x's dtype and shape."""
+    buf = gpu.DeviceBuffer.from_numpy(x)
+    return buf.view(x.shape, x.dtype)
+
+
+def raw(fmt, a):
+    return np.ascontiguousarray(a).view(FORMATS[fmt].code_dtype)
+
+
+def poisoned(shape, dtype):
+    return np.full(int(np.prod(shape)) * np.dtype(dtype).itemsize, POISON, np.uint8).view(dtype).reshape(shape)
+
+
+def new_cache(gpu, spec, slots):
+    cache = gpu.GpuKVCache(spec, slots)
+    cache._data.fill(POISON)
+    return cache
+
+
+def device_state(cache, layer):
+    out = [cache.keys(layer).to_numpy(), cache.values(layer).to_numpy()]
+    if cache.spec.fmt.quantized:
+        out += [cache.key_scales(layer).to_numpy(), cache.value_scales(layer).to_numpy()]
+    return out
+
+
+# ------------------------------------------------------------------ driver and memory
+
+def test_context_and_properties(gpu):
+    ctx = gpu.Context.get()
+    assert ctx.sm_count > 0 and ctx.compute_capability >= (8, 0) and ctx.name
+    free, total = ctx.mem_get_info()
+    assert 0 < free <= total
+
+
+def test_cuda_error_names_call_and_result(gpu):
+    with pytest.raises(kvcore.CudaError, match=r"^cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory"):
+        gpu.DeviceBuffer.alloc(1 << 52)
+
+
+def test_device_buffer_copies_free_and_accounting(gpu, rng):
+    ctx = gpu.Context.get()
+    before = ctx.live_bytes
+    x = rng.standard_normal(1000).astype(np.float32)
+    buf = gpu.DeviceBuffer.from_numpy(x)
+    assert ctx.live_bytes == before + x.nbytes == before + buf.nbytes
+    out = np.empty_like(x)
+    buf.copy_to_host(out)
+    assert np.array_equal(out, x)
+    s = gpu.Stream.create()
+    y = rng.standard_normal(1000).astype(np.float32)
+    buf.copy_from_host(y, stream=s)
+    out2 = np.empty_like(y)
+    buf.copy_to_host(out2, stream=s)
+    s.synchronize()
+    assert np.array_equal(out2, y)
+    assert np.array_equal(buf.view((10, 100), np.float32, offset=0).to_numpy(), y.reshape(10, 100))
+    with pytest.raises(ShapeError, match="invalid view"):
+        buf.view((1001,), np.float32)
+    with pytest.raises(ShapeError, match="outside the buffer"):
+        buf.copy_from_host(np.zeros(1001, np.float32))
+    v = buf.view((1000,), np.float32)
+    buf.free()
+    buf.free()  # idempotent
+    assert ctx.live_bytes == before
+    with pytest.raises(StateError, match="freed DeviceBuffer"):
+        buf.ptr
+    with pytest.raises(StateError, match="freed DeviceBuffer"):
+        buf.copy_to_host(out)
+    with pytest.raises(StateError, match="freed DeviceBuffer"):
+        v.to_numpy()
+    s.destroy()
+
+
+def test_events_time_a_copy(gpu):
+    s = gpu.Stream.create()
+    a, b = gpu.Event.create(), gpu.Event.create()
+    buf = gpu.DeviceBuffer.alloc(1 << 24)
+    a.record(stream=s)
+    buf.fill(1, stream=s)
+    b.record(stream=s)
+    b.synchronize()
+    assert a.elapsed_ms(b) > 0
+    buf.free()
+    for e in (a, b):
+        e.destroy()
+    s.destroy()
+
+
+# ------------------------------------------------------------------ encoders: bit equality
+
+def _check_against_cpu(gpu, fmt, in_dtype, D, rng, slots=4, L=2, H=3, N=9):
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N, format=fmt)
+    f = spec.fmt
+    cache = new_cache(gpu, spec, slots)
+    S = f.scales_per_row(D)
+    exp = [[poisoned((slots, H, N, D), f.code_dtype) for _ in range(2)] for _ in range(L)]
+    exps = [[poisoned((slots, H, N, S), f.scale_dtype) for _ in range(2)] for _ in range(L)] if f.quantized else None
+    keep = []
+
+    def expect(layer, which, x, slot_pos):
+        codes, scales = quantize(x, fmt)
+        for i, (slot, pos) in enumerate(slot_pos):
+            exp[layer][which][slot, :, pos] = raw(fmt, codes[i])
+            if exps is not None:
+                exps[layer][which][slot, :, pos] = scales[i]
+
+    for t in range(3):  # three batched steps: one position for every slot
+        for layer in range(L):
+            k, v = rows(rng, (slots, H, D), in_dtype), rows(rng, (slots, H, D), in_dtype)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            cache.append(layer, keep[-2], keep[-1])
+            expect(layer, 0, k, [(s, t) for s in range(slots)])
+            expect(layer, 1, v, [(s, t) for s in range(slots)])
+        cache.advance()
+    T = 5  # then T positions into one slot
+    for layer in range(L):
+        k, v = rows(rng, (T, H, D), in_dtype), rows(rng, (T, H, D), in_dtype)
+        keep += [dev(gpu, k), dev(gpu, v)]
+        cache.append(layer, keep[-2], keep[-1], slot=slots - 1)
+        expect(layer, 0, k, [(slots - 1, 3 + i) for i in range(T)])
+        expect(layer, 1, v, [(slots - 1, 3 + i) for i in range(T)])
+    cache.advance(slot=slots - 1, steps=T)
+    cache.check()
+    assert list(cache.lengths_host()) == [3] * (slots - 1) + [3 + T]
+    for layer in range(L):
+        got = device_state(cache, layer)
+        want = exp[layer] + (exps[layer] if exps is not None else [])
+        for g, w in zip(got, want):
+            assert g.view(np.uint8).tobytes() == w.view(np.uint8).tobytes()
+    cache.free()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("in_dtype", list(IN_DTYPES))
+def test_append_equals_cpu_encoder(gpu, fmt, in_dtype, rng):
+    _check_against_cpu(gpu, fmt, IN_DTYPES[in_dtype], 64, rng)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("D", [1, 40, 96, 256])
+def test_append_equals_cpu_encoder_head_dims(gpu, fmt, D, rng):
+    if fmt == "q8_0" and D % 32:
+        pytest.skip("q8_0 needs head_dim % 32 == 0")
+    _check_against_cpu(gpu, fmt, np.float32, D, rng, slots=5, L=1, H=2, N=12)
+
+
+def test_append_reads_strided_input(gpu, rng):
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=4, format="int8")
+    cache = new_cache(gpu, spec, 3)
+    big = rows(rng, (3, 5, 64), np.float32)  # heads 0 and 2 of 5: strides (5*64*4, 2*64*4, 4)
+    buf = gpu.DeviceBuffer.from_numpy(big)
+    k = gpu.DeviceArray(buf.ctx, buf.ptr, (3, 2, 64), np.float32, owner=buf,
+                        strides=(5 * 64 * 4, 2 * 64 * 4, 4))
+    cache.append(0, k, k)
+    cache.advance()
+    cache.check()
+    codes, scales = quantize(big[:, ::2][:, :2], "int8")
+    assert np.array_equal(cache.keys(0).to_numpy()[:, :, 0], codes)
+    assert np.array_equal(cache.value_scales(0).to_numpy()[:, :, 0], scales)
+    cache.free()
+
+
+# ------------------------------------------------------------------ errors on the device
+
+def test_capacity_flag_writes_nothing(gpu, rng):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, capacity=3, format="fp8_e4m3")
+    cache = new_cache(gpu, spec, 2)
+    x = dev(gpu, rows(rng, (2, 2, 32), np.float32))
+    for _ in range(3):
+        for layer in range(2):
+            cache.append(layer, x, x)
+        cache.advance()
+    cache.check()
+    before = [device_state(cache, l) for l in range(2)]
+    cache.append(0, x, x)  # every slot is full
+    cache.advance()
+    with pytest.raises(CapacityError, match="would pass capacity 3"):
+        cache.check()
+    cache.check()  # cleared
+    assert list(cache.lengths_host()) == [3, 3]
+    cache.truncate(1, 1)
+    cache.append(0, x, x)  # slot 1 has room, slot 0 does not: the step writes nothing
+    with pytest.raises(CapacityError):
+        cache.check()
+    y = dev(gpu, rows(rng, (3, 2, 32), np.float32))
+    cache.append(0, y, y, slot=1)  # 1 + 3 > 3
+    cache.advance(slot=1, steps=3)
+    with pytest.raises(CapacityError):
+        cache.synchronize()
+    after = [device_state(cache, l) for l in range(2)]
+    for a, b in zip(before, after):
+        for p, q in zip(a, b):
+            assert p.tobytes() == q.tobytes()
+    assert list(cache.lengths_host()) == [3, 1]
+    cache.free()
+
+
+def test_nonfinite_input_is_not_committed(gpu, rng):
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=4, format="q8_0")
+    cache = new_cache(gpu, spec, 2)
+    x = rows(rng, (2, 2, 32), np.float32)
+    x[1, 1, 7] = np.nan
+    cache.append(0, dev(gpu, x), dev(gpu, rows(rng, (2, 2, 32), np.float32)))
+    cache.advance()
+    with pytest.raises(NonFiniteError):
+        cache.check()
+    assert list(cache.lengths_host()) == [0, 0]
+    big = rows(rng, (2, 2, 32), np.float32)
+    big[0, 0, 0] = 1e7  # >= Q8_0_LIMIT: its float16 scale would be inf
+    cache.append(0, dev(gpu, big), dev(gpu, big))
+    cache.advance()
+    with pytest.raises(NonFiniteError):
+        cache.check()
+    assert list(cache.lengths_host()) == [0, 0]
+    cache.free()
+
+
+def test_append_validates(gpu, rng):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, capacity=4, format="int8")
+    cache = gpu.GpuKVCache(spec, 3)
+    ok = dev(gpu, rows(rng, (3, 2, 32), np.float32))
+    with pytest.raises(ShapeError, match=r"invalid shape of k: expected \[3, 2, 32\], got \[2, 2, 32\]"):
+        cache.append(0, dev(gpu, rows(rng, (2, 2, 32), np.float32)), ok)
+    with pytest.raises(kvcore.DTypeError, match="invalid dtype of k"):
+        cache.append(0, dev(gpu, np.zeros((3, 2, 32), np.float64)), ok)
+    with pytest.raises(OutOfRangeError, match="layer 2 out of range"):
+        cache.append(2, ok, ok)
+    with pytest.raises(ShapeError, match="with 1 <= T <= 4"):
+        big = dev(gpu, rows(rng, (5, 2, 32), np.float32))
+        cache.append(0, big, big, slot=0)
+    with pytest.raises(kvcore.DTypeError, match="invalid type of k"):
+        cache.append(0, np.zeros((3, 2, 32), np.float32), ok)
+    with pytest.raises(OutOfRangeError, match="n 2 out of range"):
+        cache.truncate(0, 2)
+    cache.check()
+    assert list(cache.lengths_host()) == [0, 0, 0]
+    cache.free()
+
+
+# ------------------------------------------------------------------ snapshots and scatter
+
+def _cpu_cache(spec, rng, n):
+    cpu = KVCache(spec)
+    for _ in range(n):
+        for layer in range(spec.num_layers):
+            shape = (1, spec.num_kv_heads, spec.head_dim)
+            cpu.append(layer, rows(rng, shape, np.float32), rows(rng, shape, np.float32))
+        cpu.advance()
+    return cpu
+
+
+def _same(a, b):
+    assert a.length == b.length
+    for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert x.view(np.uint8).tobytes() == y.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_snapshots_move_between_cpu_and_gpu(gpu, fmt, rng):
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, capacity=20, format=fmt)
+    cpu = _cpu_cache(spec, rng, 11)
+    snap = take_snapshot(cpu)
+    cache = new_cache(gpu, spec.replace(capacity=33), 3)
+    cache.restore(snap, 1)
+    assert list(cache.lengths_host()) == [0, 11, 0]
+    _same(cache.snapshot(1), snap)
+    assert cache.snapshot(0).length == 0
+    # GPU appends land where the CPU cache puts the same rows
+    cpu2 = KVCache(spec)
+    keep = []
+    for _ in range(4):
+        for layer in range(3):
+            k, v = rows(rng, (3, 2, 64), np.float32), rows(rng, (3, 2, 64), np.float32)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            cache.append(layer, keep[-2], keep[-1])
+            cpu2.append(layer, k[2:3], v[2:3])
+        cache.advance()
+        cpu2.advance()
+    g = cache.snapshot(2)
+    _same(g, take_snapshot(cpu2))
+    restore_snapshot(cpu, g)  # back to a CPU cache
+    _same(take_snapshot(cpu), take_snapshot(cpu2))
+    with pytest.raises(SnapshotError):
+        cache.restore(take_snapshot(KVCache(spec.replace(head_dim=32))), 0)
+    cache.free()
+
+
+def test_scatter_from_a_one_slot_cache(gpu, rng):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, capacity=16, format="int8")
+    src = new_cache(gpu, spec.replace(capacity=8), 1)
+    src.restore(take_snapshot(_cpu_cache(spec, rng, 7)), 0)
+    dst = new_cache(gpu, spec, 3)
+    dst.scatter(src, 2)
+    assert list(dst.lengths_host()) == [0, 0, 7]
+    _same(dst.snapshot(2), src.snapshot(0))
+    other = take_snapshot(_cpu_cache(spec, rng, 5))
+    dst.scatter(other, 0, layer=1)  # one layer from a CPU snapshot
+    got = dst.snapshot(0)
+    assert got.length == 5
+    assert np.array_equal(got.k_codes[1], other.k_codes[1])
+    assert np.array_equal(got.v_scales[1], other.v_scales[1])
+    with pytest.raises(ShapeError, match="one-slot"):
+        src.scatter(dst, 0)
+    src.free()
+    dst.free()
+
+
+# ------------------------------------------------------------------ pointers, views, interop
+
+def test_pointer_tables_and_views(gpu):
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=32, capacity=8, format="q8_0")
+    cache = gpu.GpuKVCache(spec, 4)
+    for layer in range(3):
+        want = [cache.k_ptr(layer, s) for s in range(4)]
+        assert list(cache.k_ptrs(layer).to_numpy()) == want
+        assert list(cache.v_ptrs(layer).to_numpy()) == [cache.v_ptr(layer, s) for s in range(4)]
+        assert list(cache.k_scale_ptrs(layer).to_numpy()) == [cache.k_scale_ptr(layer, s) for s in range(4)]
+        assert list(cache.v_scale_ptrs(layer).to_numpy()) == [cache.v_scale_ptr(layer, s) for s in range(4)]
+        assert cache.keys(layer).ptr == want[0]
+        assert want[1] - want[0] == 2 * 8 * 32
+    assert cache.keys(0).shape == (4, 2, 8, 32) and cache.key_scales(0).shape == (4, 2, 8, 1)
+    assert cache.lengths.dtype == np.int32 and cache.lengths.shape == (4,)
+    f16 = gpu.GpuKVCache(spec.replace(format="f16"), 2)
+    with pytest.raises(kvcore.FormatError, match="has no scales"):
+        f16.k_scale_ptr(0, 0)
+    assert list(f16.k_scale_ptrs(0).to_numpy()) == [0, 0]
+    cache.free()
+    f16.free()
+
+
+def test_dlpack_and_cai_with_torch(gpu, rng):
+    torch = pytest.importorskip("torch")
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=8, format="int8")
+    cache = new_cache(gpu, spec, 3)
+    t = torch.from_dlpack(cache.keys(0))
+    assert t.device.type == "cuda" and t.dtype == torch.int8 and tuple(t.shape) == (3, 2, 8, 32)
+    assert t.data_ptr() == cache.k_ptr(0, 0)
+    t[1, 0, 2].fill_(7)
+    torch.cuda.synchronize()
+    assert (cache.keys(0).to_numpy()[1, 0, 2] == 7).all()
+    s = torch.from_dlpack(cache.key_scales(0))
+    assert s.dtype == torch.float32 and s.data_ptr() == cache.k_scale_ptr(0, 0)
+    # torch tensors as append input: bfloat16 through DLPack, float16 through CAI
+    for dtype in (torch.bfloat16, torch.float16):
+        k = torch.randn(3, 2, 32, device="cuda", dtype=dtype) * 3
+        v = torch.randn(3, 2, 32, device="cuda", dtype=dtype)
+        cache.append(0, k, v)
+        cache.advance()
+        cache.check()
+        n = cache.length(0) - 1
+        codes, scales = quantize(k.float().cpu().numpy(), "int8")
+        assert np.array_equal(cache.keys(0).to_numpy()[:, :, n], codes)
+        assert np.array_equal(cache.key_scales(0).to_numpy()[:, :, n], scales)
+    del t, s
+    cache.free()
+
+
+def test_dlpack_and_cai_with_cupy(gpu):
+    cp = pytest.importorskip("cupy")
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=8, format="f16")
+    cache = new_cache(gpu, spec, 2)
+    a = cp.from_dlpack(cache.values(0))
+    assert a.dtype == cp.float16 and a.shape == (2, 2, 8, 32)
+    assert a.data.ptr == cache.v_ptr(0, 0)
+    b = cp.asarray(cache.lengths)  # __cuda_array_interface__
+    assert b.data.ptr == cache.lengths.ptr
+    a[0, 1, 3] = 1.5
+    cp.cuda.Device().synchronize()
+    assert (cache.values(0).to_numpy()[0, 1, 3] == np.float16(1.5)).all()
+    x = cp.asarray(np.arange(2 * 2 * 32, dtype=np.float32).reshape(2, 2, 32) / 7)
+    cache.append(0, x, x)
+    cache.advance()
+    cache.check()
+    assert np.array_equal(cache.keys(0).to_numpy()[:, :, 0], cp.asnumpy(x).astype(np.float16))
+    del a, b
+    cache.free()
+
+
+# ------------------------------------------------------------------ graphs
+
+def test_graph_replay_equals_eager(gpu, rng):
+    drv = gpu.driver.cuda()
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, capacity=128, format="fp8_e5m2")
+    M, steps = 4, 100
+    eager, graphed = new_cache(gpu, spec, M), new_cache(gpu, spec, M)
+    xs = rows(rng, (steps, 3, 2, M, 2, 64), np.float16)  # step, layer, k/v, [M, Hkv, D]
+    inp = gpu.DeviceBuffer.from_numpy(xs[0])  # fixed input buffer the graph reads
+    views = [[inp.view((M, 2, 64), np.float16, offset=((l * 2 + w) * M * 2 * 64) * 2)
+              for w in range(2)] for l in range(3)]
+    st = graphed.stream
+    gpu.driver.call("cuStreamBeginCapture", st.handle,
+                    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        for layer in range(3):
+            graphed.append(layer, views[layer][0], views[layer][1])
+        graphed.advance()
+        with pytest.raises(StateError, match="while a stream is capturing"):
+            graphed.snapshot(0)
+        with pytest.raises(StateError, match="while a stream is capturing"):
+            graphed.check()
+    finally:
+        graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+    keep = []
+    for t in range(steps):
+        host = np.ascontiguousarray(xs[t])  # alive until the step's sync below
+        inp.copy_from_host(host, stream=st)
+        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        for layer in range(3):
+            keep += [dev(gpu, xs[t, layer, 0]), dev(gpu, xs[t, layer, 1])]
+            eager.append(layer, keep[-2], keep[-1])
+        eager.advance()
+        st.synchronize()  # the host input is reused next step
+    eager.check()
+    graphed.check()
+    assert list(graphed.lengths_host()) == [steps] * M
+    for s in range(M):
+        _same(graphed.snapshot(s), eager.snapshot(s))
+    gpu.driver.call("cuGraphExecDestroy", exe)
+    gpu.driver.call("cuGraphDestroy", graph)
+    eager.free()
+    graphed.free()
+
+
+# ------------------------------------------------------------------ memory fit and lifetime
+
+def test_fit_and_refusal_before_allocating(gpu):
+    ctx = gpu.Context.get()
+    spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, capacity=4096, format="int8")
+    free, _ = ctx.mem_get_info()
+    live = ctx.live_bytes
+    too_many = gpu.max_slots_for_memory(spec, free) + 1
+    with pytest.raises(SpecError, match=rf"GpuKVCache of {too_many} slots needs \d+ bytes, the device has \d+ free"):
+        gpu.GpuKVCache(spec, too_many)
+    assert ctx.live_bytes == live
+    reserve = free - 3 * gpu.GpuLayout(spec, 1).total_bytes
+    cache = gpu.GpuKVCache.fit(spec, reserve)
+    assert 1 <= cache.slots <= 3
+    cache.free()
+    with pytest.raises(SpecError, match="one slot needs"):
+        gpu.GpuKVCache.fit(spec, free)
+
+
+def test_free_and_use_after_free(gpu):
+    ctx = gpu.Context.get()
+    live = ctx.live_bytes
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=32, capacity=4, format="bf16")
+    cache = gpu.GpuKVCache(spec, 2)
+    assert ctx.live_bytes == live + cache.memory_bytes
+    g = cache.generation
+    cache.free()
+    cache.free()
+    assert cache.generation == g + 1 and ctx.live_bytes == live
+    for call in (lambda: cache.k_ptr(0, 0), lambda: cache.lengths, lambda: cache.check(),
+                 lambda: cache.snapshot(0), lambda: cache.advance()):
+        with pytest.raises(StateError, match="freed GpuKVCache"):
+            call()

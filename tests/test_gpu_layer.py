@@ -1,0 +1,137 @@
+"""CPU-only checks of the GPU layer: lazy imports, is_available, layout arithmetic, memory
+fit, argument validation, the shared device constants, and the checked-in PTX."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import FORMATS, KVSpec, SpecError
+from kvcore.gpu import GpuKVCache, GpuLayout, is_available, max_slots_for_memory
+from kvcore.gpu import cache as gpu_cache
+from kvcore.gpu import kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str) -> str:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+def test_import_needs_no_cuda_python():
+    out = _run("import sys, kvcore, kvcore.gpu; "
+               "print(sorted(m for m in sys.modules if m == 'cuda' or m.startswith('cuda.')))")
+    assert out == "[]"
+
+
+def test_is_available_false_without_cuda_python():
+    # a missing module (sys.modules entry None makes the import fail) answers False
+    out = _run("import sys; sys.modules['cuda'] = None; "
+               "from kvcore import gpu; print(gpu.is_available())")
+    assert out == "False"
+
+
+def test_is_available_never_raises():
+    assert is_available() in (True, False)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("slots", [1, 3, 7])
+def test_layout_arithmetic(fmt, slots):
+    spec = KVSpec(num_layers=3, num_kv_heads=5, head_dim=64, capacity=37, format=fmt)
+    lay = GpuLayout(spec, slots)
+    f = spec.fmt
+    S = f.scales_per_row(64)
+    assert lay.code_shape == (3, slots, 5, 37, 64)
+    assert lay.scale_shape == (3, slots, 5, 37, S)
+    assert lay.code_strides == np.empty(lay.code_shape, f.code_dtype).strides
+    if f.quantized:
+        assert lay.scale_strides == np.empty(lay.scale_shape, f.scale_dtype).strides
+    code_bytes = 3 * slots * 5 * 37 * 64 * f.code_bytes
+    scale_bytes = 3 * slots * 5 * 37 * S * (f.scale_dtype.itemsize if f.quantized else 0)
+    assert lay.code_region_bytes == code_bytes and lay.scale_region_bytes == scale_bytes
+    off = lay.offsets
+    assert all(v % 256 == 0 for v in off.values())
+    assert off["v_codes"] >= code_bytes and off["k_scales"] >= off["v_codes"] + code_bytes
+    assert off["v_scales"] >= off["k_scales"] + scale_bytes
+    assert lay.data_bytes >= off["v_scales"] + scale_bytes
+    assert lay.data_bytes - 2 * code_bytes - 2 * scale_bytes < 4 * 256
+    # slot (layer 2, slot s) starts where the [L][M][Hkv][N][D] index says
+    for s in range(slots):
+        want = ((2 * slots + s) * 5 * 37 * 64) * f.code_bytes
+        assert lay.slot_offset("k_codes", 2, s) == want
+        assert lay.slot_offset("v_codes", 2, s) == off["v_codes"] + want
+    m = lay.meta_offsets
+    assert m["v_codes"] == 3 * slots * 8 and m["lengths"] == 4 * 3 * slots * 8
+    assert m["error"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["error"] + 4
+    assert lay.total_bytes == lay.data_bytes + lay.meta_bytes
+
+
+@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
+def test_max_slots_for_memory_is_exact(fmt):
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=128, capacity=1000, format=fmt)
+    for free in (0, GpuLayout(spec, 1).total_bytes - 1, GpuLayout(spec, 1).total_bytes,
+                 10**7, 123_456_789, 10**9):
+        for reserve in (0, 1_000_000):
+            m = max_slots_for_memory(spec, free, reserve)
+            budget = free - reserve
+            if m == 0:
+                assert GpuLayout(spec, 1).total_bytes > budget
+            else:
+                assert GpuLayout(spec, m).total_bytes <= budget < GpuLayout(spec, m + 1).total_bytes
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+def test_max_slots_for_memory_validates(bad):
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=32, capacity=8)
+    with pytest.raises(SpecError, match="free_bytes must be a non-negative int"):
+        max_slots_for_memory(spec, bad)
+    with pytest.raises(SpecError, match="reserve_bytes must be a non-negative int"):
+        max_slots_for_memory(spec, 100, bad)
+
+
+def test_cache_validates_before_touching_a_device():
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=32, capacity=8)
+    with pytest.raises(kvcore.DTypeError, match="invalid type of spec: expected KVSpec"):
+        GpuKVCache("spec")
+    for bad in (0, -2, 1.0, True):
+        with pytest.raises(SpecError, match="slots must be a positive int"):
+            GpuKVCache(spec, bad)
+
+
+def _defines(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^#define (KV_\w+) (\S+)", text, re.M))
+
+
+def test_device_constants_match_python():
+    with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
+        d = _defines(f.read())
+    for name, fmt in FORMATS.items():
+        assert int(d["KV_" + name.upper()]) == fmt.id
+    assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK
+    assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
+    assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE
+    from kvcore import _quant
+    assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == np.float32(_quant.Q8_0_LIMIT)
+
+
+def test_ptx_is_found():
+    path = kernels.ptx_path("kv_append")
+    with open(path) as f:
+        text = f.read()
+    assert ".entry kv_append(" in text and ".entry kv_advance(" in text
+    assert ".target sm_80" in text
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
+                    reason="nvcc/ptxas not on PATH")
+def test_build_ptx_check():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
