@@ -1,0 +1,257 @@
+"""Decode attention and RoPE on the GPU, straight from a GpuKVCache.
+
+1. Plan once, run many (FlashInfer's plan()/run()): `AttentionPlan(cache, ...)` validates
+   the shapes, picks the kernel (format, head_dim, heads per block), chooses the number of
+   splits of the context from the slots, the kv heads and an upper bound of the lengths
+   (the capacity by default) so that a batch of one still fills every SM, and allocates
+   the split workspace. `plan.run(q, out, layer)` only launches (capturable): the split
+   kernel (grid splits x kv-head groups x slots) and, with more than one split, the
+   log-sum-exp merge. Lengths and slot pointers are read on the device (cuda/attention.cuh).
+2. Inputs: q [M, Hq, D] float32, float16 or bfloat16, C-contiguous device array; out
+   [M, Hq, D] float32, C-contiguous, 16-byte aligned. Slot m attends to positions
+   [0, lengths[m] + pending) of `layer`, where pending (0 or 1) counts the position that
+   `append` wrote for this step before `advance` commits it. A slot with no position
+   gives zeros.
+3. Supported: every format, head_dim 64, 128 or 256, any GQA ratio (query heads of one
+   kv head are processed 8, 4, 2 or 1 per block; the K/V rows are read once per block).
+4. `apply_rope(q, cache, k=...)` rotates q (and k) in place at each slot's position
+   lengths[m] + offset, read on the device; angles in float64 (cuda/rope.cu).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+
+from .._validate import check_index
+from ..errors import DTypeError, FormatError, ShapeError, StateError
+from . import driver, kernels
+from .memory import DeviceArray, DeviceBuffer, as_device_array
+
+HEAD_DIMS = (64, 128, 256)
+THREADS = 128               # threads per block of the split kernel
+TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
+MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions
+MAX_SPLITS = 256
+_INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_ROPE_STYLES = {"norm": 0, "neox": 1}
+_LOG2E = 1.4426950408889634
+
+
+def heads_per_block(group: int) -> int:
+    """Query heads one block handles: the largest of 8, 4, 2, 1 dividing the GQA ratio."""
+    return next(b for b in (8, 4, 2, 1) if group % b == 0)
+
+
+def tile_positions(fmt, head_dim: int) -> int:
+    """Positions per tile of the split kernel (4 KiB of K codes)."""
+    return TILE_BYTES // (head_dim * fmt.code_bytes)
+
+
+def choose_splits(blocks: int, max_length: int, resident: int) -> int:
+    """Splits of the context for `blocks` (slot, kv-head group) pairs when `resident`
+    blocks fit on the GPU at once and no slot holds more than `max_length` positions.
+
+    The fewest splits whose waves of blocks keep 90% of the GPU busy (a count of blocks
+    just past a multiple of `resident` would leave it idle for most of a wave), else the
+    busiest count; no split shorter than MIN_SPLIT_POSITIONS."""
+    cap = max(1, min(MAX_SPLITS, -(-max_length // MIN_SPLIT_POSITIONS)))
+    best, best_eff = 1, 0.0
+    for s in range(1, cap + 1):
+        total = blocks * s
+        eff = total / (-(-total // resident) * resident)  # busy fraction of the waves
+        if eff >= 0.9:
+            return s
+        if eff > best_eff:
+            best, best_eff = s, eff
+    return best
+
+
+def _input_dtype_id(name: str, x: DeviceArray) -> int:
+    try:
+        return _INPUT_DTYPES[x.dtype.name]
+    except KeyError:
+        raise DTypeError(f"invalid dtype of {name}: expected float32, float16 or bfloat16, "
+                         f"got {x.dtype}") from None
+
+
+def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...], ctx) -> None:
+    if x.shape != shape:
+        raise ShapeError(f"invalid shape of {name}: expected [{', '.join(map(str, shape))}], "
+                         f"got [{', '.join(map(str, x.shape))}]")
+    if not x.is_c_contiguous:
+        raise ShapeError(f"invalid layout of {name}: expected C-contiguous, got strides "
+                         f"{list(x.strides)} bytes")
+    if x.ctx is not ctx:
+        raise ShapeError(f"invalid device of {name}: expected the cache's device {ctx.ordinal}")
+
+
+class AttentionPlan:
+    """Decode attention over every slot of one GpuKVCache (any layer), planned once.
+
+    cache: the GpuKVCache; q_dtype: "float32", "float16" or "bfloat16" (the dtype of the q
+    given to run); max_length: an upper bound of every slot's length while the plan is
+    used (default: the capacity), only used to choose the splits; scale: the softmax scale
+    (default 1/sqrt(head_dim)); num_splits: force the number of splits (tests, tuning).
+    The plan owns its workspace; `free()` releases it (also when garbage-collected).
+    """
+
+    def __init__(self, cache, *, q_dtype: str = "float16", max_length: int | None = None,
+                 scale: float | None = None, num_splits: int | None = None):
+        spec = cache.spec
+        if spec.head_dim not in HEAD_DIMS:
+            raise FormatError(f"GPU decode attention needs head_dim 64, 128 or 256, got {spec.head_dim}")
+        if q_dtype not in _INPUT_DTYPES:
+            raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
+        self.cache = cache
+        self.generation = cache.generation
+        self.q_dtype = q_dtype
+        M, Hkv, Hq, D = cache.slots, spec.num_kv_heads, spec.num_heads, spec.head_dim
+        self.shape = (M, Hq, D)
+        self.group = spec.group_size
+        self.gb = heads_per_block(self.group)
+        self.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        if not math.isfinite(self.scale):
+            raise ShapeError(f"invalid scale: expected a finite float, got {scale!r}")
+        ctx = cache.ctx
+        self._fn = kernels.function(f"attention_{spec.format}",
+                                    f"kv_attn_{spec.format}_d{D}_g{self.gb}", ctx)
+        self._fn_merge = kernels.function("attention", "kv_attn_merge", ctx)
+        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
+        self.resident = max(1, per_sm) * ctx.sm_count
+        self.blocks = M * Hkv * (self.group // self.gb)
+        bound = spec.capacity if max_length is None else check_index("max_length", max_length, spec.capacity + 1)
+        if num_splits is None:
+            self.num_splits = choose_splits(self.blocks, max(bound, 1), self.resident)
+        else:
+            self.num_splits = check_index("num_splits", num_splits, MAX_SPLITS + 1)
+            if self.num_splits == 0:
+                raise ShapeError("invalid num_splits: expected 1 <= num_splits <= 256, got 0")
+        self._ws = None
+        self._ws_o = self._ws_lse = 0
+        if self.num_splits > 1:
+            n_o = M * Hq * self.num_splits * D
+            self._ws = DeviceBuffer.alloc(4 * (n_o + M * Hq * self.num_splits), ctx=ctx)
+            self._ws_o = self._ws.ptr
+            self._ws_lse = self._ws.ptr + 4 * n_o
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self._ws is None else self._ws.nbytes
+
+    def run(self, q, out, layer: int, *, pending: int = 0, stream=None) -> None:
+        """out = softmax(scale * q K^T) V per slot and query head, for `layer` (launch only;
+        capturable). q: [M, Hq, D] of the plan's q_dtype, C-contiguous; out: [M, Hq, D]
+        float32, C-contiguous. pending: 0 or 1 uncommitted positions to include."""
+        c = self.cache
+        if c.freed or c.generation != self.generation:
+            raise StateError("the plan's GpuKVCache was freed or reallocated: make a new plan")
+        layer = check_index("layer", layer, c.spec.num_layers)
+        pending = check_index("pending", pending, 2)
+        st = c.stream if stream is None else stream
+        q = as_device_array(q, "q", stream=st)
+        out = as_device_array(out, "out", stream=st)
+        _check_array("q", q, self.shape, c.ctx)
+        _check_array("out", out, self.shape, c.ctx)
+        if q.dtype.name != self.q_dtype:
+            raise DTypeError(f"invalid dtype of q: expected {self.q_dtype} (the plan's q_dtype), got {q.dtype}")
+        if out.dtype != np.float32:
+            raise DTypeError(f"invalid dtype of out: expected float32, got {out.dtype}")
+        if out.ptr % 16:
+            raise ShapeError(f"invalid address of out: 0x{out.ptr:x} is not 16-byte aligned")
+        if q.ptr % q.dtype.itemsize:
+            raise ShapeError(f"invalid address of q: 0x{q.ptr:x} is not {q.dtype.itemsize}-byte aligned")
+        self._launch(q.ptr, out.ptr, layer, pending, st)
+
+    def _launch(self, q_ptr: int, out_ptr: int, layer: int, pending: int, stream) -> None:
+        c, s = self.cache, self.cache.spec
+        M, Hq, D = self.shape
+        ns = self.num_splits
+        driver.launch(self._fn, (ns, s.num_kv_heads * (self.group // self.gb), M), (THREADS, 1, 1), [
+            (c.k_ptrs(layer).ptr, None), (c.v_ptrs(layer).ptr, None),
+            (c.k_scale_ptrs(layer).ptr, None), (c.v_scale_ptrs(layer).ptr, None),
+            (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int),
+            (q_ptr, None), (_INPUT_DTYPES[self.q_dtype], ctypes.c_int), (Hq, ctypes.c_int),
+            (self.group, ctypes.c_int), (self.scale * _LOG2E, ctypes.c_float),
+            (out_ptr, None), (self._ws_o, None), (self._ws_lse, None),
+        ], stream=stream)
+        if ns > 1:
+            driver.launch(self._fn_merge, (M * Hq, 1, 1), (D, 1, 1), [
+                (self._ws_o, None), (self._ws_lse, None), (out_ptr, None),
+                (ns, ctypes.c_int), (D, ctypes.c_int),
+            ], stream=stream)
+
+    def free(self) -> None:
+        """Releases the workspace (idempotent); the plan cannot run afterwards."""
+        if self._ws is not None:
+            self._ws.free()
+        self.generation = -1
+
+    def __repr__(self):
+        return (f"AttentionPlan(shape={list(self.shape)}, q_dtype={self.q_dtype}, "
+                f"heads_per_block={self.gb}, num_splits={self.num_splits})")
+
+
+def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale: float | None = None,
+                     stream=None):
+    """One-off decode attention (plans, allocates `out` when None, runs, keeps no plan).
+    Not capturable (it allocates): inside graphs use an AttentionPlan. Returns out, a
+    DeviceArray float32 [M, Hq, D] when allocated here."""
+    st = cache.stream if stream is None else stream
+    qa = as_device_array(q, "q", stream=st)
+    name = qa.dtype.name
+    if name not in _INPUT_DTYPES:
+        raise DTypeError(f"invalid dtype of q: expected float32, float16 or bfloat16, got {qa.dtype}")
+    driver.refuse_while_capturing("decode_attention (it plans and allocates)", st)
+    plan = AttentionPlan(cache, q_dtype=name, scale=scale)
+    if out is None:
+        buf = DeviceBuffer.alloc(4 * int(np.prod(plan.shape)), ctx=cache.ctx)
+        out = buf.view(plan.shape, np.float32)
+    plan.run(qa, out, layer, pending=pending, stream=st)
+    driver.call("cuStreamSynchronize", driver.stream_handle(st))  # before freeing the workspace
+    plan.free()
+    return out
+
+
+def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
+               rotary_dim: int | None = None, offset: int = 0, stream=None) -> None:
+    """Rotates q [M, Hq, D] (and k [M, Hkv, D]) in place, slot m at position
+    lengths[m] + offset read on the device (launch only; capturable). q, k: float32,
+    float16 or bfloat16 device arrays, last axis contiguous, other strides free.
+    style "neox" pairs (i, i + r/2), "norm" pairs (2i, 2i + 1); r = rotary_dim (default
+    head_dim), even, <= min(head_dim, 256); dims past r are untouched."""
+    s = cache.spec
+    if cache.freed:
+        raise StateError("use of a freed GpuKVCache")
+    if style not in _ROPE_STYLES:
+        raise ShapeError(f"invalid style: expected 'neox' or 'norm', got {style!r}")
+    r = s.head_dim if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r <= 0 or r % 2 or r > min(s.head_dim, 256):
+        raise ShapeError(f"invalid rotary_dim: expected an even int in [2, {min(s.head_dim, 256)}], got {r!r}")
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 1.0):
+        raise ShapeError(f"invalid theta: expected a finite number > 1, got {theta!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= s.capacity:
+        raise ShapeError(f"invalid offset: expected 0 <= offset <= {s.capacity}, got {offset!r}")
+    st = cache.stream if stream is None else stream
+    args = []
+    for name, x, heads in (("q", q, s.num_heads), ("k", k, s.num_kv_heads)):
+        if x is None:
+            args += [(0, None), (0, ctypes.c_int), (0, ctypes.c_longlong), (0, ctypes.c_longlong), (0, ctypes.c_int)]
+            continue
+        a = as_device_array(x, name, stream=st)
+        dt = _input_dtype_id(name, a)
+        isz = a.dtype.itemsize
+        if a.shape != (cache.slots, heads, s.head_dim):
+            raise ShapeError(f"invalid shape of {name}: expected [{cache.slots}, {heads}, {s.head_dim}], "
+                             f"got [{', '.join(map(str, a.shape))}]")
+        if a.strides[2] != isz or any(st_ % isz for st_ in a.strides) or a.ptr % isz:
+            raise ShapeError(f"invalid strides of {name}: the last axis must be contiguous, got "
+                             f"strides {list(a.strides)} bytes for itemsize {isz}")
+        args += [(a.ptr, None), (dt, ctypes.c_int), (a.strides[0] // isz, ctypes.c_longlong),
+                 (a.strides[1] // isz, ctypes.c_longlong), (heads, ctypes.c_int)]
+    fn = kernels.function("rope", "kv_rope", cache.ctx)
+    driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
+        (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
+        (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
+    ], stream=st)

@@ -1,0 +1,369 @@
+"""GPU decode attention and RoPE (kvcore.gpu.attention).
+
+CPU-only: the planning rules and the split / log-sum-exp algorithm of the kernels,
+emulated in numpy. `gpu`: every format, head_dim 64/128/256, GQA 1/4/8, lengths 1, 33,
+4095, 4096, 4097 and 65536 with one empty slot in the batch, q that overflows a naive exp,
+forced split counts; all against a float64 reference on the dequantized cache values.
+RoPE against float64 numpy at position 100000.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from kvcore import KVSpec, get_format
+from kvcore.errors import DTypeError, FormatError, ShapeError, StateError
+from kvcore.gpu.attention import (MAX_SPLITS, MIN_SPLIT_POSITIONS, choose_splits, heads_per_block,
+                                  tile_positions)
+from kvcore.snapshot import Snapshot
+
+FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def random_parts(spec, n, rng):
+    """Valid random codes and scales of n positions: (k_codes, v_codes, k_scales, v_scales)
+    token-major [L, n, Hkv, D] / [L, n, Hkv, S]."""
+    f = spec.fmt
+    shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+
+    def codes():
+        if f.name == "f32":
+            return rng.standard_normal(shape, dtype=np.float32)
+        if f.name == "f16":
+            return rng.standard_normal(shape).astype(np.float16)
+        if f.name == "bf16":
+            return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        if f.name in ("int8", "q8_0"):
+            return rng.integers(-127, 128, shape, dtype=np.int8)
+        c = rng.integers(0, 256, shape, dtype=np.uint8)
+        if f.name == "fp8_e4m3":
+            c[(c & 0x7F) == 0x7F] ^= 1          # NaN -> 448 (0x7E)
+        else:
+            c[(c & 0x7F) >= 0x7C] &= 0xBF       # inf/NaN -> exponent 15
+        return c
+
+    def scales():
+        if not f.quantized:
+            return None
+        s_shape = shape[:3] + (f.scales_per_row(spec.head_dim),)
+        top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344}[f.name]
+        return rng.uniform(0.25 * top, top, s_shape).astype(f.scale_dtype)
+
+    return codes(), codes(), scales(), scales()
+
+
+def dequantize(codes, scales, fmt):
+    """float64 values of stored codes (exact decode, times the scale)."""
+    import ml_dtypes
+    f = get_format(fmt)
+    if f.name == "bf16":
+        return (codes.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if f.name == "fp8_e4m3":
+        x = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    elif f.name == "fp8_e5m2":
+        x = codes.view(ml_dtypes.float8_e5m2).astype(np.float64)
+    else:
+        x = codes.astype(np.float64)
+    if scales is None:
+        return x
+    s = scales.astype(np.float64)
+    if f.name == "q8_0":
+        return (x.reshape(*x.shape[:-1], -1, 32) * s[..., None]).reshape(x.shape)
+    return x * s
+
+
+def reference(q, k, v, scale):
+    """float64 attention of one slot: q [Hq, D], k, v [n, Hkv, D] -> [Hq, D] (zeros if n = 0)."""
+    hq, d = q.shape
+    n, hkv, _ = k.shape
+    out = np.zeros((hq, d))
+    if n == 0:
+        return out
+    g = hq // hkv
+    for h in range(hq):
+        s = k[:, h // g, :] @ q[h] * scale
+        p = np.exp(s - s.max())
+        out[h] = p @ v[:, h // g, :] / p.sum()
+    return out
+
+
+def float32_attention(q, k, v, scale):
+    """The same in plain float32 numpy (the same-precision peer for the error bound)."""
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    hq = q.shape[0]
+    g = hq // k.shape[1]
+    out = np.zeros(q.shape, np.float32)
+    for h in range(hq):
+        s = (k[:, h // g, :] @ q[h]) * np.float32(scale)
+        p = np.exp(s - s.max())
+        out[h] = (p @ v[:, h // g, :]) / p.sum()
+    return out
+
+
+def rel_err(out, ref):
+    """max over query heads of ||out - ref|| / ||ref||."""
+    num = np.linalg.norm(out - ref, axis=-1)
+    den = np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
+    return float((num / den).max())
+
+
+# ----------------------------------------------------------------------------- CPU only
+
+def test_heads_per_block():
+    assert [heads_per_block(g) for g in (1, 2, 3, 4, 6, 8, 12, 16)] == [1, 2, 1, 4, 2, 8, 4, 8]
+
+
+def test_tile_positions():
+    assert tile_positions(get_format("int8"), 128) == 32
+    assert tile_positions(get_format("f16"), 128) == 16
+    assert tile_positions(get_format("f32"), 256) == 4
+
+
+@pytest.mark.parametrize("blocks", [1, 8, 64, 256, 1024, 4096])
+@pytest.mark.parametrize("max_length", [1, 100, 4096, 65536])
+def test_choose_splits_fills_the_gpu_without_tiny_splits(blocks, max_length):
+    resident = 528  # 132 SMs x 4 blocks
+    s = choose_splits(blocks, max_length, resident)
+    assert 1 <= s <= max(1, -(-max_length // MIN_SPLIT_POSITIONS))
+    if blocks >= resident:
+        assert s == 1  # already a full wave or more
+    if blocks * s < 0.9 * resident:  # only when the positions ran out
+        assert s == min(MAX_SPLITS, max(1, -(-max_length // MIN_SPLIT_POSITIONS)))
+
+
+def test_choose_splits_batch_one_long_context():
+    # batch 1, 8 kv heads, 4096 positions: 32 splits of 128 positions
+    assert choose_splits(8, 4096, 528) == 32
+    # batch 32 x 8 heads = 256 blocks: 2 splits make one full wave (3 would spill into a second)
+    assert choose_splits(256, 16384, 528) == 2
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 4095, 4097])
+@pytest.mark.parametrize("nsplit", [1, 3, 8, 64])
+def test_split_and_merge_algorithm(n, nsplit, rng):
+    """The kernels' algorithm in numpy: chunk = ceil(n / nsplit) rounded up to the tile,
+    base-2 online softmax per tile, lse = m + log2(l), then the merge; equals softmax."""
+    T, D = 32, 16
+    s = rng.standard_normal(n) * 30 * math.log2(math.e)  # scores in base 2, large
+    v = rng.standard_normal((n, D))
+    chunk = -(-(-(-n // nsplit)) // T) * T
+    os_, lses = [], []
+    for sp in range(nsplit):
+        a, b = sp * chunk, min(n, sp * chunk + chunk)
+        if a >= b:
+            os_.append(np.zeros(D))
+            lses.append(-np.inf)
+            continue
+        m, l, acc = -np.inf, 0.0, np.zeros(D)
+        for t0 in range(a, b, T):
+            st = s[t0:min(b, t0 + T)]
+            m_new = max(m, st.max())
+            alpha = 2.0 ** (m - m_new)
+            p = 2.0 ** (st - m_new)
+            l = l * alpha + p.sum()
+            acc = acc * alpha + p @ v[t0:t0 + len(st)]
+            m = m_new
+        os_.append(acc / l)
+        lses.append(m + math.log2(l))
+    lses = np.array(lses)
+    w = 2.0 ** (lses - lses.max())
+    out = (w[:, None] * np.array(os_)).sum(0) / w.sum()
+    p = np.exp2(s - s.max())
+    np.testing.assert_allclose(out, p @ v / p.sum(), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- device
+
+def _device_array(arr):
+    from kvcore.gpu import DeviceBuffer
+    return DeviceBuffer.from_numpy(arr).view(arr.shape, arr.dtype)
+
+
+def _q_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _run_case(fmt, head_dim, group, lengths, q_dtype, rng, *, q_gain=1.0, num_splits=None,
+              hkv=2):
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import AttentionPlan
+    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, capacity=max(max(lengths), 1),
+                  num_heads=hkv * group, format=fmt)
+    M = len(lengths)
+    cache = GpuKVCache(spec, slots=M)
+    try:
+        kvs = []
+        for m, n in enumerate(lengths):
+            parts = random_parts(spec, n, rng)
+            cache.scatter(Snapshot(spec, n, *parts), m)
+            kvs.append((dequantize(parts[0], parts[2], fmt)[0], dequantize(parts[1], parts[3], fmt)[0]))
+        qh = (rng.standard_normal((M, spec.num_heads, head_dim)) * q_gain).astype(_q_dtype(q_dtype))
+        q = _device_array(qh)
+        out = _device_array(np.full((M, spec.num_heads, head_dim), np.nan, np.float32))  # poisoned
+        plan = AttentionPlan(cache, q_dtype=q_dtype, num_splits=num_splits)
+        plan.run(q, out, 0)
+        cache.check()
+        got = out.to_numpy()
+        plan.free()
+    finally:
+        cache.free()
+    assert np.isfinite(got).all(), "unwritten or non-finite output"
+    q64 = qh.astype(np.float64)
+    scale = 1.0 / math.sqrt(head_dim)
+    results = []
+    for m, (k, v) in enumerate(kvs):
+        ref = reference(q64[m], k, v, scale)
+        if lengths[m] == 0:
+            assert (got[m] == 0).all(), "an empty slot must give zeros"
+            continue
+        results.append((m, got[m], ref, q64[m], k, v))
+    return results, scale
+
+
+LENGTHS = [1, 33, 0, 4095, 4096, 4097]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_matches_float64(fmt, head_dim, group, rng):
+    q_dtype = ("float32", "float16", "bfloat16")[(head_dim // 64 + group) % 3]
+    tol = 1e-5 if q_dtype == "float32" else 1e-3
+    results, _ = _run_case(fmt, head_dim, group, LENGTHS, q_dtype, rng)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < tol, f"slot {m} (length {LENGTHS[m]})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_long_context(fmt, rng):
+    results, _ = _run_case(fmt, 128, 4, [65536, 0, 7], "float32", rng)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < 1e-5, f"slot {m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["f32", "int8", "fp8_e5m2"])
+def test_attention_large_scores_do_not_overflow(fmt, rng):
+    # scores in the thousands: exp(score) overflows float32 without the running max
+    results, scale = _run_case(fmt, 128, 4, [4097, 300], "float32", rng, q_gain=300.0)
+    for m, got, ref, q, k, v in results:
+        peer = float32_attention(q, k, v, scale)
+        assert rel_err(got, ref) <= 2 * rel_err(peer, ref) + 1e-6, f"slot {m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_forced_split_counts(num_splits, rng):
+    results, _ = _run_case("int8", 128, 4, [4097, 1, 0, 130], "float32", rng, num_splits=num_splits)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_plan_validation(rng):
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import AttentionPlan
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=64, num_heads=8, format="int8")
+    cache = GpuKVCache(spec, slots=3)
+    plan = AttentionPlan(cache, q_dtype="float32")
+    q = _device_array(np.zeros((3, 8, 64), np.float32))
+    out = _device_array(np.zeros((3, 8, 64), np.float32))
+    with pytest.raises(ShapeError, match=r"invalid shape of q: expected \[3, 8, 64\], got \[3, 4, 64\]"):
+        plan.run(_device_array(np.zeros((3, 4, 64), np.float32)), out, 0)
+    with pytest.raises(DTypeError, match="invalid dtype of q: expected float32"):
+        plan.run(_device_array(np.zeros((3, 8, 64), np.float16)), out, 0)
+    with pytest.raises(DTypeError, match="invalid dtype of out: expected float32"):
+        plan.run(q, _device_array(np.zeros((3, 8, 64), np.float16)), 0)
+    with pytest.raises(IndexError, match="layer 2 out of range"):
+        plan.run(q, out, 2)
+    plan.free()
+    with pytest.raises(StateError, match="make a new plan"):
+        plan.run(q, out, 0)
+    cache.free()
+    with pytest.raises(FormatError, match="head_dim 64, 128 or 256"):
+        AttentionPlan(GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1))
+
+
+@pytest.mark.gpu
+def test_decode_attention_one_off(rng):
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import decode_attention
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=128, capacity=300, num_heads=8, format="fp8_e4m3")
+    cache = GpuKVCache(spec, slots=2)
+    parts = random_parts(spec, 300, rng)
+    cache.scatter(Snapshot(spec, 300, *parts), 1)
+    qh = rng.standard_normal((2, 8, 128)).astype(np.float16)
+    got = decode_attention(_device_array(qh), cache, 0).to_numpy()
+    ref = reference(qh[1].astype(np.float64), dequantize(parts[0], parts[2], "fp8_e4m3")[0],
+                    dequantize(parts[1], parts[3], "fp8_e4m3")[0], 1 / math.sqrt(128))
+    assert (got[0] == 0).all()
+    assert rel_err(got[1], ref) < 1e-3
+    cache.free()
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def rope_reference(x, positions, theta, neox, rotary_dim):
+    """float64 RoPE of x [M, H, D] (copied), slot m at positions[m]."""
+    x = x.astype(np.float64).copy()
+    half = rotary_dim // 2
+    i = np.arange(half)
+    ang = positions[:, None].astype(np.float64) * theta ** (-2.0 * i / rotary_dim)  # [M, half]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a = i if neox else 2 * i
+    b = i + half if neox else 2 * i + 1
+    x0, x1 = x[..., a].copy(), x[..., b].copy()
+    x[..., a] = x0 * c - x1 * s
+    x[..., b] = x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["neox", "norm"])
+@pytest.mark.parametrize("dtype,rotary_dim", [("float32", 128), ("float16", 64), ("bfloat16", 96)])
+def test_rope_at_large_positions(style, dtype, rotary_dim, rng):
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import apply_rope
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=128, capacity=100100, num_heads=8, format="int8")
+    cache = GpuKVCache(spec, slots=3)
+    for m, n in enumerate((0, 5, 33)):
+        cache.scatter(Snapshot(spec, n, *random_parts(spec, n, rng)), m)
+    dt = _q_dtype(dtype)
+    qh = rng.standard_normal((3, 8, 128)).astype(dt)
+    kh = rng.standard_normal((3, 2, 128)).astype(dt)
+    q, k = _device_array(qh), _device_array(kh)
+    apply_rope(q, cache, k=k, style=style, rotary_dim=rotary_dim, offset=100000, theta=10000.0)
+    cache.check()
+    pos = np.array([100000, 100005, 100033])
+    for x, xh in ((q, qh), (k, kh)):
+        got = x.to_numpy().astype(np.float64)
+        ref = rope_reference(xh, pos, 10000.0, style == "neox", rotary_dim)
+        ulp = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[dtype]
+        # within one rounding of the output (relative to the row's size) plus float32 math
+        err = np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
+        assert err.max() < ulp + 4e-7, err.max()
+        np.testing.assert_array_equal(got[..., rotary_dim:], xh[..., rotary_dim:].astype(np.float64))
+    cache.free()
+
+
+@pytest.mark.gpu
+def test_rope_validation():
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import apply_rope
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=16, num_heads=4, format="f16")
+    cache = GpuKVCache(spec, slots=2)
+    q = _device_array(np.zeros((2, 4, 64), np.float32))
+    with pytest.raises(ShapeError, match="invalid rotary_dim"):
+        apply_rope(q, cache, rotary_dim=63)
+    with pytest.raises(ShapeError, match="invalid style"):
+        apply_rope(q, cache, style="gptj")
+    with pytest.raises(ShapeError, match=r"invalid shape of k: expected \[2, 2, 64\]"):
+        apply_rope(q, cache, k=q)
+    cache.free()
