@@ -52,8 +52,9 @@ def _index(flat: int, shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(int(i)) for i in np.unravel_index(flat, shape)) + "]"
 
 
-def _raise_bad_value(x: np.ndarray, fmt: Format) -> None:
-    """Raises for the first value of x (in C order) that fmt cannot take."""
+def _raise_bad_value(x: np.ndarray) -> None:
+    """Raises for the first value of x (in C order) that the kernel refused: a NaN/inf,
+    else (the only other refusal) a q8_0 value with |x| >= Q8_0_LIMIT."""
     xf = x.astype(np.float32)
     nonfinite = ~np.isfinite(xf)
     if nonfinite.any():
@@ -94,7 +95,7 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
     bad = _quant.quantize_rows(x, outer, n_inner, inner_stride, x.strides[-1], _input_kind(x),
                                f.id, codes, scales, work)
     if bad:
-        _raise_bad_value(x, f)
+        _raise_bad_value(x)
     return codes.view(view_dtype(f)), scales
 
 
