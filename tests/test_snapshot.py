@@ -11,10 +11,9 @@ import pytest
 from safetensors import safe_open
 
 import kvcore
-from kvcore import FORMATS, KVCache, KVSpec, SnapshotError
+from kvcore import FORMATS, KVCache, KVSpec, Snapshot, SnapshotError, load_snapshot
 from kvcore.errors import DTypeError, OutOfRangeError
-from kvcore.snapshot import (Snapshot, _metadata_digest, load_snapshot, restore_snapshot,
-                             take_snapshot)
+from kvcore.snapshot import _metadata_digest, restore_snapshot, take_snapshot
 
 PARTS = ("k_codes", "v_codes", "k_scales", "v_scales")
 

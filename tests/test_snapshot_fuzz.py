@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore import FORMATS, KVSpec, SnapshotError
-from kvcore.snapshot import Snapshot, _metadata_digest, load_snapshot
+from kvcore import FORMATS, KVSpec, Snapshot, SnapshotError, load_snapshot
+from kvcore.snapshot import _metadata_digest
 
 ITERATIONS = int(os.environ.get("KVCORE_FUZZ_ITERATIONS", "300"))
 PARTS = ("k_codes", "v_codes", "k_scales", "v_scales")

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 import kvcore
-from kvcore import FORMATS, KVCache, KVSpec
+from kvcore import FORMATS, KVCache, KVSpec, Snapshot, load_snapshot
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
 from kvcore.quant import Q8_0_LIMIT
-from kvcore.snapshot import Snapshot, load_snapshot, restore_snapshot, take_snapshot
+from kvcore.snapshot import restore_snapshot, take_snapshot
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
