@@ -429,36 +429,38 @@ def test_load_names_the_file(saved):
 PROMPT, PREFIX, DECODE = 9, 6, 4
 
 
-def prompt_and_steps(spec, rng):
-    """Float32 K/V for PROMPT prompt positions and DECODE decode steps, per layer."""
-    shape = (spec.num_layers, PROMPT + DECODE, spec.num_kv_heads, spec.head_dim)
-    k = rng.standard_normal(shape).astype(np.float32)
-    v = rng.standard_normal(shape).astype(np.float32)
-    return k, v
-
-
 def append_range(cache, k, v, start, stop):
     for layer in range(cache.spec.num_layers):
         cache.append(layer, k[layer, start:stop], v[layer, start:stop])
     cache.advance()
 
 
-def decode_rest(cache, k, v):
-    """The rest of the prompt in one prefill, then DECODE one-position steps."""
-    append_range(cache, k, v, cache.length, PROMPT)
-    for pos in range(PROMPT, PROMPT + DECODE):
-        append_range(cache, k, v, pos, pos + 1)
+def decode(cache, k, v, q):
+    """DECODE one-position steps after the prompt: append each layer's K/V, attend with
+    that step's queries (GQA), advance; returns the attention outputs [DECODE, L, Hq, D]."""
+    outs = []
+    for step, pos in enumerate(range(PROMPT, PROMPT + DECODE)):
+        for layer in range(cache.spec.num_layers):
+            cache.append(layer, k[layer, pos], v[layer, pos])
+        outs.append([kvcore.decode_attention(q[step, layer], cache, layer)
+                     for layer in range(cache.spec.num_layers)])
+        cache.advance()
+    return np.array(outs)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("through_file", [False, True])
 def test_prefix_reuse_is_bit_identical(fmt, through_file, rng, tmp_path):
-    spec = small_spec(fmt, capacity=16)
-    k, v = prompt_and_steps(spec, rng)
+    """A prefix restored from a snapshot and decoded on gives the codes, scales and
+    attention outputs of a cache that prefilled the whole prompt itself."""
+    spec = small_spec(fmt, capacity=16, num_heads=4)
+    shape = (spec.num_layers, PROMPT + DECODE, spec.num_kv_heads, spec.head_dim)
+    k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((DECODE, spec.num_layers, spec.num_heads, spec.head_dim),
+                            dtype=np.float32)
     whole = KVCache(spec)
     append_range(whole, k, v, 0, PROMPT)
-    for pos in range(PROMPT, PROMPT + DECODE):
-        append_range(whole, k, v, pos, pos + 1)
+    expected = decode(whole, k, v, q)
 
     prefix = KVCache(spec)
     append_range(prefix, k, v, 0, PREFIX)
@@ -468,9 +470,11 @@ def test_prefix_reuse_is_bit_identical(fmt, through_file, rng, tmp_path):
         snap = load_snapshot(tmp_path / "prefix.safetensors")
     reused = KVCache(spec)
     restore_snapshot(reused, snap)
-    decode_rest(reused, k, v)
+    append_range(reused, k, v, PREFIX, PROMPT)
+    got = decode(reused, k, v, q)
 
     assert reused.length == whole.length == PROMPT + DECODE
+    assert got.tobytes() == expected.tobytes()
     assert reused._storage.tobytes() == whole._storage.tobytes()
     for layer in range(spec.num_layers):
         for which in "kv":
