@@ -99,21 +99,22 @@ class Snapshot:
                            f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            digests = _start_digests([a for _, a in parts])
-            offset = len(header)
-            for _, arr in parts:
-                _pwrite_all(fd, _bytes_of(arr), offset)
-                offset += arr.nbytes
-            meta.update({f"sha256_{name}": d for (name, _), d in zip(parts, digests())})
-            meta["sha256"] = _metadata_digest(meta)
-            _pwrite_all(fd, _encode_header(meta, parts), 0)
-            os.fsync(fd)
+            try:
+                digests = _start_digests([a for _, a in parts])
+                offset = len(header)
+                for _, arr in parts:
+                    _pwrite_all(fd, _bytes_of(arr), offset)
+                    offset += arr.nbytes
+                meta.update({f"sha256_{name}": d for (name, _), d in zip(parts, digests())})
+                meta["sha256"] = _metadata_digest(meta)
+                _pwrite_all(fd, _encode_header(meta, parts), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         except BaseException:
-            os.close(fd)
             os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -270,6 +270,13 @@ def test_save_replaces_atomically(rng, tmp_path, monkeypatch):
     assert_same_snapshot(load_snapshot(path), new)
 
 
+def test_save_onto_a_directory_leaves_no_temporary(rng, tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError):
+        random_snapshot("f16", rng).save(tmp_path / "d")
+    assert os.listdir(tmp_path) == ["d"] and os.listdir(tmp_path / "d") == []
+
+
 def test_save_load_snapshot_of_a_cache(rng, tmp_path):
     cache = filled_cache("fp8_e4m3", rng, 6)
     take_snapshot(cache).save(str(tmp_path / "c.safetensors"))
