@@ -12,7 +12,7 @@ from . import _quant
 from ._parallel import max_threads
 from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
 from .errors import FormatError, NonFiniteError, ShapeError
-from .formats import BF16, F16, F32, Q8_0, Format, get_format, view_dtype
+from .formats import BF16, F16, F32, Format, get_format, view_dtype
 
 Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
 """q8_0 refuses |x| >= Q8_0_LIMIT (8321040.0 = 65520 * 127): the block scale

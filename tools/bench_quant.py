@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Sequence
 
 import numpy as np
 
@@ -120,13 +121,15 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
         kvcore.set_num_threads(0)       # back to OpenMP's default
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] = ()) -> None:
+    """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
+    calls it that way)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs="+", default=[4096, 8, 128])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    a = p.parse_args(argv)
+    a = p.parse_args(list(argv))
     run(tuple(a.shape), tuple(a.threads))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
