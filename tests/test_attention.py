@@ -1,0 +1,166 @@
+"""decode_attention against a float64 numpy reference computed on the cache's own
+dequantized values: the kernel's error is rounding only."""
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import (DTypeError, KVCache, KVSpec, NonFiniteError, OutOfRangeError, ShapeError,
+                    StateError, decode_attention)
+
+FORMATS = list(kvcore.FORMATS)
+TOL = 1e-5
+
+
+def make_cache(rng, fmt, hkv, group, d, n, *, pending=0, layers=2, dist="normal"):
+    """A cache with n committed positions in every layer (plus `pending` in layer 1)."""
+    spec = KVSpec(num_layers=layers, num_kv_heads=hkv, head_dim=d, capacity=n + pending + 3,
+                  num_heads=hkv * group, format=fmt)
+    cache = KVCache(spec)
+    draw = rng.standard_normal if dist == "normal" else (lambda s: rng.standard_t(3, s))
+    for start in range(0, n, 1024):
+        t = min(1024, n - start)
+        for layer in range(layers):
+            cache.append(layer, draw((t, hkv, d)).astype(np.float32),
+                         draw((t, hkv, d)).astype(np.float32))
+        cache.advance()
+    if pending:
+        cache.append(1, draw((pending, hkv, d)).astype(np.float32),
+                     draw((pending, hkv, d)).astype(np.float32))
+    return cache
+
+
+def reference(q, cache, layer, scale=None, causal=True, dtype=np.float64):
+    """Attention over cache.dequantize(layer) (committed + pending positions), computed
+    in `dtype` (float64: the reference; float32: a plain same-precision implementation)."""
+    k = cache.dequantize(layer, "k", pending=True).astype(dtype)  # [n, Hkv, D]
+    v = cache.dequantize(layer, "v", pending=True).astype(dtype)
+    q3 = q.reshape(-1, *q.shape[-2:]).astype(dtype)
+    T, hq, d = q3.shape
+    n, hkv = k.shape[:2]
+    g = hq // hkv
+    scale = dtype(1 / np.sqrt(d) if scale is None else scale)
+    kh = np.repeat(k.transpose(1, 0, 2), g, axis=0)     # [Hq, n, D]
+    vh = np.repeat(v.transpose(1, 0, 2), g, axis=0)
+    s = np.einsum("thd,hnd->thn", q3, kh) * scale        # [T, Hq, n]
+    if causal:
+        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]  # [T, n]
+        s = np.where(visible[:, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    out = np.einsum("thn,hnd->thd", p, vh) / p.sum(-1)[..., None]
+    return out.reshape(q.shape)
+
+
+def rel_err(out, ref):
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_formats_gqa_head_dims(rng, fmt, group, d):
+    cache = make_cache(rng, fmt, 2, group, d, 97)
+    q = rng.standard_normal((2 * group, d)).astype(np.float32)
+    out = decode_attention(q, cache, 0)
+    assert out.shape == q.shape and out.dtype == np.float32
+    assert rel_err(out, reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, T", [(1, 1), (31, 1), (31, 5), (32, 1), (32, 5), (33, 1), (33, 5),
+                                  (3000, 1), (3000, 5)])
+def test_lengths_and_new_tokens(rng, fmt, n, T):
+    cache = make_cache(rng, fmt, 8, 4, 128, n, dist="t")
+    q = rng.standard_normal((T, 32, 128)).astype(np.float32)
+    assert rel_err(decode_attention(q, cache, 1), reference(q, cache, 1)) < TOL
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("d", [3, 8, 70, 72])
+def test_head_dims_off_the_vector_width(rng, fmt, d):
+    cache = make_cache(rng, fmt, 2, 2, d, 45)
+    q = rng.standard_normal((3, 4, d)).astype(np.float32)
+    assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_context_split_across_threads(rng, threads):
+    """One kv head and a long context: the positions are split and merged (log-sum-exp)."""
+    cache = make_cache(rng, "q8_0", 1, 8, 128, 5000, layers=1)
+    q = rng.standard_normal((5, 8, 128)).astype(np.float32)
+    kvcore.set_num_threads(threads)
+    try:
+        out = decode_attention(q, cache, 0)
+    finally:
+        kvcore.set_num_threads(0)  # back to the default
+    assert rel_err(out, reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scores_past_exp_overflow(rng, fmt):
+    """q . k around 1e4: a softmax without the running max overflows exp. Scores that
+    large carry float32 rounding of ~1e-3 into the weights of near-tied positions, so
+    the bound is that of a plain float32 implementation (at most twice its error)."""
+    cache = make_cache(rng, fmt, 2, 4, 128, 300)
+    q = (rng.standard_normal((2, 8, 128)) * 1000).astype(np.float32)
+    out = decode_attention(q, cache, 0, scale=1.0)
+    assert np.isfinite(out).all()
+    expect = reference(q, cache, 0, scale=1.0)
+    plain = reference(q, cache, 0, scale=1.0, dtype=np.float32)
+    assert rel_err(out, expect) <= 2 * rel_err(plain, expect) + TOL
+
+
+def test_large_scores_one_winner(rng):
+    """Scores near 1e4 with one clear winner: the output is that position's V row."""
+    cache = make_cache(rng, "int8", 2, 4, 128, 300)
+    k = cache.dequantize(0, "k")
+    q = np.stack([k[123, 0] * 80] * 4 + [k[7, 1] * 80] * 4).astype(np.float32)  # [8, 128]
+    out = decode_attention(q, cache, 0, scale=1.0)
+    assert rel_err(out, reference(q, cache, 0, scale=1.0)) < TOL
+
+
+def test_pending_positions_and_non_causal(rng):
+    cache = make_cache(rng, "int8", 4, 2, 64, 40, pending=5)
+    q = rng.standard_normal((5, 8, 64)).astype(np.float32)
+    for causal in (True, False):
+        out = decode_attention(q, cache, 1, causal=causal, scale=0.3)
+        assert rel_err(out, reference(q, cache, 1, scale=0.3, causal=causal)) < TOL
+
+
+def test_out_buffer_and_strided_q(rng):
+    cache = make_cache(rng, "fp8_e4m3", 2, 4, 64, 50)
+    big = rng.standard_normal((3, 8, 128)).astype(np.float32)
+    q = big[:, :, ::2]                                  # non-contiguous [3, 8, 64]
+    out = np.empty((3, 8, 64), np.float32)
+    got = decode_attention(q, cache, 0, out=out)
+    assert np.shares_memory(got, out)
+    assert rel_err(out, reference(q, cache, 0)) < TOL
+    q2 = np.ascontiguousarray(q)
+    expect = decode_attention(q2, cache, 0)
+    assert decode_attention(q2, cache, 0, out=q2) is q2   # in place over q
+    np.testing.assert_array_equal(q2, expect)
+
+
+def test_errors(rng):
+    cache = make_cache(rng, "int8", 2, 4, 64, 4)
+    q = np.zeros((8, 64), np.float32)
+    with pytest.raises(ShapeError, match=r"invalid shape of q: expected \[8, 64\], got \[4, 64\]"):
+        decode_attention(q[:4], cache, 0)
+    with pytest.raises(ShapeError, match=r"expected \[T, 8, 64\], got \[1, 8, 32\]"):
+        decode_attention(np.zeros((1, 8, 32), np.float32), cache, 0)
+    with pytest.raises(DTypeError, match="invalid dtype of q: expected float32, got float64"):
+        decode_attention(q.astype(np.float64), cache, 0)
+    bad = q.copy()
+    bad[7, 63] = np.nan
+    with pytest.raises(NonFiniteError, match=r"non-finite value in q at index \(7, 63\)"):
+        decode_attention(bad, cache, 0)
+    with pytest.raises(OutOfRangeError, match="layer 2 out of range: expected 0 <= layer < 2"):
+        decode_attention(q, cache, 2)
+    with pytest.raises(StateError, match="T=5 new tokens needs at least 5 positions, layer 0 holds 4"):
+        decode_attention(np.zeros((5, 8, 64), np.float32), cache, 0)
+    with pytest.raises(ShapeError, match=r"invalid shape of out: expected \[8, 64\], got \[8, 65\]"):
+        decode_attention(q, cache, 0, out=np.empty((8, 65), np.float32))
+    with pytest.raises(DTypeError, match="invalid type of cache: expected KVCache, got dict"):
+        decode_attention(q, {}, 0)
+    cache.reset()
+    with pytest.raises(StateError, match="empty cache: layer 0 holds 0 positions"):
+        decode_attention(q, cache, 0)
