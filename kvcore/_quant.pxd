@@ -18,7 +18,3 @@ cdef uint8_t f32_to_e4m3(float x) noexcept nogil
 cdef uint8_t f32_to_e5m2(float x) noexcept nogil
 cdef float e4m3_to_f32(uint8_t c) noexcept nogil
 cdef float e5m2_to_f32(uint8_t c) noexcept nogil
-
-# Index of the first value of the row that its format cannot take (non-finite; for q8_0
-# also |x| >= Q8_0_LIMIT, where the float16 block scale overflows), -1 when none.
-cdef Py_ssize_t first_bad_value(int fmt, const float* x, Py_ssize_t d) noexcept nogil

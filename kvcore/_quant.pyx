@@ -4,7 +4,7 @@ kvcore.quantize / kvcore.dequantize.
 
 1. A row is D float32 values (docs/formats.md gives each rule and the byte layout).
    encode_row / decode_row (declared in _quant.pxd) are what the cache and attention
-   kernels call; they assume finite input (first_bad_value checks that first).
+   kernels call; they assume finite input (callers check it first).
 2. Every conversion is branch-free integer work on the float32 bits, written so that the
    compiler vectorises the per-row loops (selects, not branches; no calls in the loops).
    FP8 decodes through two 256-entry tables built at import.
@@ -217,17 +217,6 @@ _find_q8_0_limit()
 
 Q8_0_LIMIT = _as_f32(_Q8_0_LIMIT_BITS)
 """float: q8_0 refuses |x| >= this value (its float16 block scale would be infinite)."""
-
-
-cdef Py_ssize_t first_bad_value(int fmt, const float* x, Py_ssize_t d) noexcept nogil:
-    cdef uint32_t limit = _Q8_0_LIMIT_BITS if fmt == Q8_0 else F32_INF
-    cdef Py_ssize_t j
-    if _amax_bits(x, d) < limit:
-        return -1
-    for j in range(d):
-        if (_as_u32(x[j]) & ABS_MASK) >= limit:
-            return j
-    return -1
 
 
 cdef inline void _encode_int8(const float* x, Py_ssize_t d, float amax,
