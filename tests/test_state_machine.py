@@ -7,7 +7,7 @@ the model's; after every refused call the storage is byte-identical to before. T
 takes its expected codes and scales from kvcore.quantize of each appended step (the
 documented contract of append) and its dequantized values from kvcore.dequantize.
 
-Examples per format: KVCORE_STATE_EXAMPLES (default 20, the CI budget), steps per
+Examples per format: KVCORE_STATE_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_STATE_STEPS (default 30); e.g. KVCORE_STATE_EXAMPLES=500 for a long run.
 """
 import os
@@ -28,7 +28,7 @@ from kvcore.snapshot import restore_snapshot, take_snapshot
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVCORE_STATE_STEPS", "30"))
 L, H, D, N = 2, 2, 32, 6
 INPUT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -79,8 +79,7 @@ class Model:
         self.pending = [0] * L
 
     def encode(self, x):
-        """Expected (codes, scales, decoded) of appended rows: kvcore.quantize's."""
-        x = x.reshape(-1, H, D)
+        """Expected (codes, scales, decoded) of rows x [..., D]: kvcore.quantize's."""
         codes, scales = kvcore.quantize(x, self.fmt)
         codes = codes.view(self.fmt.code_dtype)
         return codes, scales, kvcore.dequantize(codes, scales, self.fmt)
@@ -145,8 +144,11 @@ class CacheMachine(RuleBasedStateMachine):
             self.refused(FormatError, self.cache.append, layer, k, v)
             return
         self.cache.append(layer, k, v)
-        for which, x in (("k", k), ("v", v)):
-            m.write(layer, pos, which, *m.encode(x))
+        # K and V encoded in one call: the rule is on values, float32 holds every input
+        kv = np.stack([x.reshape(t, H, D).astype(np.float32) for x in (k, v)])
+        codes, scales, floats = m.encode(kv)
+        for i, which in enumerate("kv"):
+            m.write(layer, pos, which, codes[i], None if scales is None else scales[i], floats[i])
         m.pending[layer] += t
 
     @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1),
@@ -254,22 +256,19 @@ class CacheMachine(RuleBasedStateMachine):
         """A snapshot of another format, re-encoded into the cache's."""
         rng = np.random.default_rng(seed)
         spec = self.spec.replace(format=other)
-        parts = {}
-        for w in "kv":
-            x = (rng.standard_normal((L, n, H, D)) * 10).astype(np.float32)
-            codes, scales = kvcore.quantize(x, other)
-            parts[f"{w}_codes"] = codes.view(spec.fmt.code_dtype)
-            if scales is not None:
-                parts[f"{w}_scales"] = scales
-        snap = Snapshot(spec, n, **parts)
-        restore_snapshot(self.cache, snap, requantize=True)
+        x = (rng.standard_normal((2, L, n, H, D)) * 10).astype(np.float32)  # K and V
+        codes, scales = kvcore.quantize(x, other)
+        codes = codes.view(spec.fmt.code_dtype)
+        parts = {"k_codes": codes[0], "v_codes": codes[1]}
+        if scales is not None:
+            parts.update(k_scales=scales[0], v_scales=scales[1])
+        restore_snapshot(self.cache, Snapshot(spec, n, **parts), requantize=True)
         m = self.model
-        for w in "kv":
+        want, want_scales, floats = m.encode(kvcore.dequantize(codes, scales, other))
+        for i, w in enumerate("kv"):
             for layer in range(L):
-                floats = kvcore.dequantize(parts[f"{w}_codes"][layer],
-                                           parts[f"{w}_scales"][layer] if scales is not None
-                                           else None, other)
-                m.write(layer, 0, w, *m.encode(floats))
+                m.write(layer, 0, w, want[i, layer],
+                        None if want_scales is None else want_scales[i, layer], floats[i, layer])
         m.set_length(n)
 
     @rule(fault=st.sampled_from(["num_layers", "num_kv_heads", "head_dim", "format",
@@ -319,6 +318,17 @@ class CacheMachine(RuleBasedStateMachine):
                 else:
                     assert scales(layer) is None
                 assert c.dequantize(layer, w).tobytes() == m.floats[w][layer, :n].tobytes()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The shapes here are a few rows, which no kernel should split across threads (the
+    threaded paths are tested on large inputs in test_cache / test_quant); on a busy CPU an
+    OpenMP fork-join per tiny call would dominate this module's time."""
+    before = kvcore.max_threads()
+    kvcore.set_num_threads(1)
+    yield
+    kvcore.set_num_threads(before)
 
 
 def _machine_test(fmt):
