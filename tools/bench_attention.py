@@ -1,0 +1,165 @@
+"""Decode attention throughput against peers measured in the same run.
+
+    python tools/bench_attention.py [--contexts 1024 4096 16384] [--threads 1 2]
+
+One new token (batch 1), Hq = 32 query heads, Hkv = 8 kv heads, D = 128. Every timed call
+reads K/V that are not in the caches: each implementation cycles through enough copies
+of its K/V to pass twice the last-level cache. Columns per context: microseconds per
+call, GB/s of cache bytes read (K and V codes plus scales; float32 for the peers), and
+torch's time over ours (> 1: faster than torch at the same thread count).
+- kvcore: `kvcore.decode_attention` on a KVCache in each format;
+- numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
+  between); numpy's BLAS runs its default threads whatever the row says;
+- torch: `scaled_dot_product_attention` float32, [1, Hkv, n, D] K/V, enable_gqa=True.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchlib import copy_bandwidth, print_table  # noqa: E402
+
+import kvcore  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+
+
+def _llc_bytes() -> int:
+    """Size of the last-level cache (32 MiB when the system does not say)."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        return 32 * 2**20
+
+
+def _copies(nbytes: int) -> int:
+    """How many copies of nbytes pass twice the last-level cache (2 at least)."""
+    return max(2, math.ceil(2 * _llc_bytes() / nbytes))
+
+
+def _cycled_time(calls: Sequence[Callable[[], object]], rounds: int) -> float:
+    """Median seconds of one call, the calls made in turn (each reads other memory)."""
+    for fn in calls[:2]:
+        fn()
+    times = []
+    for _ in range(rounds):
+        for fn in calls:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _rounds(copies: int) -> int:
+    return max(2, 24 // copies)
+
+
+def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
+    """Calls of decode_attention on copies of one cache in fmt; bytes one call reads."""
+    n = k.shape[0]
+    spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=n,
+                         num_heads=HQ, format=fmt)
+    caches = [kvcore.KVCache(spec) for _ in range(_copies(spec.memory_bytes))]
+    for c in caches:
+        c.append(0, k, v)
+        c.advance()
+    nbytes = spec.memory_bytes
+    out = np.empty_like(q)
+    return [lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in caches], nbytes
+
+
+def _numpy_calls(k: np.ndarray, v: np.ndarray, q: np.ndarray):
+    """numpy float32 grouped matmul: s = q K^T per kv head, softmax, s V."""
+    kh = np.ascontiguousarray(k.transpose(1, 0, 2))  # [Hkv, n, D]
+    vh = np.ascontiguousarray(v.transpose(1, 0, 2))
+    nbytes = kh.nbytes + vh.nbytes
+    sets = [(kh, vh)] + [(kh.copy(), vh.copy()) for _ in range(_copies(nbytes) - 1)]
+    qg = q.reshape(HKV, HQ // HKV, D) * np.float32(1 / math.sqrt(D))
+
+    def call(kk, vv):
+        s = np.matmul(qg, kk.transpose(0, 2, 1))       # [Hkv, G, n]
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        return np.matmul(s, vv)                        # [Hkv, G, D]
+    return [lambda kk=kk, vv=vv: call(kk, vv) for kk, vv in sets], nbytes
+
+
+def _torch_calls(torch, k: np.ndarray, v: np.ndarray, q: np.ndarray):
+    """torch SDPA float32 with enable_gqa on [1, Hkv, n, D] K/V."""
+    kh = torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None]
+    vh = torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None]
+    nbytes = 2 * kh.numel() * 4
+    sets = [(kh, vh)] + [(kh.clone(), vh.clone()) for _ in range(_copies(nbytes) - 1)]
+    qt = torch.from_numpy(q)[None, :, None, :]           # [1, Hq, 1, D]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return [lambda kk=kk, vv=vv: sdpa(qt, kk, vv, enable_gqa=True) for kk, vv in sets], nbytes
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((HQ, D), dtype=np.float32)
+    results: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+    for n in args.contexts:
+        k = rng.standard_normal((n, HKV, D), dtype=np.float32)
+        v = rng.standard_normal((n, HKV, D), dtype=np.float32)
+        impls = {f"kvcore {fmt}": _kvcore_calls(fmt, k, v, q) for fmt in kvcore.FORMATS}
+        impls["numpy f32 grouped matmul"] = _numpy_calls(k, v, q)
+        if torch is not None:
+            impls["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
+        for threads in args.threads:
+            kvcore.set_num_threads(threads)
+            if torch is not None:
+                torch.set_num_threads(threads)
+            for name, (calls, nbytes) in impls.items():
+                secs = _cycled_time(calls, _rounds(len(calls)))
+                results.setdefault((name, threads), {})[n] = (secs, nbytes)
+        del impls
+    kvcore.set_num_threads(0)
+    header = ["implementation", "threads"]
+    for n in args.contexts:
+        header += [f"us @{n}", f"GB/s @{n}", f"x torch @{n}"]
+    rows = []
+    for (name, threads), per_n in results.items():
+        row = [name, threads]
+        for n in args.contexts:
+            secs, nbytes = per_n[n]
+            ref = results.get(("torch SDPA f32 enable_gqa", threads), {}).get(n)
+            row += [secs * 1e6, nbytes / secs / 1e9, ref[0] / secs if ref else "-"]
+        rows.append(row)
+    print_table(f"Decode attention, 1 new token, Hq={HQ}, Hkv={HKV}, D={D}, batch 1, "
+                f"K/V cycled past the {_llc_bytes() >> 20} MiB last-level cache", header, rows)
+    if torch is None:
+        print("\ntorch SDPA f32 enable_gqa: torch not installed")
+    copy = copy_bandwidth(256 * 2**20)
+    print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s; "
+          f"50% of it: {copy / 2:.1f} GB/s of cache bytes read")
+    goal_n, goal_t = 4096, max(args.threads)
+    if goal_n in args.contexts and ("torch SDPA f32 enable_gqa", goal_t) in results:
+        torch_secs = results[("torch SDPA f32 enable_gqa", goal_t)][goal_n][0]
+        for fmt in EIGHT_BIT:
+            secs, nbytes = results[(f"kvcore {fmt}", goal_t)][goal_n]
+            print(f"goal @{goal_n}, {goal_t} threads, {fmt}: {torch_secs / secs:.2f}x torch "
+                  f"(goal 2x), {nbytes / secs / 1e9 / copy:.0%} of copy bandwidth (goal 50%)")
+
+
+if __name__ == "__main__":
+    main()
