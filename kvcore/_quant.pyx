@@ -11,9 +11,9 @@ kvcore.quantize / kvcore.dequantize.
 3. Rounding: f16, bf16, int8, fp8 round to nearest even; q8_0 rounds half away from
    zero (ggml's roundf). The build uses -ffp-contract=off, so x / scale and x * id are
    single float32 operations, exactly the documented rule.
-4. Bulk kernels run one row per iteration of an OpenMP prange (num_threads() from
-   _parallel), rows addressed by byte offsets so that any input strides work without a
-   copy of the input.
+4. Bulk kernels hand out chunks of 64 rows dynamically over an OpenMP prange
+   (num_threads() from _parallel); input rows are addressed by byte offsets so that any
+   input strides work without a copy of the input.
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport copysignf, ldexpf, nextafterf, rintf
@@ -407,8 +407,9 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     if work.shape[0] < nt:
         raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
     with nogil, parallel(num_threads=nt):
-        # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it steps
-        for c in prange(nchunks, schedule="static"):
+        # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it steps.
+        # Dynamic: a thread that the OS pauses does not hold the others up.
+        for c in prange(nchunks, schedule="dynamic"):
             o = c * ROW_CHUNK // n_inner
             i = c * ROW_CHUNK - o * n_inner
             for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
@@ -436,7 +437,7 @@ def dequantize_rows(int fmt, cnp.ndarray codes, cnp.ndarray scales, float[:, ::1
     cdef const char* src = <const char*>cnp.PyArray_DATA(codes)
     cdef const char* ssrc = NULL if scales is None else <const char*>cnp.PyArray_DATA(scales)
     with nogil:
-        for r in prange(nrows, schedule="static", num_threads=num_threads()):
+        for r in prange(nrows, schedule="dynamic", chunksize=ROW_CHUNK, num_threads=num_threads()):
             decode_row(fmt, src + r * code_row, ssrc + r * scale_row if ssrc != NULL else NULL,
                        d, &out[r, 0])
 
