@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The `attention` and `step` sections of tools/bench_gpu.py (also runnable alone).
+"""The `attention` and `step` sections of tools/bench_gpu.py (bench_attention, bench_step;
+also runnable alone: python3 tools/bench_gpu_attention.py).
 
 attention: Hq = 32, Hkv = 8, D = 128, batch 1/8/32/128, context 1024/4096/16384/32768:
   our decode attention per format (q float16, out float32) against torch
@@ -168,17 +169,31 @@ def step_section(torch, timer) -> None:
                 ["format", "batch", "context", "graph us", "eager us", "eager / graph"], rows)
 
 
-def main() -> int:
+def _torch_and_timer():
     import torch
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark")
-        return 0
-    timer = _Timer(torch)
+        raise SystemExit("torch sees no CUDA device: the attention benchmarks need it as the peer")
+    return torch, _Timer(torch)
+
+
+def bench_attention() -> None:
+    """The `attention` section of tools/bench_gpu.py."""
+    torch, timer = _torch_and_timer()
     print(f"device: {torch.cuda.get_device_name()}")
     copy_gbs = copy_bandwidth(torch, timer)
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     attention_section(torch, timer, copy_gbs)
+
+
+def bench_step() -> None:
+    """The `step` section of tools/bench_gpu.py."""
+    torch, timer = _torch_and_timer()
     step_section(torch, timer)
+
+
+def main() -> int:
+    bench_attention()
+    bench_step()
     return 0
 
 

@@ -10,8 +10,10 @@ never needs cuda-python or a GPU; `is_available()` says whether one is usable).
 
 See docs/gpu.md for layouts, the error flag and graph capture.
 """
+from .attention import AttentionPlan, apply_rope, decode_attention
 from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
 from .driver import Context, CudaError, Event, Stream, is_available
+from .graph import DecodeGraph
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 
@@ -21,5 +23,5 @@ def live_bytes(device: int = 0) -> int:
     return 0 if ctx is None else ctx.live_bytes
 
 
-__all__ = ["GpuKVCache", "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event",
-           "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes"]
+__all__ = ["AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache",
+           "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes"]
