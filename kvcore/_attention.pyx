@@ -80,6 +80,19 @@ cdef extern from *:
     KV_INLINE float kv_hsum(kv_v8f v) {
         return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+    /* Lanes a + b of the pairs (a[0], a[1]), (b[0], b[1]), ... (like hadd). */
+    KV_INLINE kv_v8f kv_pairs(kv_v8f a, kv_v8f b) {
+        return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14)
+             + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15); }
+
+    /* The 8 horizontal sums of a[4][2], in the order a[0][0], a[0][1], a[1][0], ... */
+    KV_INLINE kv_v8f kv_hsum8(kv_v8f a[4][2]) {
+        kv_v8f x = kv_pairs(kv_pairs(a[0][0], a[0][1]), kv_pairs(a[1][0], a[1][1]));
+        kv_v8f y = kv_pairs(kv_pairs(a[2][0], a[2][1]), kv_pairs(a[3][0], a[3][1]));
+        /* x: the 4 sums of a[0..1][*] over lanes 0-3, then over lanes 4-7; y likewise */
+        return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15); }
+
     KV_INLINE kv_v8f kv_bits(kv_v8u u) { kv_v8f f; memcpy(&f, &u, 32); return f; }
 
     /* f16 bits -> float32, exact for finite values (subnormals included). */
@@ -143,13 +156,14 @@ cdef extern from *:
                                 const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
                                 int d, const float* q, int dp, float* s, int ls) {
         kv_v8f acc[4][2];
-        for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = kv_splat(0.0f);
+        for (int r = 0; r < 4; r++) for (int p = 0; p < 2; p++) acc[r][p] = kv_splat(0.0f);
         int i = 0;
         for (; i + 8 <= d; i += 8) kv_dot_step(fmt, 0, R, P, c, cs, sc, ss, i, d, q, dp, acc);
         if (i < d) kv_dot_step(fmt, 1, R, P, c, cs, sc, ss, i, d, q, dp, acc);
+        kv_v8f sums = kv_hsum8(acc);
         for (int p = 0; p < P; p++) {
             float rs = kv_row_scale(fmt, sc + p * ss);
-            for (int r = 0; r < R; r++) s[r * ls + p] = kv_hsum(acc[r][p]) * rs;
+            for (int r = 0; r < R; r++) s[r * ls + p] = sums[2 * r + p] * rs;
         }
     }
 
