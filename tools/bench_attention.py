@@ -106,7 +106,9 @@ def _torch_calls(torch, k: np.ndarray, v: np.ndarray, q: np.ndarray):
     return [lambda kk=kk, vv=vv: sdpa(qt, kk, vv, enable_gqa=True) for kk, vv in sets], nbytes
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] = ()) -> None:
+    """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
+    calls it that way)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -162,4 +164,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
