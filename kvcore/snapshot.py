@@ -324,15 +324,21 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _sha256(arr: np.ndarray) -> str:
+    h = hashlib.sha256()
+    h.update(_bytes_of(arr))  # update() releases the GIL; the constructor's data does not
+    return h.hexdigest()
+
+
 def _start_digests(arrays: list[np.ndarray]):
     """Starts hashing each array (SHA-256, hex) and returns a function that waits for the
-    digests. Large arrays hash on worker threads (hashlib releases the GIL), one per
-    array, so the caller can write or read meanwhile."""
+    digests. Large arrays hash on worker threads, one per array, so that they hash in
+    parallel and the caller can write or read meanwhile."""
     if sum(a.nbytes for a in arrays) < _PARALLEL_HASH_BYTES:
-        digests = [hashlib.sha256(_bytes_of(a)).hexdigest() for a in arrays]
+        digests = [_sha256(a) for a in arrays]
         return lambda: digests
     pool = ThreadPoolExecutor(max_workers=len(arrays))
-    futures = [pool.submit(lambda a: hashlib.sha256(_bytes_of(a)).hexdigest(), a) for a in arrays]
+    futures = [pool.submit(_sha256, a) for a in arrays]
     pool.shutdown(wait=False)
     return lambda: [f.result() for f in futures]
 
