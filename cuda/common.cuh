@@ -11,8 +11,9 @@
 //      fp8_e4m3  s = amax / 448 (f32),   c = E4M3FN(x / s), RNE, saturating;  s = 0 -> c = 0
 //      fp8_e5m2  s = amax / 57344 (f32), c = E5M2(x / s), RNE, saturating;    s = 0 -> c = 0
 //      q8_0      per 32 values: d = amax / 127 (f32), id = d ? 1 / d : 0,
-//                q = round-half-away(x * id), scale stored as f16(d) (RNE);
-//                |x| >= KV_Q8_0_LIMIT is refused like a non-finite value
+//                q = round-half-away(x * id), scale stored as f16(d) (RNE)
+//    A finite input |x| >= kv_input_limit(fmt) is refused (f16 and bf16: it would round
+//    to inf; q8_0: its f16 block scale would), as NaN and inf are by every format.
 //    Decoding: x = code * scale (f32 multiply); q8_0 x = q * f32(f16 scale).
 // 4. Codes are passed around as their raw bits: f16/bf16 as uint16, fp8 as uint8.
 #pragma once
@@ -31,13 +32,17 @@
 #define KV_INT8_MAX 127.0f
 #define KV_E4M3_MAX 448.0f
 #define KV_E5M2_MAX 57344.0f
-// q8_0 refuses |x| >= this (0x4afdf020): its f16 block scale max|x| / 127 would be inf
-// (kvcore._quant.Q8_0_LIMIT).
+// The smallest |x| each format refuses (kvcore._quant.input_limit): f16 65520 and bf16
+// 0x7f7f8000 round (to even) to inf; q8_0's f16 block scale max|x| / 127 would be inf
+// from 8321040 (0x4afdf020) on.
+#define KV_F16_LIMIT 65520.0f
+#define KV_BF16_LIMIT_BITS 0x7f7f8000
 #define KV_Q8_0_LIMIT 8321040.0f
 
 // Bits of the device error flag (one int32 per cache; see docs/gpu.md).
 #define KV_ERR_CAPACITY 1
 #define KV_ERR_NONFINITE 2
+#define KV_ERR_RANGE 4
 
 // ---- f16 / bf16 -----------------------------------------------------------------
 
@@ -166,6 +171,14 @@ __device__ __forceinline__ float kv_load_input(const void* p, int dtype, long lo
     if (dtype == KV_F32) return ((const float*)p)[i];
     if (dtype == KV_F16) return kv_f16_to_f32(((const uint16_t*)p)[i]);
     return kv_bf16_to_f32(((const uint16_t*)p)[i]);
+}
+
+// The smallest |x| format fmt refuses (INFINITY: only NaN and inf are refused).
+__device__ __forceinline__ float kv_input_limit(int fmt) {
+    if (fmt == KV_F16) return KV_F16_LIMIT;
+    if (fmt == KV_BF16) return __int_as_float(KV_BF16_LIMIT_BITS);
+    if (fmt == KV_Q8_0) return KV_Q8_0_LIMIT;
+    return __int_as_float(0x7f800000);
 }
 
 // Code bytes per element for a format id.

@@ -7,8 +7,9 @@
 // 2. The write position comes from the device lengths, so one captured graph replays the
 //    same launches step after step; kv_advance commits the step afterwards.
 // 3. Errors never trap: a write that would pass capacity writes nothing anywhere and ORs
-//    KV_ERR_CAPACITY into *err; a non-finite input row is skipped and ORs
-//    KV_ERR_NONFINITE. kv_advance commits nothing while *err != 0, so a failed step never
+//    KV_ERR_CAPACITY into *err; an input row holding NaN/inf is skipped and ORs
+//    KV_ERR_NONFINITE, one holding a finite value past the format's range
+//    (kv_input_limit) KV_ERR_RANGE. kv_advance commits nothing while *err != 0, so a failed step never
 //    becomes visible; the host turns the flag into an exception at its next sync.
 #include "common.cuh"
 
@@ -21,17 +22,21 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
-// Returns false (writing nothing) when a value is not finite (or, for q8_0, too large).
-__device__ bool encode_row(const void* in, int in_dtype, long long base, int D, int fmt,
-                           void* codes, void* scales, int lane) {
-    bool bad = false;
+// Returns 0, or (writing nothing) KV_ERR_NONFINITE / KV_ERR_RANGE for a row holding NaN
+// or inf / a finite |x| >= kv_input_limit(fmt).
+__device__ int encode_row(const void* in, int in_dtype, long long base, int D, int fmt,
+                          void* codes, void* scales, int lane) {
+    const float limit = kv_input_limit(fmt);
+    bool nonfinite = false, range = false;
     float amax = 0.0f;
     for (int j = lane; j < D; j += WARP) {
         float x = kv_load_input(in, in_dtype, base + j);
-        bad |= !isfinite(x) || (fmt == KV_Q8_0 && fabsf(x) >= KV_Q8_0_LIMIT);
+        nonfinite |= !isfinite(x);
+        range |= isfinite(x) && fabsf(x) >= limit;
         amax = fmaxf(amax, fabsf(x));
     }
-    if (__any_sync(0xffffffffu, bad)) return false;
+    if (__any_sync(0xffffffffu, nonfinite)) return KV_ERR_NONFINITE;
+    if (__any_sync(0xffffffffu, range)) return KV_ERR_RANGE;
 
     if (fmt == KV_F32 || fmt == KV_F16 || fmt == KV_BF16) {
         for (int j = lane; j < D; j += WARP) {
@@ -57,7 +62,7 @@ __device__ bool encode_row(const void* in, int in_dtype, long long base, int D, 
             ((uint8_t*)codes)[j] = kv_scaled_code(fmt, kv_load_input(in, in_dtype, base + j), s);
         if (lane == 0) ((float*)scales)[0] = s;
     }
-    return true;
+    return 0;
 }
 
 // Appends one step to one layer.
@@ -104,9 +109,8 @@ extern "C" __global__ void kv_append(
     char* codes = (char*)(is_v ? v_codes : k_codes) + row * D * cb;
     char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
     const void* in = is_v ? v_in : k_in;
-    if (!encode_row(in, in_dtype, r * s_r + h * s_h, D, fmt, codes, scales, lane)) {
-        if (lane == 0) atomicOr(err, KV_ERR_NONFINITE);
-    }
+    const int refused = encode_row(in, in_dtype, r * s_r + h * s_h, D, fmt, codes, scales, lane);
+    if (refused && lane == 0) atomicOr(err, refused);
 }
 
 // Commits a step: slot < 0: lengths[s] += 1 for every slot; slot >= 0: lengths[slot] += T.

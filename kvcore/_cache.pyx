@@ -7,8 +7,8 @@
 2. `RowWriter.write(layer, pos, k, v)` checks everything before it writes a byte: k and v
    are numpy arrays of float32, float16 or ml_dtypes bfloat16 in native byte order, of
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
-   [pos, pos + T) fit the capacity, and every value is finite (and, for q8_0, below
-   `_quant.Q8_0_LIMIT`), tested on the raw input bits without conversion.
+   [pos, pos + T) fit the capacity, and every value is finite and below the format's
+   `_quant.input_limit` (f16, bf16, q8_0), tested on the raw input bits without conversion.
 3. Then each row (t, h) is encoded straight into storage at position pos + t with
    `_quant.encode_row`: an aligned unit-stride float32 row is encoded in place; any
    other row is first gathered through its strides into a small per-thread buffer
@@ -25,15 +25,13 @@ from cpython.mem cimport PyMem_Malloc, PyMem_Free
 from cython.parallel cimport parallel, prange, threadid
 cimport numpy as cnp
 
-from kvcore._quant cimport decode_row, encode_row
+from kvcore._quant cimport decode_row, encode_row, input_limit_bits
 from kvcore._parallel cimport num_threads
 
 import numpy as np
 
-from .errors import CapacityError, FormatError, NonFiniteError
-from .formats import Q8_0
-from ._quant import Q8_0_LIMIT
-from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
+from .errors import CapacityError
+from ._validate import check_dtype, check_ndarray, check_shape, check_values, float_input_dtypes
 
 cnp.import_array()
 
@@ -102,7 +100,7 @@ except ImportError:
 cdef struct Job:
     # one checked append: rows r in [0, 2*T*H): K rows first, then V rows
     int fmt
-    uint32_t limit           # refuse |x| >= this (float32 bits): inf, or q8_0's limit
+    uint32_t limit           # refuse |x| >= this (float32 bits): _quant.input_limit_bits
     Py_ssize_t T, H, D
     const char* src[2]       # IN: k, v data (element [0, 0, 0])
     Py_ssize_t s0[2]         # byte strides over t (0 for [Hkv, D] input), h, d
@@ -136,7 +134,7 @@ cdef int _kind(object x):
 cdef inline bint _row_ok(const char* p, Py_ssize_t d, Py_ssize_t s, int kind,
                         uint32_t limit) noexcept nogil:
     """Every one of d values at p (byte stride s) is finite and |x| < limit, the bits of
-    a float32 (inf, or q8_0's range limit): max of the magnitude bits, no conversion."""
+    a float32 (_quant.input_limit_bits): max of the magnitude bits, no conversion."""
     cdef Py_ssize_t i
     cdef uint32_t u32, m32 = 0
     cdef uint16_t u16, m16 = 0
@@ -162,7 +160,7 @@ cdef inline bint _row_ok(const char* p, Py_ssize_t d, Py_ssize_t s, int kind,
             memcpy(&u16, p + i * s, 2)
             u16 &= 0x7fff
             m16 = u16 if u16 > m16 else m16
-    if kind == IN_F16:   # every finite float16 lies below q8_0's limit
+    if kind == IN_F16:   # every finite float16 lies below every format's limit
         return m16 < 0x7c00
     return (<uint32_t>m16 << 16) < limit
 
@@ -174,7 +172,7 @@ cdef inline const char* _row_src(const Job* j, Py_ssize_t r, int w) noexcept nog
 
 
 cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
-    """Rows of k and v that hold a value the format refuses (NaN, inf, q8_0 range)."""
+    """Rows of k and v that hold a value the format refuses (NaN, inf, past its limit)."""
     cdef Py_ssize_t r, th = j.T * j.H, bad = 0
     cdef int w
     if nt > 1:
@@ -246,40 +244,24 @@ def _raise_bad_input(k, v, Py_ssize_t H, Py_ssize_t D):
     raise AssertionError("unreachable: the input passed every check")
 
 
-def _raise_refused_value(k, v, int fmt):
-    """Raises for the first value of k, then v, that the format refuses (cold path)."""
-    limit = Q8_0_LIMIT if fmt == Q8_0 else np.inf
-    for name, x in (("k", k), ("v", v)):
-        x32 = x.astype(np.float32)
-        bad = np.argwhere(~(np.abs(x32) < limit))
-        if len(bad):
-            idx = tuple(int(i) for i in bad[0])
-            where = f"{name}[{', '.join(map(str, idx))}] = {float(x32[idx])}"
-            if not np.isfinite(x32[idx]):
-                raise NonFiniteError(f"non-finite value in {name}: {where}")
-            raise FormatError(f"value out of range of format q8_0 in {name}: {where}, "
-                              f"expected |x| < {Q8_0_LIMIT} (the float16 block scale "
-                              f"would overflow)")
-    raise AssertionError("unreachable: no refused value found")
-
-
 cdef class RowWriter:
     """Checked, atomic writes of k/v rows into one cache's storage (module comment)."""
 
     cdef object _keep          # the region arrays (keep the storage alive)
+    cdef object _format        # the formats.Format
     cdef char* _codes[2]
     cdef char* _scales[2]
     cdef int _fmt
     cdef uint32_t _limit
     cdef Py_ssize_t _N, _H, _D, _code_row, _scale_row
 
-    def __init__(self, int fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
-        """k_codes, v_codes: [L, N, Hkv, D] C-contiguous, the format's code dtype;
+    def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
+        """fmt: the formats.Format; k_codes, v_codes: [L, N, Hkv, D] C-contiguous, the format's code dtype;
         k_scales, v_scales: [L, N, Hkv, S] C-contiguous, the scale dtype, or None (S = 0)."""
         self._keep = (k_codes, v_codes, k_scales, v_scales)
-        self._fmt = fmt
-        limit = Q8_0_LIMIT if fmt == Q8_0 else np.inf
-        self._limit = int(np.array(limit, dtype=np.float32).view(np.uint32))
+        self._format = fmt
+        self._fmt = fmt.id
+        self._limit = input_limit_bits(fmt.id)
         self._N, self._H, self._D = k_codes.shape[1], k_codes.shape[2], k_codes.shape[3]
         self._codes[0] = cnp.PyArray_BYTES(k_codes)
         self._codes[1] = cnp.PyArray_BYTES(v_codes)
@@ -337,7 +319,9 @@ cdef class RowWriter:
                 _encode_rows(&j, nt, work)
         PyMem_Free(work)
         if bad:
-            _raise_refused_value(k, v, self._fmt)
+            check_values("k", k, self._format)
+            check_values("v", v, self._format)
+            raise AssertionError(f"append refused {bad} rows that hold no refused value")
         return T
 
 

@@ -4,9 +4,13 @@
 # dtype and `scales` at S scales (formats.py): nothing for f32/f16/bf16, one float32 for
 # int8/fp8, D/32 float16 bit patterns for q8_0. Callers guarantee finite input and
 # D % 32 == 0 for q8_0. Format ids are those of kvcore/formats.py.
-from libc.stdint cimport int8_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil
+# The smallest |x| (float32 bits) a format refuses: past it the value, or q8_0's float16
+# block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT);
+# inf for the formats with scales per row and f32. NaN and inf are refused by every format.
+cdef uint32_t input_limit_bits(int fmt) noexcept nogil
 cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t d, float* out) noexcept nogil
 
 # Scalar conversions: round to nearest even; FP8 saturates to the largest finite value.

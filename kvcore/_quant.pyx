@@ -218,6 +218,25 @@ _find_q8_0_limit()
 Q8_0_LIMIT = _as_f32(_Q8_0_LIMIT_BITS)
 """float: q8_0 refuses |x| >= this value (its float16 block scale would be infinite)."""
 
+cdef enum:
+    F16_LIMIT_BITS = 0x477ff000     # 65520: the midpoint past 65504 rounds (to even) to inf
+    BF16_LIMIT_BITS = 0x7f7f8000    # the midpoint past bfloat16's largest finite value
+
+
+cdef uint32_t input_limit_bits(int fmt) noexcept nogil:
+    if fmt == F16:
+        return F16_LIMIT_BITS
+    if fmt == BF16:
+        return BF16_LIMIT_BITS
+    if fmt == Q8_0:
+        return _Q8_0_LIMIT_BITS
+    return F32_INF
+
+
+def input_limit(int fmt) -> float:
+    """The smallest |x| format `fmt` refuses (inf: only NaN and inf are refused)."""
+    return _as_f32(input_limit_bits(fmt))
+
 
 cdef inline void _encode_int8(const float* x, Py_ssize_t d, float amax,
                               int8_t* codes, float* scales) noexcept nogil:
@@ -389,8 +408,8 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     IN x: the input array. Row r = o * n_inner + i starts outer[o] + i * inner_stride
     bytes after x's data pointer, its D values `stride` bytes apart, of kind F32 / F16 /
     BF16 (format ids). OUT codes, scales (None for float formats). work: float32
-    [threads, D] scratch. Returns the number of rows refused (a non-finite value, or q8_0
-    out of range); those rows are left unwritten and the caller raises.
+    [threads, D] scratch. Returns the number of rows refused (a non-finite value, or one
+    at or past input_limit(fmt)); those rows are left unwritten and the caller raises.
     """
     cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = codes.shape[codes.ndim - 1]
     cdef Py_ssize_t code_row = d * codes.itemsize
@@ -398,7 +417,7 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef const char* src = <const char*>cnp.PyArray_DATA(x)
     cdef char* dst = <char*>cnp.PyArray_DATA(codes)
     cdef char* sdst = NULL if scales is None else <char*>cnp.PyArray_DATA(scales)
-    cdef uint32_t limit = _Q8_0_LIMIT_BITS if fmt == Q8_0 else F32_INF
+    cdef uint32_t limit = input_limit_bits(fmt)
     cdef uint32_t amax
     cdef const float* row
     cdef Py_ssize_t c, r, o, i, bad = 0

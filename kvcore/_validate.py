@@ -3,6 +3,7 @@
     invalid shape of k: expected [T, 8, 128], got [1, 4, 128]
     invalid dtype of k: expected float32, float16 or bfloat16, got float64
     layer 40 out of range: expected 0 <= layer < 32
+    non-finite value in k: k[1, 2, 3] = nan
 
 ValueError-family errors for bad values, TypeError-family for wrong types.
 """
@@ -12,7 +13,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import DTypeError, OutOfRangeError, ShapeError
+from .errors import DTypeError, FormatError, NonFiniteError, OutOfRangeError, ShapeError
 
 
 def _fmt_shape(shape: Iterable) -> str:
@@ -62,3 +63,29 @@ def float_input_dtypes() -> list[np.dtype]:
     except ImportError:
         pass
     return out
+
+
+# Why a finite value at or past a format's input limit is refused (kvcore._quant.input_limit).
+_LIMIT_REASON = {"f16": "it would round to float16 infinity",
+                 "bf16": "it would round to bfloat16 infinity",
+                 "q8_0": "its float16 block scale max|x|/127 would overflow"}
+
+
+def check_values(name: str, x: np.ndarray, fmt) -> None:
+    """Raises for the first value of x (C order) that format `fmt` (a formats.Format)
+    refuses: NonFiniteError for NaN/inf, FormatError for |x| >= its input limit
+    (kvcore._quant.input_limit). The kernels check on the raw bits; this is the cold path
+    that names the value once a kernel has refused a row."""
+    from ._quant import input_limit
+    limit = input_limit(fmt.id)
+    x32 = x.astype(np.float32)
+    refused = ~(np.abs(x32) < limit)
+    if not refused.any():
+        return
+    flat = int(np.argmax(refused))
+    value = x32.flat[flat]
+    where = f"{name}[{', '.join(str(int(i)) for i in np.unravel_index(flat, x.shape))}] = {value!s}"
+    if not np.isfinite(value):
+        raise NonFiniteError(f"non-finite value in {name}: {where}")
+    raise FormatError(f"value out of range of format {fmt.name} in {name}: {where}, expected "
+                      f"|x| < {np.float32(limit)!s} ({_LIMIT_REASON[fmt.name]})")

@@ -118,7 +118,7 @@ class KVCache:
             self._offsets[name] = offset
             offset += nbytes
         r = self._regions
-        self._writer = _cache.RowWriter(fmt.id, r["k_codes"], r["v_codes"],
+        self._writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
                                         r.get("k_scales"), r.get("v_scales"))
         self._read_only = {}
         for name, arr in r.items():
@@ -137,7 +137,8 @@ class KVCache:
         k, v: float32, float16 or ml_dtypes bfloat16, shape [T, Hkv, D] or [Hkv, D]
         (T = 1), any strides; the same shape (dtypes may differ). Atomic: a refused call
         (ShapeError, DTypeError, NonFiniteError, CapacityError, OutOfRangeError, and
-        FormatError for q8_0 values past its range) writes nothing.
+        FormatError for a value past the format's range: f16 |x| >= 65520, bf16 past
+        its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing.
         """
         if layer.__class__ is not int or not 0 <= layer < self._num_layers:
             layer = check_index("layer", layer, self._num_layers)

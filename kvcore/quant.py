@@ -10,8 +10,9 @@ import numpy as np
 
 from . import _quant
 from ._parallel import max_threads
-from ._validate import check_dtype, check_ndarray, check_shape, float_input_dtypes
-from .errors import FormatError, NonFiniteError, ShapeError
+from ._validate import (check_dtype, check_ndarray, check_shape, float_input_dtypes,
+                        check_values)
+from .errors import FormatError, ShapeError
 from .formats import BF16, F16, F32, Format, get_format, view_dtype
 
 Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
@@ -48,25 +49,6 @@ def _row_walk(x: np.ndarray) -> tuple[np.ndarray, int, int]:
     return outer.reshape(-1), n_inner, inner_stride
 
 
-def _index(flat: int, shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(flat, shape)) + "]"
-
-
-def _raise_bad_value(x: np.ndarray) -> None:
-    """Raises for the first value of x (in C order) that the kernel refused: a NaN/inf,
-    else (the only other refusal) a q8_0 value with |x| >= Q8_0_LIMIT."""
-    xf = x.astype(np.float32)
-    nonfinite = ~np.isfinite(xf)
-    if nonfinite.any():
-        flat = int(np.argmax(nonfinite))
-        raise NonFiniteError(
-            f"x holds a non-finite value ({xf.flat[flat]}) at index {_index(flat, x.shape)}")
-    flat = int(np.argmax(np.abs(xf) >= Q8_0_LIMIT))
-    raise FormatError(
-        f"format q8_0 cannot hold x{_index(flat, x.shape)} = {xf.flat[flat]}: |x| must be "
-        f"below {Q8_0_LIMIT} (the float16 block scale max|x|/127 overflows)")
-
-
 def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray | None]:
     """Encodes rows of D values in a storage format.
 
@@ -78,7 +60,8 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
       scales [..., S], S = fmt.scales_per_row(D): float32 (S = 1) for int8 and fp8,
         float16 (S = D/32) for q8_0; None for f32, f16 and bf16.
     Raises NonFiniteError for NaN/inf (naming the first bad index), FormatError for a
-    q8_0 value with |x| >= Q8_0_LIMIT, ShapeError / DTypeError for bad arrays.
+    value past the format's range (f16 |x| >= 65520, bf16 |x| >= 0x1.ffp127: they would
+    round to infinity; q8_0 |x| >= Q8_0_LIMIT), ShapeError / DTypeError for bad arrays.
     """
     f = get_format(fmt)
     check_ndarray("x", x)
@@ -95,7 +78,8 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
     bad = _quant.quantize_rows(x, outer, n_inner, inner_stride, x.strides[-1], _input_kind(x),
                                f.id, codes, scales, work)
     if bad:
-        _raise_bad_value(x)
+        check_values("x", x, f)
+        raise AssertionError(f"quantize refused {bad} rows that hold no refused value")
     return codes.view(view_dtype(f)), scales
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures. Tests marked `gpu` skip cleanly where no device is usable;
 the device is asked about once, when the first such test runs, never at import."""
 import functools
+import zlib
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture
 def rng(request):
-    """A fresh generator per test, seeded from the test's name (reproducible, distinct)."""
-    seed = abs(hash(request.node.nodeid)) % (2**32)
+    """A fresh generator per test, seeded from the test's id: distinct per test and the same
+    in every run (a CRC, not hash(), which Python salts per process)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)

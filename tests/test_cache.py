@@ -1,6 +1,8 @@
 """KVCache: round trips for every format against independent references, views,
 strides, sizes, bookkeeping, and the atomic-write rule (a refused call leaves storage
 byte-identical and lengths unchanged)."""
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from kvcore import (CapacityError, DTypeError, FormatError, KVCache, KVSpec, Non
                     OutOfRangeError, ShapeError, SpecError, StateError)
 from kvcore.cache import _Cells
 from kvcore.formats import FORMATS, view_dtype
+from kvcore._quant import input_limit
 from kvcore.quant import Q8_0_LIMIT
 
 ALL = list(FORMATS)
@@ -439,20 +442,35 @@ def test_refused_calls_change_nothing(case, fmt, rng):
     assert_unchanged(cache, before)
 
 
-def test_q8_0_refuses_values_past_its_range():
-    cache = make("q8_0")
+# The smallest finite |x| each format refuses (the value, or q8_0's block scale, would round
+# to infinity), and the largest stored value of the float just below it.
+LIMITS = {"f16": (65520.0, 65504.0),
+          "bf16": (np.uint32(0x7F7F8000).view(np.float32), np.uint32(0x7F7F0000).view(np.float32)),
+          "q8_0": (Q8_0_LIMIT, None)}
+
+
+@pytest.mark.parametrize("fmt", list(LIMITS))
+def test_values_past_the_format_range_are_refused(fmt):
+    limit, stored = LIMITS[fmt]
+    assert np.float32(limit) == np.float32(input_limit(kvcore.FORMATS[fmt].id))
+    cache = make(fmt)
     k = np.ones((1, 8, 128), np.float32)
-    k[0, 5, 64] = -Q8_0_LIMIT
+    k[0, 5, 64] = -limit
     before = state(cache)
-    with pytest.raises(FormatError, match=r"out of range of format q8_0 in k: k\[0, 5, 64\]"):
+    with pytest.raises(FormatError, match=rf"out of range of format {fmt} in k: k\[0, 5, 64\] = "
+                                          rf"-{re.escape(str(np.float32(limit)))}, expected \|x\| < "):
         cache.append(0, k, np.ones_like(k))
-    big = np.full((1, 8, 128), 2.0**30, ml_dtypes.bfloat16)
-    with pytest.raises(FormatError, match=r"in v: v\[0, 0, 0\]"):
-        cache.append(0, np.ones_like(k), big)
+    if fmt != "bf16":  # bfloat16 input past float16's range (bf16 holds every bfloat16)
+        big = np.full((1, 8, 128), 2.0**30 if fmt == "q8_0" else 65536.0, ml_dtypes.bfloat16)
+        with pytest.raises(FormatError, match=r"in v: v\[0, 0, 0\]"):
+            cache.append(0, np.ones_like(k), big)
     assert_unchanged(cache, before)
-    k[0, 5, 64] = np.nextafter(np.float32(Q8_0_LIMIT), np.float32(0))
-    cache.append(0, k, k)  # just below the limit is taken
+    below = np.nextafter(np.float32(limit), np.float32(0))
+    k[0, 5, 64] = -below
+    cache.append(0, k, k)  # the largest float32 below the limit is taken
     assert_held(cache, 0, k, k, pending=True)
+    if stored is not None:
+        assert cache.dequantize(0, "k", pending=True)[0, 5, 64] == -stored
 
 
 def test_spec_is_required():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore import (CapacityError, FORMATS, KVCache, KVSpec, NonFiniteError, OutOfRangeError,
-                    ShapeError, SnapshotError, SpecError, StateError, quantize)
+from kvcore import (CapacityError, FORMATS, FormatError, KVCache, KVSpec, NonFiniteError,
+                    OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError, quantize)
 from kvcore.snapshot import restore_snapshot, take_snapshot
 
 pytestmark = pytest.mark.gpu
@@ -254,9 +254,34 @@ def test_nonfinite_input_is_not_committed(gpu, rng):
     big[0, 0, 0] = 1e7  # >= Q8_0_LIMIT: its float16 scale would be inf
     cache.append(0, dev(gpu, big), dev(gpu, big))
     cache.advance()
-    with pytest.raises(NonFiniteError):
+    with pytest.raises(FormatError, match="out of range of format q8_0"):
         cache.check()
     assert list(cache.lengths_host()) == [0, 0]
+    cache.free()
+
+
+@pytest.mark.parametrize("fmt, limit_bits", [("f16", 0x477FF000), ("bf16", 0x7F7F8000)])
+def test_values_past_the_half_range_are_not_committed(gpu, rng, fmt, limit_bits):
+    # as on the CPU: the value would round to infinity, so the step is refused
+    limit = np.uint32(limit_bits).view(np.float32)
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=4, format=fmt)
+    cache = new_cache(gpu, spec, 2)
+    x = rows(rng, (2, 2, 32), np.float32)
+    x[1, 0, 31] = -limit
+    cache.append(0, dev(gpu, x), dev(gpu, x))
+    cache.advance()
+    with pytest.raises(FormatError, match=f"out of range of format {fmt}"):
+        cache.check()
+    assert list(cache.lengths_host()) == [0, 0]
+    x[1, 0, 31] = np.nextafter(-limit, np.float32(0))  # the largest value below is taken
+    cache.append(0, dev(gpu, x), dev(gpu, x))
+    cache.advance()
+    cpu = KVCache(KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=1, format=fmt))
+    for slot in range(2):
+        cpu.reset()
+        cpu.append(0, x[slot], x[slot])
+        cpu.advance()
+        _same(cache.snapshot(slot), take_snapshot(cpu))
     cache.free()
 
 

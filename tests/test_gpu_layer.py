@@ -117,8 +117,12 @@ def test_device_constants_match_python():
     assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK
     assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
     assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE
+    assert int(d["KV_ERR_RANGE"]) == gpu_cache.ERR_RANGE
     from kvcore import _quant
-    assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == np.float32(_quant.Q8_0_LIMIT)
+    limit = {name: np.float32(_quant.input_limit(f.id)) for name, f in FORMATS.items()}
+    assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == limit["q8_0"]
+    assert np.float32(d["KV_F16_LIMIT"].rstrip("f")) == limit["f16"]
+    assert np.uint32(int(d["KV_BF16_LIMIT_BITS"], 16)).view(np.float32) == limit["bf16"]
 
 
 def test_ptx_is_found():

@@ -23,7 +23,7 @@ import kvcore
 from kvcore import FORMATS, KVCache, KVSpec, Snapshot, load_snapshot
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
-from kvcore.quant import Q8_0_LIMIT
+from kvcore._quant import input_limit
 from kvcore.snapshot import restore_snapshot, take_snapshot
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -107,6 +107,7 @@ class CacheMachine(RuleBasedStateMachine):
                            format=self.FORMAT)
         self.cache = KVCache(self.spec)
         self.model = Model(self.spec)
+        self.limit = input_limit(self.spec.fmt.id)  # finite values at or past it are refused
         self.tmp = tempfile.TemporaryDirectory()
         self.files = 0
 
@@ -139,8 +140,8 @@ class CacheMachine(RuleBasedStateMachine):
         if pos + t > N:
             self.refused(CapacityError, self.cache.append, layer, k, v)
             return
-        if self.FORMAT == "q8_0" and max(np.abs(k.astype(np.float32)).max(initial=0),
-                                         np.abs(v.astype(np.float32)).max(initial=0)) >= Q8_0_LIMIT:
+        if max(np.abs(k.astype(np.float32)).max(initial=0),
+               np.abs(v.astype(np.float32)).max(initial=0)) >= self.limit:
             self.refused(FormatError, self.cache.append, layer, k, v)
             return
         self.cache.append(layer, k, v)
@@ -154,12 +155,12 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1),
           fault=st.sampled_from(["layer", "layer type", "heads", "head_dim", "ndim",
                                  "k/v shapes", "float64", "int32", "list", "nan", "inf",
-                                 "-inf", "q8_0 range", "full"]))
+                                 "-inf", "range", "full"]))
     def append_bad(self, layer, seed, fault):
         rng = np.random.default_rng(seed)
         room = N - self.model.length - self.model.pending[layer]
         t = min(int(rng.integers(1, 3)), room)  # only the fault itself may be wrong
-        if t == 0 and fault in ("nan", "inf", "-inf", "q8_0 range"):
+        if t == 0 and fault in ("nan", "inf", "-inf", "range"):
             return
         k = rng.standard_normal((t, H, D)).astype(np.float32)
         v = rng.standard_normal((t, H, D)).astype(np.float32)
@@ -167,7 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
                  "head_dim": ShapeError, "ndim": ShapeError, "k/v shapes": ShapeError,
                  "float64": DTypeError, "int32": DTypeError, "list": DTypeError,
                  "nan": NonFiniteError, "inf": NonFiniteError, "-inf": NonFiniteError,
-                 "q8_0 range": FormatError, "full": CapacityError}[fault]
+                 "range": FormatError, "full": CapacityError}[fault]
         if fault == "layer":
             layer = int(rng.choice([-1, L, L + 5]))
         elif fault == "layer type":
@@ -187,10 +188,10 @@ class CacheMachine(RuleBasedStateMachine):
         elif fault in ("nan", "inf", "-inf"):
             target = k if rng.integers(2) else v
             target[tuple(rng.integers(s) for s in target.shape)] = float(fault)
-        elif fault == "q8_0 range":
-            if self.FORMAT != "q8_0":
+        elif fault == "range":  # a finite value at or past the format's limit
+            if self.limit == np.inf:
                 return
-            k[tuple(rng.integers(s) for s in k.shape)] = Q8_0_LIMIT * float(rng.choice([1, -2]))
+            k[tuple(rng.integers(s) for s in k.shape)] = self.limit * float(rng.choice([1, -1]))
         else:  # full: one position more than the layer has room for
             k = v = np.zeros((room + 1, H, D), np.float32)
         self.refused(error, self.cache.append, layer, k, v)

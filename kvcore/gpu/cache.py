@@ -9,10 +9,11 @@
    int32[M] and the error flag int32. Addresses never change while the cache lives.
 2. Launch path (graph-capturable, no sync): `append` quantizes on the device at the write
    position read from the device lengths; `advance` commits. Errors set the device flag
-   (capacity: nothing written; non-finite row: step not committed).
+   (capacity: nothing written; a refused row: step not committed).
 3. Sync path (refuses while capturing): `check`/`synchronize`, `length`, `truncate`,
-   `reset`, `scatter`, `snapshot`, `restore`; each turns a set flag into CapacityError or
-   NonFiniteError and clears it.
+   `reset`, `scatter`, `snapshot`, `restore`; each turns a set flag into CapacityError,
+   NonFiniteError or FormatError (a value past the format's range, as on the CPU) and
+   clears it.
 4. `generation` bumps on anything that moves an address (only `free()` here); graphs
    compare it before replay.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._quant import input_limit
 from .._validate import check_index, float_input_dtypes
 from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError, ShapeError,
                       SnapshotError, SpecError, StateError)
@@ -34,7 +36,7 @@ from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 ALIGN = 256
-ERR_CAPACITY, ERR_NONFINITE = 1, 2  # bits of the device error flag (cuda/common.cuh)
+ERR_CAPACITY, ERR_NONFINITE, ERR_RANGE = 1, 2, 4  # bits of the device error flag (cuda/common.cuh)
 _APPEND_WARPS = 8                   # warps per block of kv_append (one warp per head row)
 
 
@@ -380,12 +382,16 @@ class GpuKVCache:
             if flag[0] & ERR_NONFINITE:
                 raise NonFiniteError("a GPU append got non-finite input (NaN or inf); that step "
                                      "was not committed")
+            if flag[0] & ERR_RANGE:
+                raise FormatError(f"a GPU append got a value out of range of format "
+                                  f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}"
+                                  f"); that step was not committed")
             raise CapacityError(f"a GPU append or advance would pass capacity {self.spec.capacity}; "
                                 f"that step was not written or committed")
 
     def check(self) -> None:
-        """Synchronises the cache's stream; raises CapacityError / NonFiniteError (and
-        clears the flag) when a launch since the last check failed."""
+        """Synchronises the cache's stream; raises CapacityError / NonFiniteError /
+        FormatError (and clears the flag) when a launch since the last check failed."""
         self._sync("check")
 
     synchronize = check
