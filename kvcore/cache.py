@@ -21,6 +21,7 @@ from . import _cache
 from ._validate import check_index
 from .errors import OutOfRangeError, SpecError, StateError
 from .formats import view_dtype
+from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
 
@@ -161,6 +162,23 @@ class KVCache:
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
         self._cells.truncate(0)
+
+    # -- snapshots -----------------------------------------------------------------
+
+    def snapshot(self, n: int | None = None) -> Snapshot:
+        """A compact copy of committed positions [0, n) of every layer (n defaults to
+        `length`; pending positions are never included): codes [L, n, Hkv, D] and scales
+        [L, n, Hkv, S] plus the spec (docs/snapshots.md). OutOfRangeError unless
+        0 <= n <= length."""
+        return take_snapshot(self, n)
+
+    def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> None:
+        """Replaces the content with a snapshot: positions [0, snapshot.length) of every
+        layer, length = snapshot.length, nothing pending. Refuses (SnapshotError, cache
+        untouched) another num_layers, num_kv_heads or head_dim, a snapshot longer than
+        the capacity, values the format never stores, and another format unless
+        requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache)."""
+        restore_snapshot(self, snapshot, requantize=requantize)
 
     # -- state ---------------------------------------------------------------------
 

@@ -374,11 +374,10 @@ def test_reference_helpers_agree_with_cpu_decode_attention(fmt, rng):
     """The random codes are ones the cache accepts, and dequantize + reference (what the
     GPU is checked against) agree with the CPU kvcore.decode_attention on them."""
     import kvcore
-    from kvcore.snapshot import restore_snapshot
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=300, num_heads=8, format=fmt)
     parts = random_parts(spec, 300, rng)
     cpu = kvcore.KVCache(spec)
-    restore_snapshot(cpu, Snapshot(spec, 300, *parts))
+    cpu.restore(Snapshot(spec, 300, *parts))
     q = rng.standard_normal((8, 64)).astype(np.float32)
     ref = reference(q.astype(np.float64), dequantize(parts[0], parts[2], fmt)[0],
                     dequantize(parts[1], parts[3], fmt)[0], 1 / 8)

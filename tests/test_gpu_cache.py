@@ -1,7 +1,7 @@
 """GpuKVCache and the layer under it, on a device (skipped without one).
 
 The reference is the CPU: kvcore.quantize for codes and scales, KVCache and
-take_snapshot / restore_snapshot for layouts. Device memory is poisoned (0xA5) before
+KVCache.snapshot / restore for layouts. Device memory is poisoned (0xA5) before
 kernels run, so a byte a kernel should not write is caught."""
 import ctypes
 
@@ -11,7 +11,6 @@ import pytest
 import kvcore
 from kvcore import (CapacityError, FORMATS, FormatError, KVCache, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError, quantize)
-from kvcore.snapshot import restore_snapshot, take_snapshot
 
 pytestmark = pytest.mark.gpu
 
@@ -281,7 +280,7 @@ def test_values_past_the_half_range_are_not_committed(gpu, rng, fmt, limit_bits)
         cpu.reset()
         cpu.append(0, x[slot], x[slot])
         cpu.advance()
-        _same(cache.snapshot(slot), take_snapshot(cpu))
+        _same(cache.snapshot(slot), cpu.snapshot())
     cache.free()
 
 
@@ -333,7 +332,7 @@ def _same(a, b):
 def test_snapshots_move_between_cpu_and_gpu(gpu, fmt, rng):
     spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, capacity=20, format=fmt)
     cpu = _cpu_cache(spec, rng, 11)
-    snap = take_snapshot(cpu)
+    snap = cpu.snapshot()
     cache = new_cache(gpu, spec.replace(capacity=33), 3)
     cache.restore(snap, 1)
     assert list(cache.lengths_host()) == [0, 11, 0]
@@ -351,23 +350,23 @@ def test_snapshots_move_between_cpu_and_gpu(gpu, fmt, rng):
         cache.advance()
         cpu2.advance()
     g = cache.snapshot(2)
-    _same(g, take_snapshot(cpu2))
-    restore_snapshot(cpu, g)  # back to a CPU cache
-    _same(take_snapshot(cpu), take_snapshot(cpu2))
+    _same(g, cpu2.snapshot())
+    cpu.restore(g)  # back to a CPU cache
+    _same(cpu.snapshot(), cpu2.snapshot())
     with pytest.raises(SnapshotError):
-        cache.restore(take_snapshot(KVCache(spec.replace(head_dim=32))), 0)
+        cache.restore(KVCache(spec.replace(head_dim=32)).snapshot(), 0)
     cache.free()
 
 
 def test_scatter_from_a_one_slot_cache(gpu, rng):
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, capacity=16, format="int8")
     src = new_cache(gpu, spec.replace(capacity=8), 1)
-    src.restore(take_snapshot(_cpu_cache(spec, rng, 7)), 0)
+    src.restore(_cpu_cache(spec, rng, 7).snapshot(), 0)
     dst = new_cache(gpu, spec, 3)
     dst.scatter(src, 2)
     assert list(dst.lengths_host()) == [0, 0, 7]
     _same(dst.snapshot(2), src.snapshot(0))
-    other = take_snapshot(_cpu_cache(spec, rng, 5))
+    other = _cpu_cache(spec, rng, 5).snapshot()
     dst.scatter(other, 0, layer=1)  # one layer from a CPU snapshot
     got = dst.snapshot(0)
     assert got.length == 5

@@ -10,7 +10,7 @@ import pytest
 import kvcore
 from kvcore import KVSpec
 from kvcore.errors import DTypeError, StateError
-from kvcore.snapshot import Snapshot, restore_snapshot
+from kvcore.snapshot import Snapshot
 
 from test_gpu_attention import dequantize, random_parts, reference, rel_err
 
@@ -33,7 +33,7 @@ def _cpu_check(cache, spec, layer, q_rot, got):
         ref = reference(q_rot[m].astype(np.float64), k, v, 1 / math.sqrt(spec.head_dim))
         assert rel_err(got[m], ref) < 1e-3, f"slot {m} vs float64"
         cpu = kvcore.KVCache(spec)
-        restore_snapshot(cpu, snap)
+        cpu.restore(snap)
         theirs = np.asarray(kvcore.decode_attention(q_rot[m].astype(np.float32), cpu, layer))
         assert rel_err(got[m], theirs.astype(np.float64)) < 1e-3, f"slot {m} vs CPU decode_attention"
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 import kvcore
 from kvcore import FORMATS, KVCache, KVSpec, Snapshot, SnapshotError, load_snapshot
 from kvcore.errors import DTypeError, OutOfRangeError
-from kvcore.snapshot import _metadata_digest, restore_snapshot, take_snapshot
+from kvcore.snapshot import _metadata_digest
 
 PARTS = ("k_codes", "v_codes", "k_scales", "v_scales")
 
@@ -85,10 +85,10 @@ def random_snapshot(fmt, rng, length=5, **kw):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_take_copies_committed_positions(fmt, rng):
     cache = filled_cache(fmt, rng, 6)
-    full = take_snapshot(cache)
+    full = cache.snapshot()
     assert full.length == 6 and full.spec == cache.spec
     assert_cache_holds(cache, full)
-    part = take_snapshot(cache, 4)
+    part = cache.snapshot(4)
     for name in PARTS:
         if getattr(full, name) is not None:
             assert np.array_equal(getattr(part, name), getattr(full, name)[:, :4])
@@ -99,27 +99,27 @@ def test_take_copies_committed_positions(fmt, rng):
 def test_take_leaves_pending_out(rng):
     cache = filled_cache("int8", rng, 3)
     cache.append(0, np.ones((2, 2, 32), np.float32), np.ones((2, 2, 32), np.float32))
-    assert take_snapshot(cache).length == 3
+    assert cache.snapshot().length == 3
 
 
 def test_take_refuses_bad_n(rng):
     cache = filled_cache("f16", rng, 3)
     with pytest.raises(OutOfRangeError, match=r"snapshot of 4 positions out of range: "
                                               r"expected 0 <= n <= length 3"):
-        take_snapshot(cache, 4)
+        cache.snapshot(4)
     with pytest.raises(OutOfRangeError, match="-1 positions"):
-        take_snapshot(cache, -1)
+        cache.snapshot(-1)
     with pytest.raises(DTypeError, match="expected int or None, got float"):
-        take_snapshot(cache, 2.0)
-    assert take_snapshot(cache, np.int64(0)).length == 0
+        cache.snapshot(2.0)
+    assert cache.snapshot(np.int64(0)).length == 0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_restore_replaces_content(fmt, rng):
-    snap = take_snapshot(filled_cache(fmt, rng, 5))
+    snap = filled_cache(fmt, rng, 5).snapshot()
     target = filled_cache(fmt, rng, 9)
     target.append(1, np.ones((1, 2, 32), np.float32), np.ones((1, 2, 32), np.float32))
-    restore_snapshot(target, snap)
+    target.restore(snap)
     assert_cache_holds(target, snap)
     for layer in range(3):
         ref = kvcore.dequantize(snap.k_codes[layer], None if snap.k_scales is None
@@ -129,14 +129,14 @@ def test_restore_replaces_content(fmt, rng):
 
 def test_restore_of_empty_snapshot_empties(rng):
     cache = filled_cache("q8_0", rng, 4)
-    restore_snapshot(cache, take_snapshot(cache, 0))
+    cache.restore(cache.snapshot(0))
     assert cache.length == 0 and cache.keys(0).shape == (0, 2, 32)
 
 
 def test_restore_takes_other_num_heads_and_capacity(rng):
-    snap = take_snapshot(filled_cache("int8", rng, 5))
+    snap = filled_cache("int8", rng, 5).snapshot()
     cache = KVCache(small_spec("int8", num_heads=4, capacity=5))
-    restore_snapshot(cache, snap)
+    cache.restore(snap)
     assert_cache_holds(cache, snap)
 
 
@@ -149,19 +149,19 @@ def test_restore_takes_other_num_heads_and_capacity(rng):
     (dict(capacity=4), "snapshot of 5 positions exceeds the cache's capacity 4"),
 ])
 def test_restore_refuses_mismatch_untouched(change, match, rng):
-    snap = take_snapshot(filled_cache("int8", rng, 5))
+    snap = filled_cache("int8", rng, 5).snapshot()
     cache = KVCache(small_spec("int8", **change))
     fill(cache, rng, 2)
     before = cache._storage.tobytes()
     with pytest.raises(SnapshotError, match=match):
-        restore_snapshot(cache, snap)
+        cache.restore(snap)
     assert cache._storage.tobytes() == before and cache.length == 2
 
 
 def test_restore_refuses_non_snapshot(rng):
     cache = filled_cache("f32", rng, 1)
     with pytest.raises(DTypeError, match="expected Snapshot, got dict"):
-        restore_snapshot(cache, {})
+        cache.restore({})
 
 
 @pytest.mark.parametrize("fmt, part, value, shown", [
@@ -181,7 +181,7 @@ def test_restore_refuses_impossible_values(fmt, part, value, shown, rng):
     before = cache._storage.tobytes()
     with pytest.raises(SnapshotError, match=rf"snapshot {part}\[2, 4, 1, 0\] = .*{shown}.* "
                                             rf"is not a value format {fmt} stores"):
-        restore_snapshot(cache, snap)
+        cache.restore(snap)
     assert cache._storage.tobytes() == before
 
 
@@ -190,7 +190,7 @@ def test_restore_refuses_impossible_values(fmt, part, value, shown, rng):
 def test_restore_requantizes(src, dst, rng):
     snap = random_snapshot(src, rng)
     cache = KVCache(small_spec(dst))
-    restore_snapshot(cache, snap, requantize=True)
+    cache.restore(snap, requantize=True)
     assert cache.length == snap.length
     for layer in range(3):
         x = kvcore.dequantize(snap.v_codes[layer], None if snap.v_scales is None
@@ -207,11 +207,11 @@ def test_requantize_refuses_values_past_the_target_range(rng):
     cache = KVCache(small_spec("f16"))
     with pytest.raises(SnapshotError, match=r"cannot requantize the f32 snapshot to f16: k, "
                                             r"layer 1: value out of range of format f16"):
-        restore_snapshot(cache, snap, requantize=True)
+        cache.restore(snap, requantize=True)
     snap.k_codes[1, 2, 0, 5] = 1e7  # past q8_0's float16 block scale
     with pytest.raises(SnapshotError, match=r"cannot requantize the f32 snapshot to q8_0: "
                                             r"k, layer 1: value out of range of format q8_0"):
-        restore_snapshot(KVCache(small_spec("q8_0")), snap, requantize=True)
+        KVCache(small_spec("q8_0")).restore(snap, requantize=True)
 
 
 # ----------------------------------------------------------------------- files
@@ -280,9 +280,9 @@ def test_save_onto_a_directory_leaves_no_temporary(rng, tmp_path):
 
 def test_save_load_snapshot_of_a_cache(rng, tmp_path):
     cache = filled_cache("fp8_e4m3", rng, 6)
-    take_snapshot(cache).save(str(tmp_path / "c.safetensors"))
+    cache.snapshot().save(str(tmp_path / "c.safetensors"))
     other = KVCache(cache.spec)
-    restore_snapshot(other, load_snapshot(str(tmp_path / "c.safetensors")))
+    other.restore(load_snapshot(str(tmp_path / "c.safetensors")))
     assert other._storage.tobytes() == cache._storage.tobytes()
 
 
@@ -472,12 +472,12 @@ def test_prefix_reuse_is_bit_identical(fmt, through_file, rng, tmp_path):
 
     prefix = KVCache(spec)
     append_range(prefix, k, v, 0, PREFIX)
-    snap = take_snapshot(prefix)
+    snap = prefix.snapshot()
     if through_file:
         snap.save(tmp_path / "prefix.safetensors")
         snap = load_snapshot(tmp_path / "prefix.safetensors")
     reused = KVCache(spec)
-    restore_snapshot(reused, snap)
+    reused.restore(snap)
     append_range(reused, k, v, PREFIX, PROMPT)
     got = decode(reused, k, v, q)
 

@@ -24,7 +24,6 @@ from kvcore import FORMATS, KVCache, KVSpec, Snapshot, load_snapshot
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
 from kvcore._quant import input_limit
-from kvcore.snapshot import restore_snapshot, take_snapshot
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -226,9 +225,9 @@ class CacheMachine(RuleBasedStateMachine):
     def snapshot(self, n, through_file):
         m = self.model
         if n > m.length:
-            self.refused(OutOfRangeError, take_snapshot, self.cache, n)
+            self.refused(OutOfRangeError, self.cache.snapshot, n)
             n = m.length
-        snap = take_snapshot(self.cache, n)
+        snap = self.cache.snapshot(n)
         if through_file:
             self.files += 1
             path = os.path.join(self.tmp.name, f"{self.files}.safetensors")
@@ -242,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(saved=snapshots)
     def restore(self, saved):
         snap, (codes, scales, floats) = saved
-        restore_snapshot(self.cache, snap)
+        self.cache.restore(snap)
         m = self.model
         n = snap.length
         for w in "kv":
@@ -263,7 +262,7 @@ class CacheMachine(RuleBasedStateMachine):
         parts = {"k_codes": codes[0], "v_codes": codes[1]}
         if scales is not None:
             parts.update(k_scales=scales[0], v_scales=scales[1])
-        restore_snapshot(self.cache, Snapshot(spec, n, **parts), requantize=True)
+        self.cache.restore(Snapshot(spec, n, **parts), requantize=True)
         m = self.model
         want, want_scales, floats = m.encode(kvcore.dequantize(codes, scales, other))
         for i, w in enumerate("kv"):
@@ -298,7 +297,7 @@ class CacheMachine(RuleBasedStateMachine):
                 return
             name, value = IMPOSSIBLE[self.FORMAT]
             parts[name][-1, n - 1, -1, -1] = value
-        self.refused(SnapshotError, restore_snapshot, self.cache, Snapshot(spec, n, **parts))
+        self.refused(SnapshotError, self.cache.restore, Snapshot(spec, n, **parts))
 
     # -------------------------------------------------------------- invariant
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchlib import print_table  # noqa: E402
 
 import kvcore  # noqa: E402
-from kvcore.snapshot import Snapshot, load_snapshot, restore_snapshot  # noqa: E402
+from kvcore.snapshot import Snapshot, load_snapshot  # noqa: E402
 
 LAYERS, POSITIONS, HEADS, HEAD_DIM = 32, 4096, 8, 128
 REPEAT = 5
@@ -77,7 +77,7 @@ def main() -> None:
                 return [np.fromfile(f, a.dtype, a.size).reshape(a.shape) for a in parts]
 
         def load_restore() -> None:
-            restore_snapshot(cache, load_snapshot(ours, verify=False))
+            cache.restore(load_snapshot(ours, verify=False))
 
         t = _interleaved({
             "save": lambda: snap.save(ours),

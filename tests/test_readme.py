@@ -1,0 +1,25 @@
+"""The README's quick start runs as printed: every `print(...)  # expected` line prints
+its comment."""
+import contextlib
+import io
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _quick_start() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    return re.search(r"## Quick start\n\n```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_quick_start_prints_what_its_comments_say(tmp_path, monkeypatch):
+    code = _quick_start()
+    expected = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#(.*)$", code, re.M)]
+    assert len(expected) >= 6
+    monkeypatch.chdir(tmp_path)  # the example writes a snapshot file
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md quick start", "exec"), {})
+    assert out.getvalue().splitlines() == expected
