@@ -235,6 +235,28 @@ def test_save_load_round_trip(fmt, length, rng, tmp_path):
             assert isinstance(base.obj, mmap.mmap)  # memory-mapped, not copied
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+@pytest.mark.parametrize("writeback", [True, False])
+def test_save_in_pieces(fmt, writeback, rng, tmp_path, monkeypatch):
+    # the large-file path on a small file: pieces of an odd size that straddle tensors,
+    # hashed on the worker thread, with and without starting write-back per piece
+    import hashlib
+    from kvcore import snapshot as mod
+    monkeypatch.setattr(mod, "_PARALLEL_HASH_BYTES", 0)
+    monkeypatch.setattr(mod, "_WRITE_CHUNK", 1000)
+    if not writeback:
+        monkeypatch.setattr(mod, "_sync_file_range", None)
+    snap = random_snapshot(fmt, rng, length=9)
+    snap.save(tmp_path / "s.safetensors")
+    loaded = load_snapshot(tmp_path / "s.safetensors")
+    assert_same_snapshot(loaded, snap)
+    with safe_open(str(tmp_path / "s.safetensors"), framework="numpy") as f:
+        meta = f.metadata()
+    for name in PARTS:
+        if getattr(snap, name) is not None:
+            assert meta[f"sha256_{name}"] == hashlib.sha256(getattr(snap, name).tobytes()).hexdigest()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_files_read_by_the_safetensors_library(fmt, rng, tmp_path):
     snap = random_snapshot(fmt, rng)
