@@ -14,8 +14,8 @@
    other row is first gathered through its strides into a small per-thread buffer
    (f16/bf16 rows are widened by `_quant.decode_row`). No array of the step is made.
 4. Rows are spread over OpenMP threads only when a call holds at least
-   PARALLEL_MIN_VALUES values; a decode step (T = 1) stays on the calling thread, so
-   one append costs a few hundred nanoseconds plus the bytes.
+   `_parallel.PARALLEL_MIN_VALUES` values; a decode step (T = 1) stays on the calling
+   thread, so one append costs a few hundred nanoseconds plus the bytes.
 5. `decode_rows` is the reverse (codes + scales -> float32), for `KVCache.dequantize`.
 6. `build_info` reports how the kernels were compiled (`python -m kvcore info`).
 """
@@ -26,7 +26,7 @@ from cython.parallel cimport parallel, prange, threadid
 cimport numpy as cnp
 
 from kvcore._quant cimport decode_row, encode_row, input_limit_bits
-from kvcore._parallel cimport num_threads
+from kvcore._parallel cimport threads_for
 
 import numpy as np
 
@@ -83,11 +83,6 @@ cdef enum:
     IN_F32 = 0
     IN_F16 = 1
     IN_BF16 = 2
-
-# Below this many values (K and V together) a call runs on one thread: OpenMP's
-# fork/join costs microseconds, more than a small step's work.
-PARALLEL_MIN_VALUES = 1 << 16
-cdef Py_ssize_t _parallel_min = PARALLEL_MIN_VALUES
 
 cdef int _bf16_num = -1
 try:
@@ -308,7 +303,7 @@ cdef class RowWriter:
             j.codes[i] = self._codes[i] + first * self._code_row
             j.scales[i] = self._scales[i] + first * self._scale_row if self._scale_row else NULL
 
-        cdef int nt = num_threads() if 2 * T * self._H * self._D >= _parallel_min else 1
+        cdef int nt = threads_for(2 * T * self._H * self._D)
         cdef char* work = <char*>PyMem_Malloc(nt * self._D * 8)
         if work == NULL:
             raise MemoryError(f"row buffers of {nt} x {self._D * 8} bytes")
@@ -341,7 +336,7 @@ def decode_rows(int fmt, cnp.ndarray codes, scales, cnp.ndarray out) -> None:
     cdef const char* c = cnp.PyArray_BYTES(codes)
     cdef const char* s = NULL if scales is None else cnp.PyArray_BYTES(<cnp.ndarray>scales)
     cdef float* o = <float*>cnp.PyArray_DATA(out)
-    cdef int nt = num_threads() if rows * d >= _parallel_min else 1
+    cdef int nt = threads_for(rows * d)
     with nogil:
         if nt > 1:
             for r in prange(rows, num_threads=nt, schedule="static"):

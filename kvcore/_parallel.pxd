@@ -1,1 +1,2 @@
 cdef int num_threads() noexcept nogil
+cdef int threads_for(Py_ssize_t values) noexcept nogil

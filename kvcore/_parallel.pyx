@@ -1,13 +1,18 @@
 # cython: language_level=3
 """OpenMP thread control shared by every Cython kernel.
 
-1. Kernels use `prange` with the thread count returned by `num_threads()`.
+1. Kernels use `prange` with the thread count returned by `threads_for(values)`: all of
+   `num_threads()` for a call of at least PARALLEL_MIN_VALUES values, else 1, since
+   OpenMP's fork/join costs microseconds, more than a small call's work (one decode step).
 2. Without OpenMP (compiler lacked -fopenmp) everything runs on one thread.
 """
 IF KVCORE_OPENMP:
     cimport openmp
 
 cdef int _threads = 0   # 0: OpenMP's default (OMP_NUM_THREADS or all cores)
+
+PARALLEL_MIN_VALUES = 1 << 16
+cdef Py_ssize_t _parallel_min = PARALLEL_MIN_VALUES
 
 
 def openmp_enabled() -> bool:
@@ -39,3 +44,7 @@ cdef int num_threads() noexcept nogil:
         return _threads if _threads > 0 else openmp.omp_get_max_threads()
     ELSE:
         return 1
+
+
+cdef int threads_for(Py_ssize_t values) noexcept nogil:
+    return num_threads() if values >= _parallel_min else 1

@@ -12,7 +12,7 @@ kvcore.quantize / kvcore.dequantize.
    zero (ggml's roundf). The build uses -ffp-contract=off, so x / scale and x * id are
    single float32 operations, exactly the documented rule.
 4. Bulk kernels hand out chunks of 64 rows dynamically over an OpenMP prange
-   (num_threads() from _parallel); input rows are addressed by byte offsets so that any
+   (threads_for(values) from _parallel: one thread for a small call); input rows are addressed by byte offsets so that any
    input strides work without a copy of the input.
 """
 from cython.parallel cimport parallel, prange, threadid
@@ -22,7 +22,7 @@ from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
 
-from ._parallel cimport num_threads
+from ._parallel cimport threads_for
 
 cnp.import_array()
 
@@ -422,7 +422,7 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef const float* row
     cdef Py_ssize_t c, r, o, i, bad = 0
     cdef Py_ssize_t nchunks = (nrows + ROW_CHUNK - 1) // ROW_CHUNK
-    cdef int nt = num_threads()
+    cdef int nt = threads_for(nrows * d)
     if work.shape[0] < nt:
         raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
     with nogil, parallel(num_threads=nt):
@@ -456,7 +456,7 @@ def dequantize_rows(int fmt, cnp.ndarray codes, cnp.ndarray scales, float[:, ::1
     cdef const char* src = <const char*>cnp.PyArray_DATA(codes)
     cdef const char* ssrc = NULL if scales is None else <const char*>cnp.PyArray_DATA(scales)
     with nogil:
-        for r in prange(nrows, schedule="dynamic", chunksize=ROW_CHUNK, num_threads=num_threads()):
+        for r in prange(nrows, schedule="dynamic", chunksize=ROW_CHUNK, num_threads=threads_for(nrows * d)):
             decode_row(fmt, src + r * code_row, ssrc + r * scale_row if ssrc != NULL else NULL,
                        d, &out[r, 0])
 

@@ -259,7 +259,7 @@ def test_capacity_one(rng):
 
 
 def test_large_appends_use_threads_and_match_one_thread(rng):
-    # over _cache.PARALLEL_MIN_VALUES, so rows are spread over threads
+    # over _parallel.PARALLEL_MIN_VALUES, so rows are spread over threads
     x = randn(rng, (64, 8, 128), np.float16)
     results = []
     for threads in (1, 2):

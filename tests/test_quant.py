@@ -262,13 +262,26 @@ def test_half_inputs(name, dtype, rng):
                                   raw(kvcore.quantize(x[:, :, ::2].astype(F32), name)[0]))
 
 
+def _dequantize_threads(codes, scales, name, n):
+    """dequantize on 1 thread, to compare with n threads'."""
+    kvcore.set_num_threads(1)
+    try:
+        return kvcore.dequantize(codes, scales, name)
+    finally:
+        kvcore.set_num_threads(n)
+
+
 @pytest.mark.parametrize("name", QUANT)
 def test_threads_agree(name, rng):
-    x = rng.standard_normal((301, 128)).astype(F32)
+    # 601 rows of 128: past _parallel.PARALLEL_MIN_VALUES, so 2 threads share the rows
+    x = rng.standard_normal((601, 128)).astype(F32)
     results = []
     for n in (1, 2, 0):
         kvcore.set_num_threads(n)
         results.append(kvcore.quantize(x, name))
+        codes, scales = results[-1]
+        np.testing.assert_array_equal(kvcore.dequantize(codes, scales, name),
+                                      _dequantize_threads(codes, scales, name, n))
     for codes, scales in results[1:]:
         np.testing.assert_array_equal(raw(codes), raw(results[0][0]))
         np.testing.assert_array_equal(raw(scales), raw(results[0][1]))

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DIR = os.path.join(ROOT, "cuda")
@@ -60,34 +61,51 @@ def ptxas_report(ptx: str) -> tuple[str, bool]:
     return res.stderr, spills
 
 
+def _largest_first(paths: list[str]) -> list[str]:
+    """Sources with the most kernels take longest; starting them first keeps every core
+    busy to the end (the attention modules include attention.cuh)."""
+    return sorted(paths, key=lambda p: ("attention" not in p, p))
+
+
+def _parallel(fn, items):
+    """fn over items on a thread per core (nvcc and ptxas run as child processes)."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(fn, items))
+
+
 def build() -> None:
-    for src in sources():
-        out = compile_ptx(src, CUDA_DIR)
+    for out in _parallel(lambda src: compile_ptx(src, CUDA_DIR), _largest_first(sources())):
         print(f"built {os.path.relpath(out, ROOT)}")
+
+
+def _check_one(src: str, tmp: str) -> tuple[str, list[str]]:
+    """Rebuilds one source into tmp and compares it with the shipped PTX, then runs ptxas
+    on it: (the line to print, failures)."""
+    fresh = compile_ptx(src, tmp)
+    name = os.path.basename(fresh)
+    shipped = os.path.join(CUDA_DIR, name)
+    if not os.path.exists(shipped):
+        return "", [f"cuda/{name} is missing: run python3 tools/build_ptx.py"]
+    with open(fresh, "rb") as a, open(shipped, "rb") as b:
+        if a.read() != b.read():
+            return "", [f"cuda/{name} differs from what {os.path.basename(src)} compiles to: "
+                        f"run python3 tools/build_ptx.py"]
+    report, spills = ptxas_report(shipped)
+    kernels = re.findall(r"entry function '(\w+)'", report)
+    regs = re.findall(r"Used (\d+) registers", report)
+    line = (f"cuda/{name}: up to date; ptxas sm_90 registers: "
+            + ", ".join(f"{k} {r}" for k, r in zip(kernels, regs)))
+    return line, [f"cuda/{name} spills registers on sm_90:\n{report}"] if spills else []
 
 
 def check() -> int:
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for src in sources():
-            fresh = compile_ptx(src, tmp)
-            name = os.path.basename(fresh)
-            shipped = os.path.join(CUDA_DIR, name)
-            if not os.path.exists(shipped):
-                failures.append(f"cuda/{name} is missing: run python3 tools/build_ptx.py")
-                continue
-            with open(fresh, "rb") as a, open(shipped, "rb") as b:
-                if a.read() != b.read():
-                    failures.append(f"cuda/{name} differs from what {os.path.basename(src)} "
-                                    f"compiles to: run python3 tools/build_ptx.py")
-                    continue
-            report, spills = ptxas_report(shipped)
-            kernels = re.findall(r"entry function '(\w+)'", report)
-            regs = re.findall(r"Used (\d+) registers", report)
-            print(f"cuda/{name}: up to date; ptxas sm_90 registers: "
-                  + ", ".join(f"{k} {r}" for k, r in zip(kernels, regs)))
-            if spills:
-                failures.append(f"cuda/{name} spills registers on sm_90:\n{report}")
+        for line, failed in _parallel(lambda src: _check_one(src, tmp),
+                                      _largest_first(sources())):
+            if line:
+                print(line)
+            failures += failed
     stale = sorted(set(glob.glob(os.path.join(CUDA_DIR, "*.ptx")))
                    - {os.path.splitext(s)[0] + ".ptx" for s in sources()})
     failures += [f"{os.path.relpath(p, ROOT)} has no source .cu" for p in stale]
