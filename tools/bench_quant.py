@@ -8,7 +8,10 @@ float32 (bytes of the float side per second), so columns compare directly:
   ceiling; it reads and writes 16 MiB, more traffic than a quantizer's 16 + 4 MiB);
 - `numpy`: a vectorised numpy implementation of the same rule (numpy runs one thread);
 - `ml_dtypes`: `astype` of the same float32 array to the FP8 / bfloat16 type (the
-  conversion alone, without the scale).
+  conversion alone, without the scale);
+- `torch`: `copy_` of the same float32 tensor into an existing float8 / float16 /
+  bfloat16 tensor (the conversion alone), at the row's thread count (when torch is
+  installed).
 kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
 """
@@ -79,6 +82,21 @@ def _ml_dtypes_type(name: str):
             "bf16": ml_dtypes.bfloat16}.get(name)
 
 
+def _torch_convert(name: str, x: np.ndarray):
+    """torch's float32 -> code dtype conversion into an existing tensor, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None, None
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+             "f16": torch.float16, "bf16": torch.bfloat16}.get(name)
+    if dtype is None:
+        return None, torch
+    src = torch.from_numpy(x)
+    dst = torch.empty(src.shape, dtype=dtype)
+    return (lambda: dst.copy_(src)), torch
+
+
 def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
     """Prints one markdown table per thread count."""
     x = np.random.default_rng(0).standard_normal(shape).astype(F32)
@@ -101,21 +119,25 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
         for n in threads:
             kvcore.set_num_threads(n)
             copy = gbs(median_time(lambda: np.copyto(dst, x), repeat=repeat))
-            rows = [["np.copyto (ceiling)", copy, copy, "", "", "", "1.00", "", ""]]
+            rows = [["np.copyto (ceiling)", copy, copy, "", "", "", "", "1.00", "", "", ""]]
             for name in names:
                 codes, scales = kvcore.quantize(x, name)
                 q = gbs(median_time(lambda: kvcore.quantize(x, name), repeat=repeat))
                 dq = gbs(median_time(lambda: kvcore.dequantize(codes, scales, name), repeat=repeat))
                 nq, ndq, ml = peers[name]
+                convert, torch = _torch_convert(name, x)
+                if torch is not None:
+                    torch.set_num_threads(n)
+                tc = gbs(median_time(convert, repeat=repeat)) if convert else None
                 ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
-                rows.append([name, q, dq, nq or "-", ndq, ml or "-", ratio(q, copy),
-                             ratio(q, nq), ratio(q, ml)])
+                rows.append([name, q, dq, nq or "-", ndq, ml or "-", tc or "-", ratio(q, copy),
+                             ratio(q, nq), ratio(q, ml), ratio(q, tc)])
             print_table(
                 f"quantize / dequantize {list(shape)} float32, {n} thread(s) "
-                f"(GB/s of float32; numpy and ml_dtypes: 1 thread)",
+                f"(GB/s of float32; numpy and ml_dtypes: 1 thread; torch: {n})",
                 ["format", "quantize", "dequantize", "numpy quantize", "numpy dequantize",
-                 "ml_dtypes astype", "quantize / copyto", "quantize / numpy",
-                 "quantize / ml_dtypes"],
+                 "ml_dtypes astype", "torch copy_", "quantize / copyto", "quantize / numpy",
+                 "quantize / ml_dtypes", "quantize / torch"],
                 rows)
     finally:
         kvcore.set_num_threads(0)       # back to OpenMP's default
