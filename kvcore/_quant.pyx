@@ -87,6 +87,58 @@ cdef inline float _f16_to_f32(uint16_t h) noexcept nogil:
     return _as_f32(r | ((<uint32_t>h & 0x8000) << 16))
 
 
+cdef extern from *:
+    """
+    /* Rows of float32 <-> IEEE binary16 with the F16C instructions where the compiler
+       targets them (vcvtps2ph rounds to nearest even, exactly the rule; callers never
+       pass NaN, inf or values past 65520), else the scalar conversions below. */
+    #if defined(__F16C__)
+    #include <immintrin.h>
+    #define KV_HAVE_F16C 1
+    static inline void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) {
+        Py_ssize_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm_storeu_si128((__m128i*)(out + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+        for (; j < n; j++)
+            out[j] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[j]), _MM_FROUND_TO_NEAREST_INT), 0);
+    }
+    static inline void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) {
+        Py_ssize_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + j))));
+        for (; j < n; j++)
+            out[j] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h[j])));
+    }
+    #else
+    #define KV_HAVE_F16C 0
+    static inline void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) {}
+    static inline void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) {}
+    #endif
+    """
+    int KV_HAVE_F16C
+    void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
+    void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil
+
+
+cdef inline void _f32_to_f16_row(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil:
+    cdef Py_ssize_t j
+    if KV_HAVE_F16C:
+        kv_f32_to_f16_f16c(x, n, out)
+    else:
+        for j in range(n):
+            out[j] = _f32_to_f16(x[j])
+
+
+cdef inline void _f16_to_f32_row(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil:
+    cdef Py_ssize_t j
+    if KV_HAVE_F16C:
+        kv_f16_to_f32_f16c(h, n, out)
+    else:
+        for j in range(n):
+            out[j] = _f16_to_f32(h[j])
+
+
 cdef inline uint16_t _f32_to_bf16(float x) noexcept nogil:
     # round to nearest even on the top 16 bits; overflow carries into inf; NaN stays quiet NaN
     cdef uint32_t u = _as_u32(x)
@@ -316,9 +368,7 @@ cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t 
     if fmt == F32:
         memcpy(codes, x, d * sizeof(float))
     elif fmt == F16:
-        h = <uint16_t*>codes
-        for j in range(d):
-            h[j] = _f32_to_f16(x[j])
+        _f32_to_f16_row(x, d, <uint16_t*>codes)
     elif fmt == BF16:
         h = <uint16_t*>codes
         for j in range(d):
@@ -347,9 +397,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     if fmt == F32:
         memcpy(out, codes, d * sizeof(float))
     elif fmt == F16:
-        h = <const uint16_t*>codes
-        for j in range(d):
-            out[j] = _f16_to_f32(h[j])
+        _f16_to_f32_row(<const uint16_t*>codes, d, out)
     elif fmt == BF16:
         h = <const uint16_t*>codes
         for j in range(d):
@@ -390,6 +438,8 @@ cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_ki
     if in_kind == F32:
         for j in range(d):
             buf[j] = (<const float*>(src + j * stride))[0]
+    elif in_kind == F16 and stride == 2:
+        _f16_to_f32_row(<const uint16_t*>src, d, buf)
     elif in_kind == F16:
         for j in range(d):
             buf[j] = _f16_to_f32((<const uint16_t*>(src + j * stride))[0])
