@@ -525,3 +525,20 @@ def _encode_fp8_raw(const float[::1] x, int fmt):
             for j in range(x.shape[0]):
                 o[j] = _f32_to_e5m2(x[j])
     return out
+
+
+def _f16_scalar(const float[::1] x, const uint16_t[::1] h):
+    """Internal test hook: the scalar conversions that stand in for F16C on CPUs without
+    it: (f16 bits [n] of x float32 [n], float32 [m] of h f16 bits [m])."""
+    import numpy as np
+    bits = np.empty(x.shape[0], dtype=np.uint16)
+    floats = np.empty(h.shape[0], dtype=np.float32)
+    cdef uint16_t[::1] b = bits
+    cdef float[::1] f = floats
+    cdef Py_ssize_t j
+    with nogil:
+        for j in range(x.shape[0]):
+            b[j] = _f32_to_f16(x[j])
+        for j in range(h.shape[0]):
+            f[j] = _f16_to_f32(h[j])
+    return bits, floats

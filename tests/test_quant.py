@@ -150,13 +150,19 @@ def test_fp8_saturates_above_largest_finite(name):
 # ---------------------------------------------------------------------------------
 # f16 / bf16 conversions
 
-@pytest.mark.parametrize("name,dtype", [("f16", np.float16), ("bf16", ml_dtypes.bfloat16)])
-def test_half_formats_exact(name, dtype, rng):
-    v = random_finite_f32(rng, 2_000_000)
+def _values_and_ties(dtype):
+    """Every finite value of a 16-bit float type as float32, and the midpoints between
+    adjacent magnitudes (ties, exact in float32)."""
     halves = np.arange(2**16, dtype=np.uint16).view(dtype).astype(F32)
     halves = halves[np.isfinite(halves)]
     pos = np.unique(np.abs(halves).astype(np.float64))
-    mid = ((pos[:-1] + pos[1:]) / 2).astype(F32)                      # ties, exact in f32
+    return halves, ((pos[:-1] + pos[1:]) / 2).astype(F32)
+
+
+@pytest.mark.parametrize("name,dtype", [("f16", np.float16), ("bf16", ml_dtypes.bfloat16)])
+def test_half_formats_exact(name, dtype, rng):
+    v = random_finite_f32(rng, 2_000_000)
+    halves, mid = _values_and_ties(dtype)
     limit = input_limit(kvcore.FORMATS[name].id)  # past it the value would round to infinity
     for x in (v, halves, mid, -mid, np.nextafter(mid, F32(0))):
         x = x[np.abs(x) < limit]
@@ -169,6 +175,18 @@ def test_half_formats_exact(name, dtype, rng):
     nan = np.isnan(ref)
     np.testing.assert_array_equal(np.isnan(out), nan)
     np.testing.assert_array_equal(raw(out)[~nan], raw(ref)[~nan])
+
+
+def test_scalar_f16_conversions(rng):
+    # the path of CPUs without F16C, checked wherever the tests run
+    halves, mid = _values_and_ties(np.float16)
+    x = np.concatenate([random_finite_f32(rng, 1_000_000), halves, mid, -mid])
+    x = x[np.abs(x) < 65520]
+    every = np.arange(2**16, dtype=np.uint16)
+    every = every[np.isfinite(every.view(np.float16))]
+    bits, floats = _quant._f16_scalar(x, every)
+    np.testing.assert_array_equal(bits, x.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(raw(floats), raw(every.view(np.float16).astype(F32)))
 
 
 def test_f32_is_a_copy(rng):
