@@ -13,9 +13,10 @@
    `_quant.encode_row`: an aligned unit-stride float32 row is encoded in place; any
    other row is first gathered through its strides into a small per-thread buffer
    (f16/bf16 rows are widened by `_quant.decode_row`). No array of the step is made.
-4. Rows are spread over OpenMP threads only when a call holds at least
-   `_parallel.PARALLEL_MIN_VALUES` values; a decode step (T = 1) stays on the calling
-   thread, so one append costs a few hundred nanoseconds plus the bytes.
+4. Rows are spread over OpenMP threads (without the GIL) only when a call holds at least
+   `_parallel.PARALLEL_MIN_VALUES` values; a smaller call, such as a decode step (T = 1),
+   runs on the calling thread with the GIL held and the writer's own row buffer, so one
+   append costs a few hundred nanoseconds plus the bytes.
 5. `decode_rows` is the reverse (codes + scales -> float32), for `KVCache.dequantize`.
 6. `build_info` reports how the kernels were compiled (`python -m kvcore info`).
 """
@@ -248,6 +249,7 @@ cdef class RowWriter:
     cdef char* _scales[2]
     cdef int _fmt
     cdef uint32_t _limit
+    cdef char* _work           # D * 8 bytes: the row buffers of a single-threaded write
     cdef Py_ssize_t _N, _H, _D, _code_row, _scale_row
 
     def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
@@ -257,6 +259,9 @@ cdef class RowWriter:
         self._format = fmt
         self._fmt = fmt.id
         self._limit = input_limit_bits(fmt.id)
+        self._work = <char*>PyMem_Malloc(k_codes.shape[3] * 8)
+        if self._work == NULL:
+            raise MemoryError(f"a row buffer of {k_codes.shape[3] * 8} bytes")
         self._N, self._H, self._D = k_codes.shape[1], k_codes.shape[2], k_codes.shape[3]
         self._codes[0] = cnp.PyArray_BYTES(k_codes)
         self._codes[1] = cnp.PyArray_BYTES(v_codes)
@@ -268,6 +273,9 @@ cdef class RowWriter:
             self._scales[0] = cnp.PyArray_BYTES(<cnp.ndarray>k_scales)
             self._scales[1] = cnp.PyArray_BYTES(<cnp.ndarray>v_scales)
             self._scale_row = k_scales.shape[3] * k_scales.itemsize
+
+    def __dealloc__(self):
+        PyMem_Free(self._work)
 
     def write(self, Py_ssize_t layer, Py_ssize_t pos, k, v) -> int:
         """Encodes k, v (float32/float16/bfloat16, [T, Hkv, D] or [Hkv, D], any strides)
@@ -304,15 +312,23 @@ cdef class RowWriter:
             j.scales[i] = self._scales[i] + first * self._scale_row if self._scale_row else NULL
 
         cdef int nt = threads_for(2 * T * self._H * self._D)
-        cdef char* work = <char*>PyMem_Malloc(nt * self._D * 8)
-        if work == NULL:
-            raise MemoryError(f"row buffers of {nt} x {self._D * 8} bytes")
         cdef Py_ssize_t bad
-        with nogil:
-            bad = _count_bad_rows(&j, nt)
+        cdef char* work
+        if nt == 1:
+            # a small call (a decode step): a few microseconds at most, so it keeps the GIL,
+            # which also makes the writer's own row buffer safe to use
+            bad = _count_bad_rows(&j, 1)
             if bad == 0:
-                _encode_rows(&j, nt, work)
-        PyMem_Free(work)
+                _encode_rows(&j, 1, self._work)
+        else:
+            work = <char*>PyMem_Malloc(nt * self._D * 8)
+            if work == NULL:
+                raise MemoryError(f"row buffers of {nt} x {self._D * 8} bytes")
+            with nogil:
+                bad = _count_bad_rows(&j, nt)
+                if bad == 0:
+                    _encode_rows(&j, nt, work)
+            PyMem_Free(work)
         if bad:
             check_values("k", k, self._format)
             check_values("v", v, self._format)
