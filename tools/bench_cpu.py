@@ -6,13 +6,12 @@ step: one decode step (append one position of K and V, [8, 128] float32, to each
 layers, then advance) in KVCache against a preallocated numpy cache written by slice
 assignment and against growth by np.concatenate (how HF's DynamicCache grows); plus
 the time of one `append` call. The other sections live in bench_<section>.py beside
-this file, each with a main(); a section whose file does not exist yet is skipped.
+this file, each with a main().
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 import time
@@ -168,8 +167,6 @@ def main(argv: list[str] | None = None) -> None:
         section = SECTIONS[name]
         if callable(section):
             section()
-        elif importlib.util.find_spec(section) is None:
-            print(f"\n### {name}: skipped (tools/{section}.py does not exist yet)")
         else:
             importlib.import_module(section).main()
 
