@@ -22,7 +22,7 @@
 """
 from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memcpy
-from cpython.mem cimport PyMem_Malloc, PyMem_Free
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cython.parallel cimport parallel, prange, threadid
 cimport numpy as cnp
 
@@ -78,12 +78,40 @@ cdef extern from *:
     int KVCORE_OPTIMIZED
     const char* kvcore_isa()
 
+
+cdef extern from *:
+    """
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <immintrin.h>
+    /* Copies n bytes with non-temporal stores where dst is 16-byte aligned: a cache row is
+       written once and not read back by this call, so its lines need not be fetched
+       first (a normal store reads each line it misses). kv_stream_fence() orders them. */
+    static inline void kv_stream_copy(char* dst, const char* src, size_t n) {
+        size_t head = (size_t)(-(uintptr_t)dst) & 15;
+        if (head > n) head = n;
+        memcpy(dst, src, head);
+        dst += head; src += head; n -= head;
+        for (; n >= 16; n -= 16, dst += 16, src += 16)
+            _mm_stream_si128((__m128i*)dst, _mm_loadu_si128((const __m128i*)src));
+        memcpy(dst, src, n);
+    }
+    static inline void kv_stream_fence(void) { _mm_sfence(); }
+    #else
+    static inline void kv_stream_copy(char* dst, const char* src, size_t n) { memcpy(dst, src, n); }
+    static inline void kv_stream_fence(void) {}
+    #endif
+    """
+    void kv_stream_copy(char* dst, const char* src, size_t n) noexcept nogil
+    void kv_stream_fence() noexcept nogil
+
 # Input kinds; equal to the format ids of the same float types (formats.py), so that
 # `decode_row(kind, ...)` widens a raw input row to float32.
 cdef enum:
     IN_F32 = 0
     IN_F16 = 1
     IN_BF16 = 2
+    WORK_PER_VALUE = 12   # bytes of row buffers per value of a row (_encode_one)
 
 cdef int _bf16_num = -1
 try:
@@ -108,6 +136,7 @@ cdef struct Job:
     char* scales[2]          # OUT: scales of the same row (NULL when S = 0)
     Py_ssize_t code_row      # bytes of one row's codes / scales
     Py_ssize_t scale_row
+    bint stream              # codes go to storage with non-temporal stores (_encode_one)
 
 
 cdef int _kind(object x):
@@ -182,39 +211,50 @@ cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
     return bad
 
 
-cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* tmp, float* buf) noexcept nogil:
-    """Row r of the job into storage. tmp: D raw input values; buf: D floats."""
+cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept nogil:
+    """Row r of the job into storage. work: D * 12 bytes (D raw input values, D floats,
+    the row's codes before they are streamed to the storage)."""
     cdef int w = 1 if r >= j.T * j.H else 0
     cdef const char* p = _row_src(j, r, w)
     cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
     cdef char* scales = j.scales[w] + q * j.scale_row if j.scales[w] != NULL else NULL
+    cdef float* buf = <float*>(work + 4 * d)
+    cdef char* codes = work + 8 * d
     if not j.direct[w]:
         if j.kind[w] == IN_F32:
             for i in range(d):
-                memcpy(tmp + 4 * i, p + i * s, 4)
+                memcpy(work + 4 * i, p + i * s, 4)
         else:
             for i in range(d):
-                memcpy(tmp + 2 * i, p + i * s, 2)
-        p = tmp
-    if j.kind[w] == IN_F32:
-        encode_row(j.fmt, <const float*>p, d, j.codes[w] + q * j.code_row, scales)
-    else:
+                memcpy(work + 2 * i, p + i * s, 2)
+        p = work
+    cdef char* dst = j.codes[w] + q * j.code_row
+    if j.kind[w] != IN_F32:
         decode_row(j.kind[w], p, NULL, d, buf)
-        encode_row(j.fmt, buf, d, j.codes[w] + q * j.code_row, scales)
+        p = <const char*>buf
+    if not j.stream:
+        encode_row(j.fmt, <const float*>p, d, dst, scales)
+    elif j.fmt == IN_F32:   # f32 storage: the floats themselves
+        kv_stream_copy(dst, p, j.code_row)
+    else:
+        encode_row(j.fmt, <const float*>p, d, codes, scales)
+        kv_stream_copy(dst, codes, j.code_row)
 
 
 cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
-    """work: nt blocks of D * 8 bytes (per thread: D raw values, then D floats)."""
-    cdef Py_ssize_t r, n = 2 * j.T * j.H, block = j.D * 8
+    """work: nt blocks of WORK_PER_VALUE * D bytes, one per thread (_encode_one)."""
+    cdef Py_ssize_t r, n = 2 * j.T * j.H, block = j.D * WORK_PER_VALUE
     cdef char* mine
     if nt > 1:
         with parallel(num_threads=nt):
             mine = work + threadid() * block
             for r in prange(n, schedule="static"):
-                _encode_one(j, r, mine, <float*>(mine + 4 * j.D))
+                _encode_one(j, r, mine)
+            kv_stream_fence()
     else:
         for r in range(n):
-            _encode_one(j, r, work, <float*>(work + 4 * j.D))
+            _encode_one(j, r, work)
+        kv_stream_fence()
 
 
 cdef void _set_input(Job* j, int i, cnp.ndarray x, int kind) noexcept:
@@ -249,7 +289,8 @@ cdef class RowWriter:
     cdef char* _scales[2]
     cdef int _fmt
     cdef uint32_t _limit
-    cdef char* _work           # D * 8 bytes: the row buffers of a single-threaded write
+    cdef char* _work           # D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
+    cdef Py_ssize_t* _fresh    # [L]: positions from here on were never written (see write)
     cdef Py_ssize_t _N, _H, _D, _code_row, _scale_row
 
     def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
@@ -259,9 +300,10 @@ cdef class RowWriter:
         self._format = fmt
         self._fmt = fmt.id
         self._limit = input_limit_bits(fmt.id)
-        self._work = <char*>PyMem_Malloc(k_codes.shape[3] * 8)
-        if self._work == NULL:
-            raise MemoryError(f"a row buffer of {k_codes.shape[3] * 8} bytes")
+        self._work = <char*>PyMem_Malloc(k_codes.shape[3] * WORK_PER_VALUE)
+        self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
+        if self._work == NULL or self._fresh == NULL:
+            raise MemoryError(f"a row buffer of {k_codes.shape[3] * WORK_PER_VALUE} bytes")
         self._N, self._H, self._D = k_codes.shape[1], k_codes.shape[2], k_codes.shape[3]
         self._codes[0] = cnp.PyArray_BYTES(k_codes)
         self._codes[1] = cnp.PyArray_BYTES(v_codes)
@@ -276,6 +318,7 @@ cdef class RowWriter:
 
     def __dealloc__(self):
         PyMem_Free(self._work)
+        PyMem_Free(self._fresh)
 
     def write(self, Py_ssize_t layer, Py_ssize_t pos, k, v) -> int:
         """Encodes k, v (float32/float16/bfloat16, [T, Hkv, D] or [Hkv, D], any strides)
@@ -304,6 +347,11 @@ cdef class RowWriter:
         cdef Job j
         j.fmt, j.limit, j.T, j.H, j.D = self._fmt, self._limit, T, self._H, self._D
         j.code_row, j.scale_row = self._code_row, self._scale_row
+        # Rows of 2-4 byte codes bound for lines never written before (none of them in the
+        # CPU's caches) go out with non-temporal stores, which skip fetching each line first:
+        # a decode step writes half the memory traffic. Lines written before (a rewrite
+        # after truncate, as in speculative decoding) may be cached: normal stores.
+        j.stream = self._fmt <= IN_BF16 and pos >= self._fresh[layer]
         cdef Py_ssize_t first = (layer * self._N + pos) * self._H
         _set_input(&j, 0, a, kk)
         _set_input(&j, 1, b, kv)
@@ -321,9 +369,9 @@ cdef class RowWriter:
             if bad == 0:
                 _encode_rows(&j, 1, self._work)
         else:
-            work = <char*>PyMem_Malloc(nt * self._D * 8)
+            work = <char*>PyMem_Malloc(nt * self._D * WORK_PER_VALUE)
             if work == NULL:
-                raise MemoryError(f"row buffers of {nt} x {self._D * 8} bytes")
+                raise MemoryError(f"row buffers of {nt} x {self._D * WORK_PER_VALUE} bytes")
             with nogil:
                 bad = _count_bad_rows(&j, nt)
                 if bad == 0:
@@ -333,6 +381,7 @@ cdef class RowWriter:
             check_values("k", k, self._format)
             check_values("v", v, self._format)
             raise AssertionError(f"append refused {bad} rows that hold no refused value")
+        self._fresh[layer] = max(self._fresh[layer], pos + T)
         return T
 
 

@@ -43,12 +43,13 @@ class _Cells:
     def commit(self) -> int:
         """Commits the pending positions when every layer holds the same number; returns
         it (0 when nothing is pending: a no-op)."""
-        t = self.pending[0]
-        if any(p != t for p in self.pending):
+        pending = self.pending
+        t = pending[0]
+        if pending.count(t) != len(pending):
             raise StateError("advance needs the same number of pending positions in every "
-                             f"layer: {_count_groups(self.pending)}")
+                             f"layer: {_count_groups(pending)}")
         self.length += t
-        self.pending = [0] * len(self.pending)
+        self.pending = [0] * len(pending)
         return t
 
     def truncate(self, n: int) -> None:

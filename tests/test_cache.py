@@ -258,6 +258,30 @@ def test_capacity_one(rng):
         cache.append(0, x, x)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "int8"])
+@pytest.mark.parametrize("head_dim", [5, 33, 128])
+@pytest.mark.parametrize("t", [1, 80])
+def test_fresh_and_rewritten_positions(fmt, head_dim, t, rng):
+    # first writes of 2-4 byte codes go out with non-temporal stores, rewrites after a
+    # truncate with normal ones; t = 80 of 8 heads passes the threshold for threads, and
+    # odd head_dims put rows at every alignment
+    cache = make(fmt, layers=2, head_dim=head_dim, capacity=2 * t + 1)
+    first = [randn(rng, (t, 8, head_dim)) for _ in range(4)]
+    for layer in range(2):
+        cache.append(layer, first[2 * layer], first[2 * layer + 1][:, :, ::-1].copy())
+    cache.advance()
+    assert_held(cache, 1, first[2], first[3][:, :, ::-1])
+    cache.truncate(t // 2)
+    again = [randn(rng, (t + 1, 8, head_dim), np.float16) for _ in range(2)]
+    for layer in range(2):
+        cache.append(layer, again[layer], again[1 - layer])
+    cache.advance()
+    assert cache.length == t // 2 + t + 1
+    for layer in range(2):
+        assert_held(cache, layer, first[2 * layer][: t // 2], first[2 * layer + 1][: t // 2, :, ::-1])
+        assert_held(cache, layer, again[layer], again[1 - layer], start=t // 2)
+
+
 def test_large_appends_use_threads_and_match_one_thread(rng):
     # over _parallel.PARALLEL_MIN_VALUES, so rows are spread over threads
     x = randn(rng, (64, 8, 128), np.float16)

@@ -4,8 +4,9 @@
 
 step: one decode step (append one position of K and V, [8, 128] float32, to each of 32
 layers, then advance) in KVCache against a preallocated numpy cache written by slice
-assignment and against growth by np.concatenate (how HF's DynamicCache grows); plus
-the time of one `append` call. The other sections live in bench_<section>.py beside
+assignment and against growth by np.concatenate (how HF's DynamicCache grows). As in
+decoding, every step writes positions that were never written before (the caches' pages
+are touched first, so no page faults are timed); plus the time of one `append` call. The other sections live in bench_<section>.py beside
 this file, each with a main().
 """
 from __future__ import annotations
@@ -25,8 +26,10 @@ from _benchlib import print_table  # noqa: E402
 import kvcore  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
-STEPS = 256          # steps per timed batch (positions [t, t + STEPS) of each layer)
-CAPACITY = 4096      # the cache the steps write into, near its end
+STEPS = 256          # steps per timed batch
+ROUNDS = 11          # timed batches of each implementation (2 of them warm-up)
+CAPACITY = 4096      # the cache: batch r writes positions [T0 + r * STEPS, T0 + (r + 1) * STEPS)
+T0 = CAPACITY - ROUNDS * STEPS   # so every batch writes positions never written before
 CONCAT_T = 1024      # concatenation copies the whole history each step: measured here
 
 
@@ -37,11 +40,11 @@ def _inputs(n: int) -> tuple[np.ndarray, np.ndarray]:
             rng.standard_normal((n, HEADS, HEAD_DIM), dtype=np.float32))
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeat: int = 9) -> dict[str, float]:
+def _interleaved(fns: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
     """Median seconds of one call of each fn, the fns timed in turn within each round so
-    that a change of machine load hits them alike."""
+    that a change of machine load hits them alike (the first two rounds warm up)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(repeat + 2):  # two warm-up rounds
+    for r in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
@@ -50,19 +53,18 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeat: int = 9) -> dict[
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-def _kvcache_steps(fmt: str, ks: np.ndarray, vs: np.ndarray, t: int) -> Callable[[], None]:
-    """STEPS decode steps of a KVCache in `fmt`, writing positions [t, t + STEPS)."""
+def _kvcache_steps(fmt: str, ks: np.ndarray, vs: np.ndarray) -> Callable[[], None]:
+    """A KVCache in `fmt` holding T0 positions; each call makes the next STEPS decode steps."""
     cache = kvcore.KVCache(kvcore.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS,
                                          head_dim=HEAD_DIM, capacity=CAPACITY, format=fmt))
     cache._storage[:] = 0  # touch every page once, as a cache in use has been
-    fill = np.zeros((t, HEADS, HEAD_DIM), np.float32)
+    fill = np.zeros((T0, HEADS, HEAD_DIM), np.float32)
     for layer in range(LAYERS):
         cache.append(layer, fill, fill)
     cache.advance()
     append, advance = cache.append, cache.advance
 
     def steps():
-        cache.truncate(t)
         for s in range(STEPS):
             k, v = ks[s], vs[s]
             for layer in range(LAYERS):
@@ -71,18 +73,23 @@ def _kvcache_steps(fmt: str, ks: np.ndarray, vs: np.ndarray, t: int) -> Callable
     return steps
 
 
-def _numpy_steps(ks: np.ndarray, vs: np.ndarray, t: int) -> Callable[[], None]:
-    """The same steps into a preallocated [L, N, Hkv, D] float32 pair, slice assignment."""
+def _numpy_steps(ks: np.ndarray, vs: np.ndarray) -> Callable[[], None]:
+    """The same steps into a preallocated [L, N, Hkv, D] float32 pair by slice assignment,
+    each call at the next STEPS positions."""
     K = np.zeros((LAYERS, CAPACITY, HEADS, HEAD_DIM), np.float32)
     V = np.zeros_like(K)
+    K[:] = 0  # touch every page once (np.zeros maps them lazily)
+    V[:] = 0
+    end = [T0]
 
     def steps():
+        t = end[0]
         for s in range(STEPS):
             k, v = ks[s], vs[s]
-            p = t + s
             for layer in range(LAYERS):
-                K[layer, p] = k
-                V[layer, p] = v
+                K[layer, t + s] = k
+                V[layer, t + s] = v
+        end[0] = t + STEPS
     return steps
 
 
@@ -130,12 +137,12 @@ def _append_calls(k: np.ndarray, v: np.ndarray, n: int = 64, batches: int = 50):
 
 def bench_step() -> None:
     ks, vs = _inputs(STEPS)
-    t = CAPACITY - STEPS
-    fns = {"numpy preallocated f32, slice assignment": _numpy_steps(ks, vs, t)}
-    fns.update({f"kvcore KVCache {fmt}": _kvcache_steps(fmt, ks, vs, t) for fmt in kvcore.FORMATS})
+    fns = {"numpy preallocated f32, slice assignment": _numpy_steps(ks, vs)}
+    fns.update({f"kvcore KVCache {fmt}": _kvcache_steps(fmt, ks, vs) for fmt in kvcore.FORMATS})
     per_step = {name: secs / STEPS for name, secs in _interleaved(fns).items()}
     peer = per_step["numpy preallocated f32, slice assignment"]
-    rows = [[name, t, secs * 1e6, peer / secs] for name, secs in per_step.items()]
+    window = f"{T0 + 2 * STEPS}-{CAPACITY}"  # the timed rounds
+    rows = [[name, window, secs * 1e6, peer / secs] for name, secs in per_step.items()]
     concat = _time_concat(ks, vs, CONCAT_T)
     rows.insert(1, ["numpy np.concatenate growth f32 (HF DynamicCache style)", CONCAT_T,
                     concat * 1e6, peer / concat])
@@ -145,7 +152,7 @@ def bench_step() -> None:
     calls, n = _append_calls(ks[0], vs[0])
     print_table("One append call: 1 position f32 [8, 128], K and V, into cache-resident memory",
                 ["implementation", "us / call"],
-                [[name, secs / n * 1e6] for name, secs in _interleaved(calls, repeat=15).items()])
+                [[name, secs / n * 1e6] for name, secs in _interleaved(calls, rounds=17).items()])
 
 
 SECTIONS = {"step": bench_step, "quant": "bench_quant", "attention": "bench_attention",
