@@ -4,437 +4,612 @@
 1. `attend` takes q float32 [T, Hq, D] and one layer's storage as it lies in a KVCache:
    codes [N, Hkv, D] (the format's code dtype) and scales [N, Hkv, S] (or None), all
    C-contiguous; n positions are valid. Query token t sees positions [0, n - T + t]
-   (causal) or [0, n). Query head i reads K/V head i // G (G = Hq / Hkv).
-2. Work items are (kv head, split of the positions), spread over OpenMP threads. An item
-   holds the R = T * G query rows of its group (scaled, zero-padded to Dp, a multiple of
-   8) and walks its positions in tiles of TILE: the scores of all R rows against the
-   tile's K rows, an online-softmax update (running max m, sum l, float32), then the
+   (causal) or [0, n). Query head i reads K/V head i // G (G = Hq / Hkv); the R = T * G
+   query rows of a group are scaled and zero-padded to Dp (D rounded up to 16).
+2. Splits: each thread takes a contiguous range of positions over every kv head (equal
+   ranges, multiples of 16), so it streams through the token-major storage in address
+   order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
+   the R rows, an online-softmax update (running max m, lane sums l, float32), then the
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
-   once per item, for all the rows of its group.
-3. Rows are dequantized in registers, 8 values at a time (the C block below): the codes
-   are widened to 32-bit lanes and turned into float32 (int8, q8_0: convert; f16, bf16,
-   FP8: move the sign, exponent and mantissa bits into float32 position and multiply by
-   a power of two, exact for every finite code). int8/FP8 row scales multiply the score
-   (K) and the softmax weight (V); q8_0 block scales multiply the 8 values. No float
-   copy of the cache is made.
-4. The score and accumulate loops hold 8 float32 vector accumulators (4 rows x 2
-   positions, 4 rows x 16 columns) so that the multiply-adds of consecutive steps are
-   independent; exp is a vectorised Cephes polynomial (about 2 ulp).
-5. Items of one head are merged with a log-sum-exp reduction into out [T, Hq, D].
-6. `rope` rotates float32 [T, H, D] in place; angles in float64.
+   once per group. The next tile's codes are prefetched, a slice per head.
+3. Vectors are 16 float32 lanes (GCC vector extensions: zmm with AVX-512, ymm pairs with
+   AVX2). Codes are dequantized in registers, 16 at a time: int8/q8_0 widen and convert;
+   bf16 widens and shifts; f16 through F16C; fp8_e5m2 `c << 8` is an f16; fp8_e4m3
+   `(c << 7) & 0xbf80` (sign-extended) is an f16 of value / 2^8. Widening loads, F16C and
+   FMA are intrinsics under #if, with plain vector code where the ISA lacks them. No
+   float copy of the cache is made.
+4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of 16 scores
+   (K) or 16 softmax weights (V), from a per-tile transposed copy; q8_0 block scales
+   (converted to float32 once per tile) multiply the decoded vectors.
+5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the 16
+   dot products of one row with 16 K rows are reduced by one transpose-add tree into a
+   vector of 16 scores (K rows taken in the tree's leaf order, so lane L is position L).
+   V: a register block of 4 rows x KV_CB 16-column vectors walks the tile's positions.
+   exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
+6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D].
+7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
-from libc.math cimport INFINITY, cos, exp, pow, sin
+from libc.math cimport cos, pow, sin
 from libc.stdint cimport int64_t
-from libc.stdlib cimport free, malloc
-from libc.string cimport memset
-from cython.parallel cimport prange, threadid
+from cython.parallel cimport prange
+
+cimport numpy as cnp
 
 from kvcore._parallel cimport num_threads
 
-import numpy as np
+cnp.import_array()
 
 cdef extern from *:
     """
+    #include <math.h>
     #include <stdint.h>
+    #include <stdlib.h>
     #include <string.h>
-    typedef float kv_v8f __attribute__((vector_size(32)));
-    typedef int32_t kv_v8i __attribute__((vector_size(32)));
-    typedef uint32_t kv_v8u __attribute__((vector_size(32)));
-    typedef int8_t kv_v8i8 __attribute__((vector_size(8)));
-    typedef uint8_t kv_v8u8 __attribute__((vector_size(8)));
-    typedef uint16_t kv_v8u16 __attribute__((vector_size(16)));
-    #define KV_INLINE static inline __attribute__((always_inline))
-
-    /* The build turns off implicit contraction (-ffp-contract=off, for the exact
-       encoders); attention asks for fused multiply-adds explicitly where the CPU has them. */
-    #if defined(__AVX__)
+    #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
     #include <immintrin.h>
     #endif
-    #if defined(__FMA__) && defined(__AVX__)
-    KV_INLINE kv_v8f kv_fma(kv_v8f a, kv_v8f b, kv_v8f c) {
-        return (kv_v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-    #else
-    KV_INLINE kv_v8f kv_fma(kv_v8f a, kv_v8f b, kv_v8f c) { return a * b + c; }
+
+    #define KV_INLINE static inline __attribute__((always_inline))
+    enum { KV_F32, KV_F16, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2, KV_Q8_0 };
+    #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
+    #define KV_P 64            /* positions per tile (a multiple of 16) */
+    #define KV_RB 4            /* query rows per register block */
+    #if defined(__AVX512F__)   /* 32 registers of 16 lanes */
+    #define KV_PB 4            /* K rows per score register block: leaves of the tree */
+    #define KV_CB 4            /* 16-column vectors per V register block */
+    #else                      /* a 16-lane vector takes 2 registers (AVX2) or more */
+    #define KV_PB 1
+    #define KV_CB 1
     #endif
 
-    /* Widening loads of 8 codes into 32-bit lanes (gcc turns the generic form into
-       scalar inserts, so AVX2 gets its one-instruction forms). */
+    typedef float kv_vf __attribute__((vector_size(64)));      /* 16 float32 */
+    typedef int32_t kv_vi __attribute__((vector_size(64)));    /* 16 int32 */
+    typedef uint32_t kv_vu __attribute__((vector_size(64)));
+    typedef uint16_t kv_vh __attribute__((vector_size(32)));   /* 16 uint16 */
+    typedef int16_t kv_vs __attribute__((vector_size(32)));
+    typedef int8_t kv_vb __attribute__((vector_size(16)));     /* 16 int8 */
+    typedef uint8_t kv_vub __attribute__((vector_size(16)));
+    typedef float kv_vf8 __attribute__((vector_size(32)));     /* halves of 16 lanes */
+    typedef int32_t kv_vi8 __attribute__((vector_size(32)));
+    #define KV_LO(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+    #define KV_HI(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+    #define KV_CAT(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+
+    KV_INLINE kv_vf kv_splat(float x) { return (kv_vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+    KV_INLINE kv_vf kv_loadf(const float* p) { kv_vf v; memcpy(&v, p, 64); return v; }
+    KV_INLINE void kv_storef(float* p, kv_vf v) { memcpy(p, &v, 64); }
+    KV_INLINE kv_vf kv_max(kv_vf a, kv_vf b) { kv_vi g = a > b; return (kv_vf)((g & (kv_vi)a) | (~g & (kv_vi)b)); }
+
+    /* a * b + c, fused where the CPU has FMA (the build passes -ffp-contract=off). */
+    KV_INLINE kv_vf kv_fma(kv_vf a, kv_vf b, kv_vf c) {
+    #if defined(__AVX512F__)
+        return (kv_vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+    #elif defined(__FMA__)
+        return KV_CAT((kv_vf8)_mm256_fmadd_ps((__m256)KV_LO(a), (__m256)KV_LO(b), (__m256)KV_LO(c)),
+                      (kv_vf8)_mm256_fmadd_ps((__m256)KV_HI(a), (__m256)KV_HI(b), (__m256)KV_HI(c)));
+    #else
+        return a * b + c;
+    #endif
+    }
+
+    /* Widening loads of 16 codes at p (GCC 12 scalarizes the generic conversions). */
+    KV_INLINE kv_vi kv_widen_i8_i32(const char* p) {
+    #if defined(__AVX512F__)
+        return (kv_vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
+    #elif defined(__AVX2__)
+        return KV_CAT((kv_vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)),
+                      (kv_vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    #else
+        kv_vb b; memcpy(&b, p, 16); return __builtin_convertvector(b, kv_vi);
+    #endif
+    }
+    KV_INLINE kv_vu kv_widen_u16_u32(const char* p) {
+    #if defined(__AVX512F__)
+        return (kv_vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    #elif defined(__AVX2__)
+        return (kv_vu)KV_CAT((kv_vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
+                             (kv_vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    #else
+        kv_vh h; memcpy(&h, p, 32); return __builtin_convertvector(h, kv_vu);
+    #endif
+    }
+    KV_INLINE kv_vh kv_widen_i8_i16(const char* p) {   /* sign-extended, as uint16 bits */
     #if defined(__AVX2__)
-    KV_INLINE kv_v8u kv_widen_u8(const char* p) {
-        return (kv_v8u)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-    KV_INLINE kv_v8i kv_widen_i8(const char* p) {
-        return (kv_v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-    KV_INLINE kv_v8u kv_widen_u16(const char* p) {
-        return (kv_v8u)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
+        return (kv_vh)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
     #else
-    KV_INLINE kv_v8u kv_widen_u8(const char* p) {
-        kv_v8u8 c; memcpy(&c, p, 8); return __builtin_convertvector(c, kv_v8u); }
-    KV_INLINE kv_v8i kv_widen_i8(const char* p) {
-        kv_v8i8 c; memcpy(&c, p, 8); return __builtin_convertvector(c, kv_v8i); }
-    KV_INLINE kv_v8u kv_widen_u16(const char* p) {
-        kv_v8u16 h; memcpy(&h, p, 16); return __builtin_convertvector(h, kv_v8u); }
+        kv_vb b; memcpy(&b, p, 16); return (kv_vh)__builtin_convertvector(b, kv_vs);
     #endif
+    }
+    KV_INLINE kv_vh kv_widen_u8_u16(const char* p) {
+    #if defined(__AVX2__)
+        return (kv_vh)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    #else
+        kv_vub b; memcpy(&b, p, 16); return __builtin_convertvector(b, kv_vh);
+    #endif
+    }
 
-    KV_INLINE kv_v8f kv_splat(float x) { return (kv_v8f){x, x, x, x, x, x, x, x}; }
+    /* 16 IEEE binary16 bit patterns -> float32, exact for finite values. */
+    KV_INLINE kv_vf kv_half(kv_vh h) {
+    #if defined(__AVX512F__)
+        return (kv_vf)_mm512_cvtph_ps((__m256i)h);
+    #elif defined(__F16C__)
+        return KV_CAT((kv_vf8)_mm256_cvtph_ps((__m128i)KV_LO(h)), (kv_vf8)_mm256_cvtph_ps((__m128i)KV_HI(h)));
+    #else
+        kv_vu u = __builtin_convertvector(h, kv_vu);
+        return (kv_vf)(((u & 0x7FFF) << 13) | ((u & 0x8000) << 16)) * kv_splat(0x1p112f);
+    #endif
+    }
 
-    KV_INLINE float kv_hsum(kv_v8f v) {
-        return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-    /* Lanes a + b of the pairs (a[0], a[1]), (b[0], b[1]), ... (like hadd). */
-    KV_INLINE kv_v8f kv_pairs(kv_v8f a, kv_v8f b) {
-        return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14)
-             + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15); }
-
-    /* The 8 horizontal sums of a[4][2], in the order a[0][0], a[0][1], a[1][0], ... */
-    KV_INLINE kv_v8f kv_hsum8(kv_v8f a[4][2]) {
-        kv_v8f x = kv_pairs(kv_pairs(a[0][0], a[0][1]), kv_pairs(a[1][0], a[1][1]));
-        kv_v8f y = kv_pairs(kv_pairs(a[2][0], a[2][1]), kv_pairs(a[3][0], a[3][1]));
-        /* x: the 4 sums of a[0..1][*] over lanes 0-3, then over lanes 4-7; y likewise */
-        return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11)
-             + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15); }
-
-    KV_INLINE kv_v8f kv_bits(kv_v8u u) { kv_v8f f; memcpy(&f, &u, 32); return f; }
-
-    /* f16 bits -> float32, exact for finite values (subnormals included). */
-    KV_INLINE float kv_f16(uint16_t h) {
-        uint32_t b = ((uint32_t)(h & 0x7FFF) << 13) | ((uint32_t)(h & 0x8000) << 16);
-        float f; memcpy(&f, &b, 4); return f * 0x1p112f; }
-
-    /* 8 values of a row from their codes at p, unscaled. */
-    KV_INLINE kv_v8f kv_decode8(const int fmt, const char* p) {
+    /* Values [i, i + 16) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
+       value / 2^8). `tail` (a constant): i + 16 passes d; the values past d read as 0. */
+    KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
+        const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
+        char tmp[64];
+        p += (size_t)i * cb;
+        if (tail) {
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, p, (size_t)(d - i) * cb);
+            p = tmp;
+        }
         switch (fmt) {
-        case 0: { kv_v8f v; memcpy(&v, p, 32); return v; }
-        case 1: { kv_v8u u = kv_widen_u16(p);
-                  return kv_bits(((u & 0x7FFF) << 13) | ((u & 0x8000) << 16)) * kv_splat(0x1p112f); }
-        case 2: return kv_bits(kv_widen_u16(p) << 16);
-        case 4: { kv_v8u u = kv_widen_u8(p);
-                  return kv_bits(((u & 0x7F) << 20) | ((u & 0x80) << 24)) * kv_splat(0x1p120f); }
-        case 5: { kv_v8u u = kv_widen_u8(p);
-                  return kv_bits(((u & 0x7F) << 21) | ((u & 0x80) << 24)) * kv_splat(0x1p112f); }
-        default: return __builtin_convertvector(kv_widen_i8(p), kv_v8f);
+        case KV_F32: { kv_vf v; memcpy(&v, p, 64); return v; }
+        case KV_F16: { kv_vh h; memcpy(&h, p, 32); return kv_half(h); }
+        case KV_BF16: return (kv_vf)(kv_widen_u16_u32(p) << 16);
+        case KV_E4M3: return kv_half((kv_widen_i8_i16(p) << 7) & 0xBF80);
+        case KV_E5M2: return kv_half(kv_widen_u8_u16(p) << 8);
+        default: return __builtin_convertvector(kv_widen_i8_i32(p), kv_vf);   /* int8, q8_0 */
         }
     }
 
-    /* Values [i, i + 8) of a row of d codes at p; values past d read as 0. `tail`
-       (a constant) says whether i + 8 may pass d. */
-    KV_INLINE kv_v8f kv_load8(const int fmt, const int tail, const char* p, int i, int d) {
-        const int cb = fmt == 0 ? 4 : fmt <= 2 ? 2 : 1;
-        if (!tail) return kv_decode8(fmt, p + (size_t)i * cb);
-        char tmp[32] = {0};
-        memcpy(tmp, p + (size_t)i * cb, (size_t)(d - i) * cb);
-        return kv_decode8(fmt, tmp);
-    }
-
-    /* Scale of values [i, i + 8) of a row with scales at s: q8_0's block scale. */
-    KV_INLINE float kv_block_scale(const char* s, int i) {
-        uint16_t h; memcpy(&h, s + (i / 32) * 2, 2); return kv_f16(h); }
-
-    /* Row scale applied to a dot product / a weight: int8 and FP8 only. */
-    KV_INLINE float kv_row_scale(const int fmt, const char* s) {
-        if (fmt == 3 || fmt == 4 || fmt == 5) { float f; memcpy(&f, s, 4); return f; }
-        return 1.0f;
-    }
-
-    /* acc[r][p] += q[r][i .. i + 8) * row(p)[i .. i + 8) for R rows x P positions. */
-    KV_INLINE void kv_dot_step(const int fmt, const int tail, const int R, const int P,
-                               const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                               int i, int d, const float* q, int dp, kv_v8f acc[4][2]) {
-        kv_v8f k[2];
-        for (int p = 0; p < P; p++) {
-            k[p] = kv_load8(fmt, tail, c + p * cs, i, d);
-            if (fmt == 6) k[p] = k[p] * kv_splat(kv_block_scale(sc + p * ss, i));
-        }
-        for (int r = 0; r < R; r++) {
-            kv_v8f qv; memcpy(&qv, q + (size_t)r * dp + i, 32);
-            for (int p = 0; p < P; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
+    /* dst[k] = the f16 values at src[k] as float32, k < n. */
+    static void kv_halves(const char* src, int n, float* dst) {
+        int k = 0;
+        for (; k + 16 <= n; k += 16) { kv_vh h; memcpy(&h, src + 2 * k, 32); kv_storef(dst + k, kv_half(h)); }
+        if (k < n) {
+            kv_vh h = {0};
+            memcpy(&h, src + 2 * k, (size_t)(n - k) * 2);
+            kv_vf f = kv_half(h);
+            memcpy(dst + k, &f, (size_t)(n - k) * 4);
         }
     }
 
-    /* s[r * ls + j] = q[r] . row(j), for R rows x P positions (R <= 4, P <= 2), rows of
-       q dp floats apart (zero-padded), row j's codes at c + j * cs, scales at sc + j * ss. */
-    KV_INLINE void kv_dot_block(const int fmt, const int R, const int P,
-                                const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                                int d, const float* q, int dp, float* s, int ls) {
-        kv_v8f acc[4][2];
-        for (int r = 0; r < 4; r++) for (int p = 0; p < 2; p++) acc[r][p] = kv_splat(0.0f);
-        int i = 0;
-        for (; i + 8 <= d; i += 8) kv_dot_step(fmt, 0, R, P, c, cs, sc, ss, i, d, q, dp, acc);
-        if (i < d) kv_dot_step(fmt, 1, R, P, c, cs, sc, ss, i, d, q, dp, acc);
-        kv_v8f sums = kv_hsum8(acc);
-        for (int p = 0; p < P; p++) {
-            float rs = kv_row_scale(fmt, sc + p * ss);
-            for (int r = 0; r < R; r++) s[r * ls + p] = sums[2 * r + p] * rs;
+    /* One level of the transpose-add tree: in each block of 2w lanes, the first w lanes
+       get x's pairwise sums (lane + lane w further, or for w <= 2 neighbouring lanes) and
+       the next w lanes y's. Four levels (w = 8, 4, 2, 1) turn 16 vectors into one vector
+       of their 16 horizontal sums, vector k in lane KV_LEAF_LANE[k]. */
+    KV_INLINE kv_vf kv_comb(kv_vf x, kv_vf y, const int w) {
+        switch (w) {
+        case 8: return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                     + __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        case 4: return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+                     + __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        case 2: return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+                     + __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        default: return __builtin_shufflevector(x, y, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30)
+                      + __builtin_shufflevector(x, y, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+        }
+    }
+    static const unsigned char KV_LEAF_LANE[16] = {0, 8, 4, 12, 1, 9, 5, 13, 2, 10, 6, 14, 3, 11, 7, 15};
+
+    /* The levels w, w / 2, ... of the tree over v[0 .. n) (n a power of two); returns v[0]. */
+    KV_INLINE kv_vf kv_tree(kv_vf* v, const int n, const int w) {
+        for (int k = n, s = w; k > 1; k /= 2, s /= 2)
+            for (int a = 0; a < k / 2; a++) v[a] = kv_comb(v[2 * a], v[2 * a + 1], s);
+        return v[0];
+    }
+
+    KV_INLINE float kv_hmax(kv_vf v) {
+        v = kv_max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+        v = kv_max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+        v = kv_max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+        v = kv_max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+        return v[0];
+    }
+
+    /* exp(x) for 16 lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
+    KV_INLINE kv_vf kv_exp(kv_vf x) {
+        kv_vi keep = x >= kv_splat(-87.3f);
+        x = (kv_vf)((kv_vi)x & keep);   /* dropped lanes compute exp(0), then masked */
+        kv_vf t = kv_fma(x, kv_splat(1.44269504088896341f), kv_splat(12582912.0f));
+        kv_vf n = t - kv_splat(12582912.0f);   /* round to nearest */
+        kv_vi e = ((kv_vi)t - 0x4B400000 + 127) << 23;
+        kv_vf r = kv_fma(n, kv_splat(-0.693359375f), x);
+        r = kv_fma(n, kv_splat(2.12194440e-4f), r);
+        kv_vf y = kv_splat(1.9875691500e-4f);
+        y = kv_fma(y, r, kv_splat(1.3981999507e-3f));
+        y = kv_fma(y, r, kv_splat(8.3334519073e-3f));
+        y = kv_fma(y, r, kv_splat(4.1665795894e-2f));
+        y = kv_fma(y, r, kv_splat(1.6666665459e-1f));
+        y = kv_fma(y, r, kv_splat(5.0000001201e-1f));
+        y = kv_fma(y, r * r, r + kv_splat(1.0f));
+        return (kv_vf)((kv_vi)(y * (kv_vf)e) & keep);
+    }
+
+    /* One attention call (attend fills it). */
+    typedef struct {
+        const char *kc, *vc;     /* codes of position 0, head 0 */
+        const char *ks, *vs;     /* scales of position 0, head 0 (NULL without scales) */
+        ptrdiff_t cs, ch;        /* code bytes between positions (all heads), between heads */
+        ptrdiff_t ss, sh;        /* scale bytes between positions, between heads */
+        int fmt, d, dp, s;       /* format id, head dim, d rounded up to 16, scales per row */
+        int hkv, g, t, r;        /* kv heads, group size, new tokens, rows per group (t * g) */
+        float* q;                /* [hkv][r][dp] scaled queries, zero-padded (kv_prepare) */
+        int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
+    } kv_job;
+
+    /* One kv head's rows within a tile. */
+    typedef struct {
+        const char* c;           /* codes of the tile's first position */
+        ptrdiff_t cs;            /* code bytes between positions */
+        const float* bs;         /* q8_0: block scales of the tile's first position (float32) */
+        int bss;                 /* floats between positions of bs */
+        int d;
+    } kv_rows;
+
+    #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
+    /* Floats of one split's state: m [hkv*r], l [hkv*r][16], acc [hkv*r][dp] (unnormalised),
+       then scratch: scores [r][KV_P], K and V tile scales [KV_P * hkv * max(s, 1)] each. */
+    static size_t kv_split_floats(const kv_job* J) {
+        size_t rows = (size_t)J->hkv * J->r, sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
+        return KV_ROUND16(rows) + rows * 16 + rows * J->dp + (size_t)J->r * KV_P + 2 * sc;
+    }
+    /* Floats of the job's own buffers: q [hkv][r][dp], then last [r] (int64). */
+    static size_t kv_job_floats(const kv_job* J) {
+        return KV_ROUND16((size_t)J->hkv * J->r * J->dp) + KV_ROUND16(2 * (size_t)J->r);
+    }
+    /* Points J->q and J->last into buf (kv_job_floats floats); returns the floats after. */
+    static float* kv_job_place(kv_job* J, float* buf) {
+        J->q = buf;
+        J->last = (int64_t*)(buf + KV_ROUND16((size_t)J->hkv * J->r * J->dp));
+        return buf + kv_job_floats(J);
+    }
+
+    /* A stream of prefetches over the next tile's K and V codes, issued a few lines at a
+       time between the score blocks of the current tile. */
+    typedef struct { const char *k, *v; size_t left, step; } kv_pf;
+    KV_INLINE void kv_prefetch(kv_pf* f) {
+        size_t b = f->step < f->left ? f->step : f->left;
+        for (size_t o = 0; o < b; o += 64) { __builtin_prefetch(f->k + o, 0, 3); __builtin_prefetch(f->v + o, 0, 3); }
+        f->k += b; f->v += b; f->left -= b;
+    }
+
+    /* acc[r][p] += q[r][i .. i + 16) . K row p [i .. i + 16), RB rows x KV_PB K rows. */
+    KV_INLINE void kv_score_step(const int fmt, const int tail, const int RB, const char* const* row,
+                                 const float* const* bs, int i, int d, const float* q, int dp,
+                                 kv_vf acc[KV_RB][KV_PB]) {
+        kv_vf k[KV_PB];
+        for (int p = 0; p < KV_PB; p++) {
+            k[p] = kv_load(fmt, tail, row[p], i, d);
+            if (fmt == KV_Q8_0) k[p] = k[p] * kv_splat(bs[p][i / 32]);
+        }
+        for (int r = 0; r < RB; r++) {
+            kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
+            for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
         }
     }
 
-    KV_INLINE void kv_scores_fmt(const int fmt, const char* c, ptrdiff_t cs, const char* sc,
-                                 ptrdiff_t ss, int d, int np, const float* q, int dp, int nr,
-                                 float* s, int ls) {
-        for (int r0 = 0; r0 < nr; r0 += 4) {
-            const int R = nr - r0 < 4 ? nr - r0 : 4;
-            const float* qr = q + (size_t)r0 * dp;
-            float* sr = s + (size_t)r0 * ls;
-            for (int j = 0; j < np; j += 2) {
-                const char* cj = c + j * cs; const char* sj = sc + j * ss;
-                const int P = np - j < 2 ? 1 : 2;
-                #define KV_DOT(RR, PP) kv_dot_block(fmt, RR, PP, cj, cs, sj, ss, d, qr, dp, sr + j, ls)
-                if (P == 2) { switch (R) { case 4: KV_DOT(4, 2); break; case 3: KV_DOT(3, 2); break;
-                                           case 2: KV_DOT(2, 2); break; default: KV_DOT(1, 2); } }
-                else { switch (R) { case 4: KV_DOT(4, 1); break; case 3: KV_DOT(3, 1); break;
-                                    case 2: KV_DOT(2, 1); break; default: KV_DOT(1, 1); } }
-                #undef KV_DOT
+    /* out[r] lane L = q[r] . K row (j + L) of the tile, for RB rows (dp floats apart);
+       rows past np are read as row np - 1 (the caller masks their lanes). */
+    KV_INLINE void kv_score_group(const int fmt, const int RB, const kv_rows* k, int j, int np,
+                                  const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
+        kv_vf part[KV_RB][16 / KV_PB];
+        for (int b = 0; b < 16 / KV_PB; b++) {
+            const char* row[KV_PB];
+            const float* bs[KV_PB];
+            kv_vf acc[KV_RB][KV_PB];
+            kv_prefetch(pf);
+            for (int p = 0; p < KV_PB; p++) {
+                int pos = j + KV_LEAF_LANE[b * KV_PB + p];
+                pos = pos < np ? pos : np - 1;
+                row[p] = k->c + pos * k->cs;
+                bs[p] = fmt == KV_Q8_0 ? k->bs + (size_t)pos * k->bss : NULL;
+                for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
+            }
+            int i = 0;
+            for (; i + 16 <= k->d; i += 16) kv_score_step(fmt, 0, RB, row, bs, i, k->d, q, dp, acc);
+            if (i < k->d) kv_score_step(fmt, 1, RB, row, bs, i, k->d, q, dp, acc);
+            for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, 8);
+        }
+        for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], 16 / KV_PB, 8 / KV_PB);
+    }
+
+    /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
+       rs [KV_P] (int8/FP8); lanes past np or past last[r] (position j0 + lane) are -inf. */
+    KV_INLINE void kv_score_rows(const int fmt, const int RB, const kv_rows* k, int np, const float* q,
+                                 int dp, const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
+        const kv_vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        for (int j = 0; j < np; j += 16) {
+            kv_vf o[KV_RB];
+            kv_score_group(fmt, RB, k, j, np, q, dp, o, pf);
+            for (int r = 0; r < RB; r++) {
+                kv_vf x = KV_ROW_SCALED(fmt) ? o[r] * kv_loadf(rs + j) : o[r];
+                int64_t seen = last[r] - j0 + 1;
+                int vis = (int)((seen < np ? seen : np) - j);   /* visible lanes */
+                if (vis < 16) {
+                    kv_vi keep = lane < (kv_vi){0} + (vis > 0 ? vis : 0);
+                    x = (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep));
+                }
+                kv_storef(s + (size_t)r * KV_P + j, x);
             }
         }
     }
 
-    /* Scores of nr query rows (q: nr x dp floats) against np K rows: s [nr][ls]. */
-    static void kv_scores(int fmt, const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                          int d, int np, const float* q, int dp, int nr, float* s, int ls) {
-        switch (fmt) {
-        #define KV_CASE(F) case F: kv_scores_fmt(F, c, cs, sc, ss, d, np, q, dp, nr, s, ls); break;
-        KV_CASE(0) KV_CASE(1) KV_CASE(2) KV_CASE(3) KV_CASE(4) KV_CASE(5) KV_CASE(6)
-        #undef KV_CASE
-        }
-    }
-
-    /* acc[r][i0 .. i0 + 8 * B) += sum_j w[r * lw + j] * row(j)[..], R rows (<= 4), B (<= 2)
-       vectors of 8 columns (the last may pass d when `tail`); w holds the row scales. */
-    KV_INLINE void kv_acc_block(const int fmt, const int tail, const int R, const int B,
-                                const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                                int d, int np, const float* w, int lw, float* acc, int dp, int i0) {
-        kv_v8f a[4][2];
-        for (int r = 0; r < R; r++) for (int b = 0; b < B; b++)
-            memcpy(&a[r][b], acc + (size_t)r * dp + i0 + 8 * b, 32);
+    /* acc[r][i0 .. i0 + 16 CB) += sum_j w[r][j] V row j [...], RB rows, CB column vectors
+       (the last one passes d when `tail`). */
+    KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, const kv_rows* v,
+                                  int np, const float* w, float* acc, int dp, int i0) {
+        kv_vf a[KV_RB][KV_CB];
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + 16 * c);
         for (int j = 0; j < np; j++) {
-            kv_v8f v[2];
-            for (int b = 0; b < B; b++) {
-                v[b] = kv_load8(fmt, tail && b == B - 1, c + j * cs, i0 + 8 * b, d);
-                if (fmt == 6) v[b] = v[b] * kv_splat(kv_block_scale(sc + j * ss, i0 + 8 * b));
+            const char* row = v->c + j * v->cs;
+            kv_vf x[KV_CB];
+            for (int c = 0; c < CB; c++) {
+                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + 16 * c, v->d);
+                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v->bs[(size_t)j * v->bss + (i0 + 16 * c) / 32]);
             }
-            for (int r = 0; r < R; r++) {
-                kv_v8f wr = kv_splat(w[r * lw + j]);
-                for (int b = 0; b < B; b++) a[r][b] = kv_fma(wr, v[b], a[r][b]);
+            for (int r = 0; r < RB; r++) {
+                kv_vf wr = kv_splat(w[(size_t)r * KV_P + j]);
+                for (int c = 0; c < CB; c++) a[r][c] = kv_fma(wr, x[c], a[r][c]);
             }
         }
-        for (int r = 0; r < R; r++) for (int b = 0; b < B; b++)
-            memcpy(acc + (size_t)r * dp + i0 + 8 * b, &a[r][b], 32);
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + 16 * c, a[r][c]);
     }
 
-    KV_INLINE void kv_acc_rows(const int fmt, const int R, const char* c, ptrdiff_t cs,
-                               const char* sc, ptrdiff_t ss, int d, int np, const float* w,
-                               int lw, float* acc, int dp) {
+    KV_INLINE void kv_value_rows(const int fmt, const int RB, const kv_rows* v, int np, const float* w,
+                                 float* acc, int dp) {
         int i0 = 0;
-        for (; i0 + 16 <= d; i0 += 16) kv_acc_block(fmt, 0, R, 2, c, cs, sc, ss, d, np, w, lw, acc, dp, i0);
-        if (i0 + 8 <= d) { kv_acc_block(fmt, 0, R, 1, c, cs, sc, ss, d, np, w, lw, acc, dp, i0); i0 += 8; }
-        if (i0 < d) kv_acc_block(fmt, 1, R, 1, c, cs, sc, ss, d, np, w, lw, acc, dp, i0);
+        for (; i0 + 16 * KV_CB <= v->d; i0 += 16 * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
+        for (; i0 + 16 <= v->d; i0 += 16) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
+        if (i0 < v->d) kv_value_block(fmt, 1, RB, 1, v, np, w, acc, dp, i0);
     }
 
-    KV_INLINE void kv_accumulate_fmt(const int fmt, const char* c, ptrdiff_t cs, const char* sc,
-                                     ptrdiff_t ss, int d, int np, float* w, int lw, int nr,
-                                     float* acc, int dp) {
-        if (fmt == 3 || fmt == 4 || fmt == 5)
-            for (int j = 0; j < np; j++) {
-                float rs = kv_row_scale(fmt, sc + j * ss);
-                for (int r = 0; r < nr; r++) w[r * lw + j] *= rs;
+    /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights s x V rows, in
+       register blocks of KV_RB rows. */
+    KV_INLINE void kv_scores(const int fmt, int R, const kv_rows* k, int np, const float* q, int dp,
+                             const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
+        for (int r = 0; r < R; r += KV_RB) {
+            const float* qr = q + (size_t)r * dp;
+            float* sr = s + (size_t)r * KV_P;
+            switch (R - r < KV_RB ? R - r : KV_RB) {
+            case 1: kv_score_rows(fmt, 1, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            case 2: kv_score_rows(fmt, 2, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            case 3: kv_score_rows(fmt, 3, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            default: kv_score_rows(fmt, KV_RB, k, np, qr, dp, rs, last + r, j0, sr, pf);
             }
-        for (int r0 = 0; r0 < nr; r0 += 4) {
-            const float* wr = w + (size_t)r0 * lw;
-            float* ar = acc + (size_t)r0 * dp;
-            switch (nr - r0 < 4 ? nr - r0 : 4) {
-            case 4: kv_acc_rows(fmt, 4, c, cs, sc, ss, d, np, wr, lw, ar, dp); break;
-            case 3: kv_acc_rows(fmt, 3, c, cs, sc, ss, d, np, wr, lw, ar, dp); break;
-            case 2: kv_acc_rows(fmt, 2, c, cs, sc, ss, d, np, wr, lw, ar, dp); break;
-            default: kv_acc_rows(fmt, 1, c, cs, sc, ss, d, np, wr, lw, ar, dp);
+        }
+    }
+    KV_INLINE void kv_values(const int fmt, int R, const kv_rows* v, int np, const float* w, float* acc, int dp) {
+        for (int r = 0; r < R; r += KV_RB) {
+            const float* wr = w + (size_t)r * KV_P;
+            float* ar = acc + (size_t)r * dp;
+            switch (R - r < KV_RB ? R - r : KV_RB) {
+            case 1: kv_value_rows(fmt, 1, v, np, wr, ar, dp); break;
+            case 2: kv_value_rows(fmt, 2, v, np, wr, ar, dp); break;
+            case 3: kv_value_rows(fmt, 3, v, np, wr, ar, dp); break;
+            default: kv_value_rows(fmt, KV_RB, v, np, wr, ar, dp);
             }
         }
     }
 
-    /* acc [nr][dp] += w [nr][lw] x V rows (np of them); scales w by the row scales. */
-    static void kv_accumulate(int fmt, const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                              int d, int np, float* w, int lw, int nr, float* acc, int dp) {
-        switch (fmt) {
-        #define KV_CASE(F) case F: kv_accumulate_fmt(F, c, cs, sc, ss, d, np, w, lw, nr, acc, dp); break;
-        KV_CASE(0) KV_CASE(1) KV_CASE(2) KV_CASE(3) KV_CASE(4) KV_CASE(5) KV_CASE(6)
+    /* Online-softmax update of R rows by one tile's scores s [R][KV_P] (np valid; masked
+       lanes -inf): m [R] (running max), l [R][16] (lane sums of the weights) and acc
+       [R][dp] are rescaled when the max grows; s becomes the weights exp(s - m), times
+       the V row scales vs [KV_P] when vs is not NULL. */
+    static void kv_softmax(int R, int np, float* s, float* m, float* l, float* acc, int dp, const float* vs) {
+        for (int r = 0; r < R; r++) {
+            float* sr = s + (size_t)r * KV_P;
+            kv_vf mx = kv_loadf(sr);
+            for (int j = 16; j < np; j += 16) mx = kv_max(mx, kv_loadf(sr + j));
+            float top = kv_hmax(mx);
+            if (top > m[r]) {
+                if (m[r] != -INFINITY) {
+                    kv_vf a = kv_splat(expf(m[r] - top));
+                    for (int i = 0; i < dp; i += 16) kv_storef(acc + (size_t)r * dp + i, kv_loadf(acc + (size_t)r * dp + i) * a);
+                    kv_storef(l + 16 * r, kv_loadf(l + 16 * r) * a);
+                }
+                m[r] = top;
+            }
+            if (m[r] == -INFINITY) {   /* no visible position yet */
+                memset(sr, 0, KV_P * sizeof(float));
+                continue;
+            }
+            kv_vf mv = kv_splat(m[r]), sum = kv_loadf(l + 16 * r);
+            for (int j = 0; j < np; j += 16) {
+                kv_vf e = kv_exp(kv_loadf(sr + j) - mv);
+                sum = sum + e;
+                kv_storef(sr + j, vs ? e * kv_loadf(vs + j) : e);
+            }
+            kv_storef(l + 16 * r, sum);
+        }
+    }
+
+    /* The tile's scales as float32 in out: int8/FP8 row scales of positions [j0, j0 + np)
+       transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
+       leaves out), q8_0 block scales as stored, [np][hkv][s]. */
+    KV_INLINE void kv_tile_scales(const int fmt, const kv_job* J, const char* sc, int64_t j0, int np, float* out) {
+        if (fmt == KV_Q8_0) {
+            kv_halves(sc + j0 * J->ss, np * J->hkv * J->s, out);
+        } else if (KV_ROW_SCALED(fmt)) {
+            const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
+            for (int h = 0; h < J->hkv; h++) {
+                const char* p = sc + j0 * J->ss + h * J->sh;
+                float* o = out + (size_t)h * KV_P;
+                for (int j = 0; j < np; j++) { float x; memcpy(&x, p + j * J->ss, 4); o[j] = x * f; }
+                for (int j = np; j < KV_P; j++) o[j] = 0.0f;
+            }
+        }
+    }
+
+    KV_INLINE kv_rows kv_head_rows(const int fmt, const kv_job* J, const char* c, const float* sc,
+                                   int64_t j0, int h) {
+        kv_rows x = {c + j0 * J->cs + h * J->ch, J->cs, fmt == KV_Q8_0 ? sc + (size_t)h * J->s : NULL,
+                     J->hkv * J->s, J->d};
+        return x;
+    }
+
+    /* One split: positions [p0, p1) of every kv head into the state at w (kv_split_floats). */
+    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, int64_t p0, int64_t p1, float* w) {
+        const int R = J->r, H = J->hkv, dp = J->dp;
+        const size_t rows = (size_t)H * R;
+        const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
+        float* m = w;
+        float* l = m + KV_ROUND16(rows);
+        float* acc = l + rows * 16;
+        float* s = acc + rows * dp;
+        float* ksc = s + (size_t)R * KV_P;
+        float* vsc = ksc + sc;
+        for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
+        memset(l, 0, rows * 16 * sizeof(float));
+        memset(acc, 0, rows * dp * sizeof(float));
+        for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
+            const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
+            const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
+            const size_t calls = (size_t)H * ((np + 15) / 16) * (16 / KV_PB) * ((R + KV_RB - 1) / KV_RB);
+            kv_pf pf = {J->kc + (j0 + KV_P) * J->cs, J->vc + (j0 + KV_P) * J->cs,
+                        next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
+            pf.step = (pf.left / calls + 63) / 64 * 64;
+            kv_tile_scales(fmt, J, J->ks, j0, np, ksc);
+            kv_tile_scales(fmt, J, J->vs, j0, np, vsc);
+            for (int h = 0; h < H; h++) {
+                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, j0, h), v = kv_head_rows(fmt, J, J->vc, vsc, j0, h);
+                float* ah = acc + (size_t)h * R * dp;
+                kv_scores(fmt, R, &k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
+                kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * 16, ah, dp,
+                           KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
+                kv_values(fmt, R, &v, np, s, ah, dp);
+            }
+        }
+    }
+
+    static void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) {
+        switch (J->fmt) {
+        #define KV_CASE(F) case F: kv_split_fmt(F, J, p0, p1, w); break;
+        KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
+        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
         #undef KV_CASE
         }
     }
 
-    /* exp(x) for 8 lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
-    KV_INLINE kv_v8f kv_exp8(kv_v8f x) {
-        kv_v8i keep = x >= kv_splat(-87.3f);
-        x = (kv_v8f)((kv_v8i)x & keep);  /* dropped lanes compute exp(0), then masked */
-        kv_v8f t = x * kv_splat(1.44269504088896341f) + kv_splat(12582912.0f);
-        kv_v8f n = t - kv_splat(12582912.0f);  /* round to nearest */
-        kv_v8i ni; memcpy(&ni, &t, 32); ni = ni - 0x4B400000;
-        kv_v8f r = x - n * kv_splat(0.693359375f) - n * kv_splat(-2.12194440e-4f);
-        kv_v8f y = kv_splat(1.9875691500e-4f);
-        y = y * r + kv_splat(1.3981999507e-3f);
-        y = y * r + kv_splat(8.3334519073e-3f);
-        y = y * r + kv_splat(4.1665795894e-2f);
-        y = y * r + kv_splat(1.6666665459e-1f);
-        y = y * r + kv_splat(5.0000001201e-1f);
-        y = y * (r * r) + r + kv_splat(1.0f);
-        kv_v8i e = (ni + 127) << 23;
-        kv_v8f p; memcpy(&p, &e, 32);
-        return (kv_v8f)((kv_v8i)(y * p) & keep);
+    /* J->q [hkv][r][dp] = scale * q [t][hkv * g][d] (zero-padded); J->last [r]. */
+    static void kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) {
+        for (int h = 0; h < J->hkv; h++)
+            for (int r = 0; r < J->r; r++) {
+                const float* src = q + ((size_t)(r / J->g) * J->hkv * J->g + (size_t)h * J->g + r % J->g) * J->d;
+                float* dst = J->q + ((size_t)h * J->r + r) * J->dp;
+                for (int i = 0; i < J->d; i++) dst[i] = src[i] * scale;
+                for (int i = J->d; i < J->dp; i++) dst[i] = 0.0f;
+            }
+        for (int r = 0; r < J->r; r++) J->last[r] = causal ? n - J->t + r / J->g : n - 1;
     }
 
-    /* s[j] = exp(s[j] - m) for j < n (n <= lw, s padded to a multiple of 8); returns the sum. */
-    static float kv_exp_shift(float* s, int n, float m) {
-        kv_v8f sum = kv_splat(0.0f), mv = kv_splat(m);
-        for (int j = 0; j < n; j += 8) {
-            kv_v8f x; memcpy(&x, s + j, 32);
-            kv_v8f e = kv_exp8(x - mv);
-            if (j + 8 > n) for (int k = n - j; k < 8; k++) e[k] = 0.0f;
-            memcpy(s + j, &e, 32);
-            sum = sum + e;
+    /* out [t][hkv * g][d] = the nsplit split states at w (kv_split_floats each) merged by
+       log-sum-exp and normalised. out may be the q that kv_prepare read. */
+    static void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) {
+        const size_t rows = (size_t)J->hkv * J->r, stride = kv_split_floats(J);
+        for (size_t hr = 0; hr < rows; hr++) {
+            const int h = (int)(hr / J->r), r = (int)(hr % J->r);
+            float top = -INFINITY, den = 0.0f;
+            for (int sp = 0; sp < nsplit; sp++) top = fmaxf(top, w[sp * stride + hr]);
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float* l = w + sp * stride + KV_ROUND16(rows) + hr * 16;
+                float sum = 0.0f;
+                for (int k = 0; k < 16; k++) sum += l[k];
+                den += sum * expf(w[sp * stride + hr] - top);
+            }
+            float* o = out + ((size_t)(r / J->g) * J->hkv * J->g + (size_t)h * J->g + r % J->g) * J->d;
+            for (int i = 0; i < J->d; i++) o[i] = 0.0f;
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float* a = w + sp * stride + KV_ROUND16(rows) + rows * 16 + hr * J->dp;
+                const float c = expf(w[sp * stride + hr] - top) / den;
+                for (int i = 0; i < J->d; i++) o[i] += c * a[i];
+            }
         }
-        return kv_hsum(sum);
     }
     """
-    void kv_scores(int fmt, const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                   int d, int npos, const float* q, int dp, int nr, float* s, int ls) noexcept nogil
-    void kv_accumulate(int fmt, const char* c, ptrdiff_t cs, const char* sc, ptrdiff_t ss,
-                       int d, int npos, float* w, int lw, int nr, float* acc, int dp) noexcept nogil
-    float kv_exp_shift(float* s, int n, float m) noexcept nogil
+    ctypedef struct kv_job:
+        const char* kc
+        const char* vc
+        const char* ks
+        const char* vs
+        ptrdiff_t cs, ch, ss, sh
+        int fmt, d, dp, s, hkv, g, t, r
+        float* q
+        int64_t* last
+    size_t kv_split_floats(const kv_job* J) noexcept nogil
+    size_t kv_job_floats(const kv_job* J) noexcept nogil
+    float* kv_job_place(kv_job* J, float* buf) noexcept nogil
+    void kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) noexcept nogil
+    void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
+    void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) noexcept nogil
+    int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
+    void free(void* p) noexcept nogil
 
 cdef enum:
-    TILE = 64        # positions per tile: K scores of a tile come before its V rows are read
-    MIN_SPLIT = 256  # positions per split at least; heads are split only to feed every thread
+    MIN_SPLIT = 64   # positions per split at least (a thread's start-up costs about that many)
 
 
-cdef struct Layer:
-    const char* kc
-    const char* vc
-    const char* ks
-    const char* vs
-    ptrdiff_t cs      # bytes between positions of one head's codes (Hkv * D * code bytes)
-    ptrdiff_t ss      # bytes between positions of one head's scales (Hkv * S * scale bytes)
-    ptrdiff_t ch      # bytes between heads of one position's codes (D * code bytes)
-    ptrdiff_t sh      # bytes between heads of one position's scales
-    int fmt
-    int d
+cdef const char* _data(cnp.ndarray a, str name) except NULL:
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"attention reads C-contiguous arrays, {name} is not")
+    return <const char*>cnp.PyArray_DATA(a)
 
 
-cdef void _attend_item(const Layer* L, int h, Py_ssize_t p0, Py_ssize_t p1,
-                       const float* q, int nr, int dp, const Py_ssize_t* last,
-                       float* m, float* l, float* acc, float* s) noexcept nogil:
-    """Online softmax of nr query rows (IN q [nr][dp], scaled) over positions [p0, p1) of
-    kv head h; row r sees positions <= last[r]. OUT m, l [nr], acc [nr][dp] (unnormalised),
-    s [nr][TILE] scratch."""
-    cdef Py_ssize_t j0, np_, vis, j
-    cdef int r, i
-    cdef float tmax, mnew, alpha
-    for r in range(nr):
-        m[r] = -INFINITY
-        l[r] = 0
-    memset(acc, 0, nr * dp * sizeof(float))
-    j0 = p0
-    while j0 < p1:
-        np_ = min(TILE, p1 - j0)
-        kv_scores(L.fmt, L.kc + j0 * L.cs + h * L.ch, L.cs, L.ks + j0 * L.ss + h * L.sh, L.ss,
-                  L.d, <int>np_, q, dp, nr, s, TILE)
-        for r in range(nr):
-            vis = min(np_, last[r] - j0 + 1)   # visible positions of this tile for row r
-            tmax = -INFINITY
-            for j in range(vis):
-                tmax = max(tmax, s[r * TILE + j])
-            for j in range(max(vis, 0), np_):
-                s[r * TILE + j] = -INFINITY
-            if tmax > m[r]:
-                mnew = tmax
-                alpha = <float>exp(m[r] - mnew)
-                l[r] *= alpha
-                for i in range(dp):
-                    acc[r * dp + i] *= alpha
-                m[r] = mnew
-            if vis > 0:
-                l[r] += kv_exp_shift(s + r * TILE, <int>np_, m[r])
-            else:
-                memset(s + r * TILE, 0, np_ * sizeof(float))
-        kv_accumulate(L.fmt, L.vc + j0 * L.cs + h * L.ch, L.cs, L.vs + j0 * L.ss + h * L.sh, L.ss,
-                      L.d, <int>np_, s, TILE, nr, acc, dp)
-        j0 += np_
-
-
-def _bytes(a):
-    """A C-contiguous array as uint8 [N, Hkv, bytes per row] (no copy); None stays None."""
-    if a is None:
-        return None
-    if not a.flags.c_contiguous:
-        raise ValueError("attention reads C-contiguous code and scale arrays")
-    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
-
-
-def attend(const float[:, :, ::1] q, k_codes, v_codes, k_scales, v_scales, int fmt,
-           Py_ssize_t n, float scale, bint causal, float[:, :, ::1] out):
+def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
+           Py_ssize_t n, float scale, bint causal, cnp.ndarray out):
     """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n).
 
-    IN q float32 [T, Hq, D] C-contiguous; k_codes, v_codes [N, Hkv, D] code dtype of
-    format id `fmt`; k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all
-    C-contiguous. 1 <= n <= N, and T <= n when causal. OUT out (may be q itself).
-    The caller (attention.py) validates; this only reads.
+    IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
+    k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
+    1 <= n <= N, and T <= n when causal. OUT out float32 [T, Hq, D] C-contiguous (may be
+    q itself). The caller (attention.py) validates shapes and dtypes; this only reads.
     """
-    cdef const unsigned char[:, :, ::1] kc = _bytes(k_codes), vc = _bytes(v_codes)
-    cdef const unsigned char[:, :, ::1] ks, vs
-    cdef Layer L
-    cdef Py_ssize_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2], Hkv = kc.shape[1]
-    cdef int G = <int>(Hq // Hkv), nr = <int>(T * G), dp = <int>((D + 7) // 8 * 8)
-    cdef int threads = num_threads()
-    cdef Py_ssize_t nsplit = min((n + MIN_SPLIT - 1) // MIN_SPLIT,
-                                 max(1, (2 * threads + Hkv - 1) // Hkv))
-    cdef Py_ssize_t chunk = (n + nsplit - 1) // nsplit
-    cdef Py_ssize_t items = Hkv * nsplit, it, h, sp, t, g, r, i, p0
-    cdef float[:, :, ::1] qs = np.zeros((Hkv, nr, dp), np.float32)
-    cdef Py_ssize_t[::1] last = np.empty(nr, np.intp)
-    cdef float[:, ::1] mp = np.empty((items, nr), np.float32), lp = np.empty((items, nr), np.float32)
-    cdef float[:, :, ::1] ap = np.empty((items, nr, dp), np.float32)
-    cdef float[:, :, ::1] sb = np.empty((threads, nr, TILE), np.float32)
-    cdef float mx, w, den
-    L.kc = <const char*>&kc[0, 0, 0]
-    L.vc = <const char*>&vc[0, 0, 0]
-    L.cs = kc.strides[0]
-    L.ch = kc.strides[1]
-    L.ks = L.vs = NULL
-    L.ss = L.sh = 0
+    cdef kv_job J
+    cdef int T = <int>q.shape[0], D = <int>q.shape[2], Hkv = <int>k_codes.shape[1]
+    cdef int threads = num_threads(), nsplit, sp
+    cdef Py_ssize_t chunk
+    cdef size_t split_floats
+    cdef void* buf = NULL
+    cdef float* work
+    cdef const float* qp = <const float*>_data(q, "q")
+    cdef float* op = <float*>_data(out, "out")
+    J.kc = _data(k_codes, "k_codes")
+    J.vc = _data(v_codes, "v_codes")
+    J.cs = k_codes.strides[0]
+    J.ch = k_codes.strides[1]
+    J.ks = J.vs = NULL
+    J.ss = J.sh = J.s = 0
     if k_scales is not None:
-        ks, vs = _bytes(k_scales), _bytes(v_scales)
-        L.ks = <const char*>&ks[0, 0, 0]
-        L.vs = <const char*>&vs[0, 0, 0]
-        L.ss = ks.strides[0]
-        L.sh = ks.strides[1]
-    L.fmt = fmt
-    L.d = <int>D
-    for t in range(T):
-        for g in range(G):
-            last[t * G + g] = n - T + t if causal else n - 1
-    for h in range(Hkv):
-        for t in range(T):
-            for g in range(G):
-                for i in range(D):
-                    qs[h, t * G + g, i] = q[t, h * G + g, i] * scale
+        J.ks = _data(k_scales, "k_scales")
+        J.vs = _data(v_scales, "v_scales")
+        J.ss = (<cnp.ndarray>k_scales).strides[0]
+        J.sh = (<cnp.ndarray>k_scales).strides[1]
+        J.s = <int>(<cnp.ndarray>k_scales).shape[2]
+    J.fmt = fmt
+    J.d = D
+    J.dp = (D + 15) // 16 * 16
+    J.hkv = Hkv
+    J.g = <int>(q.shape[1] // Hkv)
+    J.t = T
+    J.r = T * J.g
+    # equal splits of the positions (multiples of 16), one per thread, MIN_SPLIT at least
+    nsplit = <int>max(1, min(threads, n // MIN_SPLIT))
+    chunk = ((n + nsplit - 1) // nsplit + 15) // 16 * 16
+    nsplit = <int>((n + chunk - 1) // chunk)
+    split_floats = kv_split_floats(&J)
+    if posix_memalign(&buf, 64, (kv_job_floats(&J) + nsplit * split_floats) * sizeof(float)):
+        raise MemoryError("decode attention: workspace allocation failed")
+    work = kv_job_place(&J, <float*>buf)
     with nogil:
-        for it in prange(items, num_threads=threads, schedule="static"):
-            h = it // nsplit
-            sp = it % nsplit
-            p0 = sp * chunk
-            _attend_item(&L, <int>h, p0, min(p0 + chunk, n), &qs[h, 0, 0], nr, dp, &last[0],
-                         &mp[it, 0], &lp[it, 0], &ap[it, 0, 0],
-                         &sb[threadid(), 0, 0])
-        for h in range(Hkv):
-            for r in range(nr):
-                mx = -INFINITY
-                for sp in range(nsplit):
-                    mx = max(mx, mp[h * nsplit + sp, r])
-                den = 0
-                for sp in range(nsplit):
-                    den = den + lp[h * nsplit + sp, r] * <float>exp(mp[h * nsplit + sp, r] - mx)
-                for i in range(D):
-                    out[r // G, h * G + r % G, i] = 0
-                for sp in range(nsplit):
-                    w = <float>exp(mp[h * nsplit + sp, r] - mx) / den
-                    for i in range(D):
-                        out[r // G, h * G + r % G, i] += w * ap[h * nsplit + sp, r, i]
+        kv_prepare(&J, qp, scale, n, causal)
+        if nsplit == 1:
+            kv_split(&J, 0, n, work)
+        else:
+            for sp in prange(nsplit, num_threads=nsplit, schedule="static"):
+                kv_split(&J, sp * chunk, min(n, (sp + 1) * chunk), work + sp * split_floats)
+        kv_merge(&J, nsplit, work, op)
+        free(buf)
 
 
 def rope(float[:, :, :] x, const int64_t[::1] positions, double theta, bint neox,
