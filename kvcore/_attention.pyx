@@ -11,20 +11,22 @@
    order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
-   once per group. The next tile's codes are prefetched, a slice per head.
-3. Vectors are 16 float32 lanes (GCC vector extensions: zmm with AVX-512, ymm pairs with
-   AVX2). Codes are dequantized in registers, 16 at a time: int8/q8_0 widen and convert;
-   bf16 widens and shifts; f16 through F16C; fp8_e5m2 `c << 8` is an f16; fp8_e4m3
-   `(c << 7) & 0xbf80` (sign-extended) is an f16 of value / 2^8. Widening loads, F16C and
-   FMA are intrinsics under #if, with plain vector code where the ISA lacks them. No
-   float copy of the cache is made.
-4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of 16 scores
-   (K) or 16 softmax weights (V), from a per-tile transposed copy; q8_0 block scales
+   once per group. The next tile's codes are prefetched a few lines at a time between
+   the current tile's score blocks, so the prefetches overlap the arithmetic.
+3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
+   otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
+   dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
+   shifts; f16 through F16C; fp8_e5m2 `c << 8` is an f16; fp8_e4m3 `(c << 7) & 0xbf80`
+   (c sign-extended) is an f16 of value / 2^8. Widening loads, F16C and FMA are
+   intrinsics under #if, with plain vector code where the ISA lacks them. No float copy
+   of the cache is made.
+4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of KV_W
+   scores (K) or softmax weights (V), from a per-tile transposed copy; q8_0 block scales
    (converted to float32 once per tile) multiply the decoded vectors.
-5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the 16
-   dot products of one row with 16 K rows are reduced by one transpose-add tree into a
-   vector of 16 scores (K rows taken in the tree's leaf order, so lane L is position L).
-   V: a register block of 4 rows x KV_CB 16-column vectors walks the tile's positions.
+5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
+   dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
+   vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
+   V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
 6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D].
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
@@ -54,97 +56,102 @@ cdef extern from *:
     #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
     #define KV_P 64            /* positions per tile (a multiple of 16) */
     #define KV_RB 4            /* query rows per register block */
-    #if defined(__AVX512F__)   /* 32 registers of 16 lanes */
+    /* Lanes per vector: the widest registers (GCC 12 keeps a 16-lane vector that has no
+       register of its size on the stack, so AVX2 gets 8 lanes), and the register blocks
+       that fit 32 (AVX-512) or 16 registers. */
+    #if defined(__AVX512F__)
+    #define KV_W 16
     #define KV_PB 4            /* K rows per score register block: leaves of the tree */
-    #define KV_CB 4            /* 16-column vectors per V register block */
-    #else                      /* a 16-lane vector takes 2 registers (AVX2) or more */
-    #define KV_PB 1
-    #define KV_CB 1
+    #define KV_CB 4            /* column vectors per V register block */
+    #define KV_REP(x) {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}
+    #define KV_LANES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+    #else
+    #define KV_W 8
+    #define KV_PB 2
+    #define KV_CB 2
+    #define KV_REP(x) {x, x, x, x, x, x, x, x}
+    #define KV_LANES {0, 1, 2, 3, 4, 5, 6, 7}
     #endif
 
-    typedef float kv_vf __attribute__((vector_size(64)));      /* 16 float32 */
-    typedef int32_t kv_vi __attribute__((vector_size(64)));    /* 16 int32 */
-    typedef uint32_t kv_vu __attribute__((vector_size(64)));
-    typedef uint16_t kv_vh __attribute__((vector_size(32)));   /* 16 uint16 */
-    typedef int16_t kv_vs __attribute__((vector_size(32)));
-    typedef int8_t kv_vb __attribute__((vector_size(16)));     /* 16 int8 */
-    typedef uint8_t kv_vub __attribute__((vector_size(16)));
-    typedef float kv_vf8 __attribute__((vector_size(32)));     /* halves of 16 lanes */
-    typedef int32_t kv_vi8 __attribute__((vector_size(32)));
-    #define KV_LO(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-    #define KV_HI(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
-    #define KV_CAT(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+    typedef float kv_vf __attribute__((vector_size(4 * KV_W)));      /* KV_W float32 */
+    typedef int32_t kv_vi __attribute__((vector_size(4 * KV_W)));
+    typedef uint32_t kv_vu __attribute__((vector_size(4 * KV_W)));
+    typedef uint16_t kv_vh __attribute__((vector_size(2 * KV_W)));   /* KV_W uint16 */
+    typedef int16_t kv_vs __attribute__((vector_size(2 * KV_W)));
+    typedef int8_t kv_vb __attribute__((vector_size(KV_W)));         /* KV_W int8 */
+    typedef uint8_t kv_vub __attribute__((vector_size(KV_W)));
 
-    KV_INLINE kv_vf kv_splat(float x) { return (kv_vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-    KV_INLINE kv_vf kv_loadf(const float* p) { kv_vf v; memcpy(&v, p, 64); return v; }
-    KV_INLINE void kv_storef(float* p, kv_vf v) { memcpy(p, &v, 64); }
+    KV_INLINE kv_vf kv_splat(float x) { return (kv_vf)KV_REP(x); }
+    KV_INLINE kv_vf kv_loadf(const float* p) { kv_vf v; memcpy(&v, p, sizeof v); return v; }
+    KV_INLINE void kv_storef(float* p, kv_vf v) { memcpy(p, &v, sizeof v); }
     KV_INLINE kv_vf kv_max(kv_vf a, kv_vf b) { kv_vi g = a > b; return (kv_vf)((g & (kv_vi)a) | (~g & (kv_vi)b)); }
 
     /* a * b + c, fused where the CPU has FMA (the build passes -ffp-contract=off). */
     KV_INLINE kv_vf kv_fma(kv_vf a, kv_vf b, kv_vf c) {
-    #if defined(__AVX512F__)
+    #if KV_W == 16
         return (kv_vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
     #elif defined(__FMA__)
-        return KV_CAT((kv_vf8)_mm256_fmadd_ps((__m256)KV_LO(a), (__m256)KV_LO(b), (__m256)KV_LO(c)),
-                      (kv_vf8)_mm256_fmadd_ps((__m256)KV_HI(a), (__m256)KV_HI(b), (__m256)KV_HI(c)));
+        return (kv_vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
     #else
         return a * b + c;
     #endif
     }
 
-    /* Widening loads of 16 codes at p (GCC 12 scalarizes the generic conversions). */
+    /* Widening loads of KV_W codes at p (GCC 12 scalarizes the generic conversions). */
     KV_INLINE kv_vi kv_widen_i8_i32(const char* p) {
-    #if defined(__AVX512F__)
+    #if KV_W == 16
         return (kv_vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
     #elif defined(__AVX2__)
-        return KV_CAT((kv_vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)),
-                      (kv_vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+        return (kv_vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
     #else
-        kv_vb b; memcpy(&b, p, 16); return __builtin_convertvector(b, kv_vi);
+        kv_vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, kv_vi);
     #endif
     }
     KV_INLINE kv_vu kv_widen_u16_u32(const char* p) {
-    #if defined(__AVX512F__)
+    #if KV_W == 16
         return (kv_vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
     #elif defined(__AVX2__)
-        return (kv_vu)KV_CAT((kv_vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
-                             (kv_vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+        return (kv_vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     #else
-        kv_vh h; memcpy(&h, p, 32); return __builtin_convertvector(h, kv_vu);
+        kv_vh h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, kv_vu);
     #endif
     }
     KV_INLINE kv_vh kv_widen_i8_i16(const char* p) {   /* sign-extended, as uint16 bits */
-    #if defined(__AVX2__)
+    #if KV_W == 16
         return (kv_vh)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+    #elif defined(__AVX2__)
+        return (kv_vh)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));
     #else
-        kv_vb b; memcpy(&b, p, 16); return (kv_vh)__builtin_convertvector(b, kv_vs);
+        kv_vb b; memcpy(&b, p, sizeof b); return (kv_vh)__builtin_convertvector(b, kv_vs);
     #endif
     }
     KV_INLINE kv_vh kv_widen_u8_u16(const char* p) {
-    #if defined(__AVX2__)
+    #if KV_W == 16
         return (kv_vh)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    #elif defined(__AVX2__)
+        return (kv_vh)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
     #else
-        kv_vub b; memcpy(&b, p, 16); return __builtin_convertvector(b, kv_vh);
+        kv_vub b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, kv_vh);
     #endif
     }
 
-    /* 16 IEEE binary16 bit patterns -> float32, exact for finite values. */
+    /* KV_W IEEE binary16 bit patterns -> float32, exact for finite values. */
     KV_INLINE kv_vf kv_half(kv_vh h) {
-    #if defined(__AVX512F__)
+    #if KV_W == 16
         return (kv_vf)_mm512_cvtph_ps((__m256i)h);
     #elif defined(__F16C__)
-        return KV_CAT((kv_vf8)_mm256_cvtph_ps((__m128i)KV_LO(h)), (kv_vf8)_mm256_cvtph_ps((__m128i)KV_HI(h)));
+        return (kv_vf)_mm256_cvtph_ps((__m128i)h);
     #else
         kv_vu u = __builtin_convertvector(h, kv_vu);
         return (kv_vf)(((u & 0x7FFF) << 13) | ((u & 0x8000) << 16)) * kv_splat(0x1p112f);
     #endif
     }
 
-    /* Values [i, i + 16) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
-       value / 2^8). `tail` (a constant): i + 16 passes d; the values past d read as 0. */
+    /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
+       value / 2^8). `tail` (a constant): i + KV_W passes d; values past d read as 0. */
     KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
-        char tmp[64];
+        char tmp[4 * KV_W];
         p += (size_t)i * cb;
         if (tail) {
             memset(tmp, 0, sizeof tmp);
@@ -152,8 +159,8 @@ cdef extern from *:
             p = tmp;
         }
         switch (fmt) {
-        case KV_F32: { kv_vf v; memcpy(&v, p, 64); return v; }
-        case KV_F16: { kv_vh h; memcpy(&h, p, 32); return kv_half(h); }
+        case KV_F32: return kv_loadf((const float*)p);
+        case KV_F16: { kv_vh h; memcpy(&h, p, sizeof h); return kv_half(h); }
         case KV_BF16: return (kv_vf)(kv_widen_u16_u32(p) << 16);
         case KV_E4M3: return kv_half((kv_widen_i8_i16(p) << 7) & 0xBF80);
         case KV_E5M2: return kv_half(kv_widen_u8_u16(p) << 8);
@@ -164,7 +171,7 @@ cdef extern from *:
     /* dst[k] = the f16 values at src[k] as float32, k < n. */
     static void kv_halves(const char* src, int n, float* dst) {
         int k = 0;
-        for (; k + 16 <= n; k += 16) { kv_vh h; memcpy(&h, src + 2 * k, 32); kv_storef(dst + k, kv_half(h)); }
+        for (; k + KV_W <= n; k += KV_W) { kv_vh h; memcpy(&h, src + 2 * k, sizeof h); kv_storef(dst + k, kv_half(h)); }
         if (k < n) {
             kv_vh h = {0};
             memcpy(&h, src + 2 * k, (size_t)(n - k) * 2);
@@ -175,9 +182,10 @@ cdef extern from *:
 
     /* One level of the transpose-add tree: in each block of 2w lanes, the first w lanes
        get x's pairwise sums (lane + lane w further, or for w <= 2 neighbouring lanes) and
-       the next w lanes y's. Four levels (w = 8, 4, 2, 1) turn 16 vectors into one vector
-       of their 16 horizontal sums, vector k in lane KV_LEAF_LANE[k]. */
+       the next w lanes y's. The levels w = KV_W / 2, ..., 2, 1 turn KV_W vectors into one
+       vector of their KV_W horizontal sums, vector k in lane KV_LEAF_LANE[k]. */
     KV_INLINE kv_vf kv_comb(kv_vf x, kv_vf y, const int w) {
+    #if KV_W == 16
         switch (w) {
         case 8: return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
                      + __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -188,25 +196,47 @@ cdef extern from *:
         default: return __builtin_shufflevector(x, y, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30)
                       + __builtin_shufflevector(x, y, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
         }
+    #else
+        switch (w) {
+        case 4: return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11)
+                     + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+        case 2: return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13)
+                     + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+        default: return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+                      + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+        }
+    #endif
     }
+    #if KV_W == 16
     static const unsigned char KV_LEAF_LANE[16] = {0, 8, 4, 12, 1, 9, 5, 13, 2, 10, 6, 14, 3, 11, 7, 15};
+    #else
+    static const unsigned char KV_LEAF_LANE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    #endif
 
     /* The levels w, w / 2, ... of the tree over v[0 .. n) (n a power of two); returns v[0]. */
     KV_INLINE kv_vf kv_tree(kv_vf* v, const int n, const int w) {
+        #pragma GCC unroll 4
         for (int k = n, s = w; k > 1; k /= 2, s /= 2)
+            #pragma GCC unroll 8
             for (int a = 0; a < k / 2; a++) v[a] = kv_comb(v[2 * a], v[2 * a + 1], s);
         return v[0];
     }
 
     KV_INLINE float kv_hmax(kv_vf v) {
+    #if KV_W == 16
         v = kv_max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
         v = kv_max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
         v = kv_max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
         v = kv_max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    #else
+        v = kv_max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+        v = kv_max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+        v = kv_max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    #endif
         return v[0];
     }
 
-    /* exp(x) for 16 lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
+    /* exp(x) for KV_W lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
     KV_INLINE kv_vf kv_exp(kv_vf x) {
         kv_vi keep = x >= kv_splat(-87.3f);
         x = (kv_vf)((kv_vi)x & keep);   /* dropped lanes compute exp(0), then masked */
@@ -247,11 +277,11 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
-    /* Floats of one split's state: m [hkv*r], l [hkv*r][16], acc [hkv*r][dp] (unnormalised),
+    /* Floats of one split's state: m [hkv*r], l [hkv*r][KV_W], acc [hkv*r][dp] (unnormalised),
        then scratch: scores [r][KV_P], K and V tile scales [KV_P * hkv * max(s, 1)] each. */
     static size_t kv_split_floats(const kv_job* J) {
         size_t rows = (size_t)J->hkv * J->r, sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
-        return KV_ROUND16(rows) + rows * 16 + rows * J->dp + (size_t)J->r * KV_P + 2 * sc;
+        return KV_ROUND16(rows) + rows * KV_W + rows * J->dp + (size_t)J->r * KV_P + 2 * sc;
     }
     /* Floats of the job's own buffers: q [hkv][r][dp], then last [r] (int64). */
     static size_t kv_job_floats(const kv_job* J) {
@@ -273,7 +303,7 @@ cdef extern from *:
         f->k += b; f->v += b; f->left -= b;
     }
 
-    /* acc[r][p] += q[r][i .. i + 16) . K row p [i .. i + 16), RB rows x KV_PB K rows. */
+    /* acc[r][p] += q[r][i .. i + KV_W) . K row p [i .. i + KV_W), RB rows x KV_PB K rows. */
     KV_INLINE void kv_score_step(const int fmt, const int tail, const int RB, const char* const* row,
                                  const float* const* bs, int i, int d, const float* q, int dp,
                                  kv_vf acc[KV_RB][KV_PB]) {
@@ -292,8 +322,8 @@ cdef extern from *:
        rows past np are read as row np - 1 (the caller masks their lanes). */
     KV_INLINE void kv_score_group(const int fmt, const int RB, const kv_rows* k, int j, int np,
                                   const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
-        kv_vf part[KV_RB][16 / KV_PB];
-        for (int b = 0; b < 16 / KV_PB; b++) {
+        kv_vf part[KV_RB][KV_W / KV_PB];
+        for (int b = 0; b < KV_W / KV_PB; b++) {
             const char* row[KV_PB];
             const float* bs[KV_PB];
             kv_vf acc[KV_RB][KV_PB];
@@ -306,27 +336,27 @@ cdef extern from *:
                 for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
             }
             int i = 0;
-            for (; i + 16 <= k->d; i += 16) kv_score_step(fmt, 0, RB, row, bs, i, k->d, q, dp, acc);
+            for (; i + KV_W <= k->d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k->d, q, dp, acc);
             if (i < k->d) kv_score_step(fmt, 1, RB, row, bs, i, k->d, q, dp, acc);
-            for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, 8);
+            for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, KV_W / 2);
         }
-        for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], 16 / KV_PB, 8 / KV_PB);
+        for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], KV_W / KV_PB, KV_W / 2 / KV_PB);
     }
 
     /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
        rs [KV_P] (int8/FP8); lanes past np or past last[r] (position j0 + lane) are -inf. */
     KV_INLINE void kv_score_rows(const int fmt, const int RB, const kv_rows* k, int np, const float* q,
                                  int dp, const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
-        const kv_vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        for (int j = 0; j < np; j += 16) {
+        const kv_vi lane = KV_LANES;
+        for (int j = 0; j < np; j += KV_W) {
             kv_vf o[KV_RB];
             kv_score_group(fmt, RB, k, j, np, q, dp, o, pf);
             for (int r = 0; r < RB; r++) {
                 kv_vf x = KV_ROW_SCALED(fmt) ? o[r] * kv_loadf(rs + j) : o[r];
                 int64_t seen = last[r] - j0 + 1;
                 int vis = (int)((seen < np ? seen : np) - j);   /* visible lanes */
-                if (vis < 16) {
-                    kv_vi keep = lane < (kv_vi){0} + (vis > 0 ? vis : 0);
+                if (vis < KV_W) {
+                    kv_vi keep = lane < (kv_vi)KV_REP(vis > 0 ? vis : 0);
                     x = (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep));
                 }
                 kv_storef(s + (size_t)r * KV_P + j, x);
@@ -334,19 +364,19 @@ cdef extern from *:
         }
     }
 
-    /* acc[r][i0 .. i0 + 16 CB) += sum_j w[r][j] V row j [...], RB rows, CB column vectors
+    /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r][j] V row j [...], RB rows, CB column vectors
        (the last one passes d when `tail`). */
     KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, const kv_rows* v,
                                   int np, const float* w, float* acc, int dp, int i0) {
         kv_vf a[KV_RB][KV_CB];
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + 16 * c);
+            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
         for (int j = 0; j < np; j++) {
             const char* row = v->c + j * v->cs;
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
-                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + 16 * c, v->d);
-                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v->bs[(size_t)j * v->bss + (i0 + 16 * c) / 32]);
+                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v->d);
+                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v->bs[(size_t)j * v->bss + (i0 + KV_W * c) / 32]);
             }
             for (int r = 0; r < RB; r++) {
                 kv_vf wr = kv_splat(w[(size_t)r * KV_P + j]);
@@ -354,14 +384,14 @@ cdef extern from *:
             }
         }
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + 16 * c, a[r][c]);
+            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + KV_W * c, a[r][c]);
     }
 
     KV_INLINE void kv_value_rows(const int fmt, const int RB, const kv_rows* v, int np, const float* w,
                                  float* acc, int dp) {
         int i0 = 0;
-        for (; i0 + 16 * KV_CB <= v->d; i0 += 16 * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
-        for (; i0 + 16 <= v->d; i0 += 16) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
+        for (; i0 + KV_W * KV_CB <= v->d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
+        for (; i0 + KV_W <= v->d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
         if (i0 < v->d) kv_value_block(fmt, 1, RB, 1, v, np, w, acc, dp, i0);
     }
 
@@ -394,20 +424,20 @@ cdef extern from *:
     }
 
     /* Online-softmax update of R rows by one tile's scores s [R][KV_P] (np valid; masked
-       lanes -inf): m [R] (running max), l [R][16] (lane sums of the weights) and acc
+       lanes -inf): m [R] (running max), l [R][KV_W] (lane sums of the weights) and acc
        [R][dp] are rescaled when the max grows; s becomes the weights exp(s - m), times
        the V row scales vs [KV_P] when vs is not NULL. */
     static void kv_softmax(int R, int np, float* s, float* m, float* l, float* acc, int dp, const float* vs) {
         for (int r = 0; r < R; r++) {
             float* sr = s + (size_t)r * KV_P;
             kv_vf mx = kv_loadf(sr);
-            for (int j = 16; j < np; j += 16) mx = kv_max(mx, kv_loadf(sr + j));
+            for (int j = KV_W; j < np; j += KV_W) mx = kv_max(mx, kv_loadf(sr + j));
             float top = kv_hmax(mx);
             if (top > m[r]) {
                 if (m[r] != -INFINITY) {
                     kv_vf a = kv_splat(expf(m[r] - top));
-                    for (int i = 0; i < dp; i += 16) kv_storef(acc + (size_t)r * dp + i, kv_loadf(acc + (size_t)r * dp + i) * a);
-                    kv_storef(l + 16 * r, kv_loadf(l + 16 * r) * a);
+                    for (int i = 0; i < dp; i += KV_W) kv_storef(acc + (size_t)r * dp + i, kv_loadf(acc + (size_t)r * dp + i) * a);
+                    kv_storef(l + KV_W * r, kv_loadf(l + KV_W * r) * a);
                 }
                 m[r] = top;
             }
@@ -415,13 +445,13 @@ cdef extern from *:
                 memset(sr, 0, KV_P * sizeof(float));
                 continue;
             }
-            kv_vf mv = kv_splat(m[r]), sum = kv_loadf(l + 16 * r);
-            for (int j = 0; j < np; j += 16) {
+            kv_vf mv = kv_splat(m[r]), sum = kv_loadf(l + KV_W * r);
+            for (int j = 0; j < np; j += KV_W) {
                 kv_vf e = kv_exp(kv_loadf(sr + j) - mv);
                 sum = sum + e;
                 kv_storef(sr + j, vs ? e * kv_loadf(vs + j) : e);
             }
-            kv_storef(l + 16 * r, sum);
+            kv_storef(l + KV_W * r, sum);
         }
     }
 
@@ -456,17 +486,17 @@ cdef extern from *:
         const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
         float* m = w;
         float* l = m + KV_ROUND16(rows);
-        float* acc = l + rows * 16;
+        float* acc = l + rows * KV_W;
         float* s = acc + rows * dp;
         float* ksc = s + (size_t)R * KV_P;
         float* vsc = ksc + sc;
         for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
-        memset(l, 0, rows * 16 * sizeof(float));
+        memset(l, 0, rows * KV_W * sizeof(float));
         memset(acc, 0, rows * dp * sizeof(float));
         for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
-            const size_t calls = (size_t)H * ((np + 15) / 16) * (16 / KV_PB) * ((R + KV_RB - 1) / KV_RB);
+            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((R + KV_RB - 1) / KV_RB);
             kv_pf pf = {J->kc + (j0 + KV_P) * J->cs, J->vc + (j0 + KV_P) * J->cs,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
@@ -476,7 +506,7 @@ cdef extern from *:
                 kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, j0, h), v = kv_head_rows(fmt, J, J->vc, vsc, j0, h);
                 float* ah = acc + (size_t)h * R * dp;
                 kv_scores(fmt, R, &k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
-                kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * 16, ah, dp,
+                kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
                 kv_values(fmt, R, &v, np, s, ah, dp);
             }
@@ -513,15 +543,15 @@ cdef extern from *:
             float top = -INFINITY, den = 0.0f;
             for (int sp = 0; sp < nsplit; sp++) top = fmaxf(top, w[sp * stride + hr]);
             for (int sp = 0; sp < nsplit; sp++) {
-                const float* l = w + sp * stride + KV_ROUND16(rows) + hr * 16;
+                const float* l = w + sp * stride + KV_ROUND16(rows) + hr * KV_W;
                 float sum = 0.0f;
-                for (int k = 0; k < 16; k++) sum += l[k];
+                for (int k = 0; k < KV_W; k++) sum += l[k];
                 den += sum * expf(w[sp * stride + hr] - top);
             }
             float* o = out + ((size_t)(r / J->g) * J->hkv * J->g + (size_t)h * J->g + r % J->g) * J->d;
             for (int i = 0; i < J->d; i++) o[i] = 0.0f;
             for (int sp = 0; sp < nsplit; sp++) {
-                const float* a = w + sp * stride + KV_ROUND16(rows) + rows * 16 + hr * J->dp;
+                const float* a = w + sp * stride + KV_ROUND16(rows) + rows * KV_W + hr * J->dp;
                 const float c = expf(w[sp * stride + hr] - top) / den;
                 for (int i = 0; i < J->d; i++) o[i] += c * a[i];
             }
@@ -547,7 +577,7 @@ cdef extern from *:
     void free(void* p) noexcept nogil
 
 cdef enum:
-    MIN_SPLIT = 64   # positions per split at least (a thread's start-up costs about that many)
+    MIN_SPLIT = 64   # positions per split at least (a split's start-up costs about that many)
 
 
 cdef const char* _data(cnp.ndarray a, str name) except NULL:
