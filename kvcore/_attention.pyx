@@ -320,7 +320,7 @@ cdef extern from *:
 
     /* out[r] lane L = q[r] . K row (j + L) of the tile, for RB rows (dp floats apart);
        rows past np are read as row np - 1 (the caller masks their lanes). */
-    KV_INLINE void kv_score_group(const int fmt, const int RB, const kv_rows* k, int j, int np,
+    KV_INLINE void kv_score_group(const int fmt, const int RB, kv_rows k, int j, int np,
                                   const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
         kv_vf part[KV_RB][KV_W / KV_PB];
         for (int b = 0; b < KV_W / KV_PB; b++) {
@@ -331,13 +331,13 @@ cdef extern from *:
             for (int p = 0; p < KV_PB; p++) {
                 int pos = j + KV_LEAF_LANE[b * KV_PB + p];
                 pos = pos < np ? pos : np - 1;
-                row[p] = k->c + pos * k->cs;
-                bs[p] = fmt == KV_Q8_0 ? k->bs + (size_t)pos * k->bss : NULL;
+                row[p] = k.c + pos * k.cs;
+                bs[p] = fmt == KV_Q8_0 ? k.bs + (size_t)pos * k.bss : NULL;
                 for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
             }
             int i = 0;
-            for (; i + KV_W <= k->d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k->d, q, dp, acc);
-            if (i < k->d) kv_score_step(fmt, 1, RB, row, bs, i, k->d, q, dp, acc);
+            for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
+            if (i < k.d) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
             for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, KV_W / 2);
         }
         for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], KV_W / KV_PB, KV_W / 2 / KV_PB);
@@ -345,7 +345,7 @@ cdef extern from *:
 
     /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
        rs [KV_P] (int8/FP8); lanes past np or past last[r] (position j0 + lane) are -inf. */
-    KV_INLINE void kv_score_rows(const int fmt, const int RB, const kv_rows* k, int np, const float* q,
+    KV_INLINE void kv_score_rows(const int fmt, const int RB, kv_rows k, int np, const float* q,
                                  int dp, const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         const kv_vi lane = KV_LANES;
         for (int j = 0; j < np; j += KV_W) {
@@ -366,17 +366,17 @@ cdef extern from *:
 
     /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r][j] V row j [...], RB rows, CB column vectors
        (the last one passes d when `tail`). */
-    KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, const kv_rows* v,
+    KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
                                   int np, const float* w, float* acc, int dp, int i0) {
         kv_vf a[KV_RB][KV_CB];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
         for (int j = 0; j < np; j++) {
-            const char* row = v->c + j * v->cs;
+            const char* row = v.c + j * v.cs;
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
-                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v->d);
-                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v->bs[(size_t)j * v->bss + (i0 + KV_W * c) / 32]);
+                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d);
+                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v.bs[(size_t)j * v.bss + (i0 + KV_W * c) / 32]);
             }
             for (int r = 0; r < RB; r++) {
                 kv_vf wr = kv_splat(w[(size_t)r * KV_P + j]);
@@ -387,17 +387,17 @@ cdef extern from *:
             for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + KV_W * c, a[r][c]);
     }
 
-    KV_INLINE void kv_value_rows(const int fmt, const int RB, const kv_rows* v, int np, const float* w,
+    KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w,
                                  float* acc, int dp) {
         int i0 = 0;
-        for (; i0 + KV_W * KV_CB <= v->d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
-        for (; i0 + KV_W <= v->d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
-        if (i0 < v->d) kv_value_block(fmt, 1, RB, 1, v, np, w, acc, dp, i0);
+        for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
+        for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
+        if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, np, w, acc, dp, i0);
     }
 
     /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights s x V rows, in
        register blocks of KV_RB rows. */
-    KV_INLINE void kv_scores(const int fmt, int R, const kv_rows* k, int np, const float* q, int dp,
+    KV_INLINE void kv_scores(const int fmt, int R, kv_rows k, int np, const float* q, int dp,
                              const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         for (int r = 0; r < R; r += KV_RB) {
             const float* qr = q + (size_t)r * dp;
@@ -410,7 +410,7 @@ cdef extern from *:
             }
         }
     }
-    KV_INLINE void kv_values(const int fmt, int R, const kv_rows* v, int np, const float* w, float* acc, int dp) {
+    KV_INLINE void kv_values(const int fmt, int R, kv_rows v, int np, const float* w, float* acc, int dp) {
         for (int r = 0; r < R; r += KV_RB) {
             const float* wr = w + (size_t)r * KV_P;
             float* ar = acc + (size_t)r * dp;
@@ -463,10 +463,11 @@ cdef extern from *:
             kv_halves(sc + j0 * J->ss, np * J->hkv * J->s, out);
         } else if (KV_ROW_SCALED(fmt)) {
             const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
+            const ptrdiff_t ss = J->ss, sh = J->sh;
             for (int h = 0; h < J->hkv; h++) {
-                const char* p = sc + j0 * J->ss + h * J->sh;
+                const char* p = sc + j0 * ss + h * sh;
                 float* o = out + (size_t)h * KV_P;
-                for (int j = 0; j < np; j++) { float x; memcpy(&x, p + j * J->ss, 4); o[j] = x * f; }
+                for (int j = 0; j < np; j++) { float x; memcpy(&x, p + j * ss, 4); o[j] = x * f; }
                 for (int j = np; j < KV_P; j++) o[j] = 0.0f;
             }
         }
@@ -505,10 +506,10 @@ cdef extern from *:
             for (int h = 0; h < H; h++) {
                 kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, j0, h), v = kv_head_rows(fmt, J, J->vc, vsc, j0, h);
                 float* ah = acc + (size_t)h * R * dp;
-                kv_scores(fmt, R, &k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
+                kv_scores(fmt, R, k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
                 kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
-                kv_values(fmt, R, &v, np, s, ah, dp);
+                kv_values(fmt, R, v, np, s, ah, dp);
             }
         }
     }
@@ -522,38 +523,61 @@ cdef extern from *:
         }
     }
 
-    /* J->q [hkv][r][dp] = scale * q [t][hkv * g][d] (zero-padded); J->last [r]. */
-    static void kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) {
-        for (int h = 0; h < J->hkv; h++)
-            for (int r = 0; r < J->r; r++) {
-                const float* src = q + ((size_t)(r / J->g) * J->hkv * J->g + (size_t)h * J->g + r % J->g) * J->d;
-                float* dst = J->q + ((size_t)h * J->r + r) * J->dp;
-                for (int i = 0; i < J->d; i++) dst[i] = src[i] * scale;
-                for (int i = J->d; i < J->dp; i++) dst[i] = 0.0f;
+    /* J->q [hkv][r][dp] = scale * q [t][hkv * g][d] (zero-padded); J->last [r]. Returns 0
+       when q holds a non-finite value (x * 0 is NaN only for those), else 1. */
+    static int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) {
+        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
+        kv_vf zv = kv_splat(0.0f);
+        float z = 0.0f;
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < R; r++) {
+                const float* src = q + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
+                float* dst = J->q + ((size_t)h * R + r) * dp;
+                int i = 0;
+                for (; i + KV_W <= d; i += KV_W) {
+                    kv_vf x = kv_loadf(src + i);
+                    zv = zv + x * kv_splat(0.0f);
+                    kv_storef(dst + i, x * kv_splat(scale));
+                }
+                for (; i < d; i++) { z = z + src[i] * 0.0f; dst[i] = src[i] * scale; }
+                for (; i < dp; i++) dst[i] = 0.0f;
             }
-        for (int r = 0; r < J->r; r++) J->last[r] = causal ? n - J->t + r / J->g : n - 1;
+        for (int r = 0; r < R; r++) J->last[r] = causal ? n - J->t + r / G : n - 1;
+        for (int k = 0; k < KV_W; k++) z = z + zv[k];
+        return z == 0.0f;
     }
 
     /* out [t][hkv * g][d] = the nsplit split states at w (kv_split_floats each) merged by
        log-sum-exp and normalised. out may be the q that kv_prepare read. */
     static void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) {
-        const size_t rows = (size_t)J->hkv * J->r, stride = kv_split_floats(J);
+        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
+        const size_t rows = (size_t)H * R, stride = kv_split_floats(J);
+        const size_t lo = KV_ROUND16(rows), ao = lo + rows * KV_W;   /* offsets of l, acc */
+        float c[nsplit];
         for (size_t hr = 0; hr < rows; hr++) {
-            const int h = (int)(hr / J->r), r = (int)(hr % J->r);
+            const int h = (int)(hr / R), r = (int)(hr % R);
             float top = -INFINITY, den = 0.0f;
-            for (int sp = 0; sp < nsplit; sp++) top = fmaxf(top, w[sp * stride + hr]);
+            for (int sp = 0; sp < nsplit; sp++) top = w[sp * stride + hr] > top ? w[sp * stride + hr] : top;
             for (int sp = 0; sp < nsplit; sp++) {
-                const float* l = w + sp * stride + KV_ROUND16(rows) + hr * KV_W;
+                const float* l = w + sp * stride + lo + hr * KV_W;
                 float sum = 0.0f;
                 for (int k = 0; k < KV_W; k++) sum += l[k];
-                den += sum * expf(w[sp * stride + hr] - top);
+                c[sp] = expf(w[sp * stride + hr] - top);
+                den += c[sp] * sum;
             }
-            float* o = out + ((size_t)(r / J->g) * J->hkv * J->g + (size_t)h * J->g + r % J->g) * J->d;
-            for (int i = 0; i < J->d; i++) o[i] = 0.0f;
-            for (int sp = 0; sp < nsplit; sp++) {
-                const float* a = w + sp * stride + KV_ROUND16(rows) + rows * KV_W + hr * J->dp;
-                const float c = expf(w[sp * stride + hr] - top) / den;
-                for (int i = 0; i < J->d; i++) o[i] += c * a[i];
+            for (int sp = 0; sp < nsplit; sp++) c[sp] /= den;
+            float* o = out + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
+            const float* a = w + ao + hr * dp;
+            int i = 0;
+            for (; i + KV_W <= d; i += KV_W) {
+                kv_vf x = kv_splat(0.0f);
+                for (int sp = 0; sp < nsplit; sp++) x = kv_fma(kv_splat(c[sp]), kv_loadf(a + sp * stride + i), x);
+                kv_storef(o + i, x);
+            }
+            for (; i < d; i++) {
+                float x = 0.0f;
+                for (int sp = 0; sp < nsplit; sp++) x += c[sp] * a[sp * stride + i];
+                o[i] = x;
             }
         }
     }
@@ -570,7 +594,7 @@ cdef extern from *:
     size_t kv_split_floats(const kv_job* J) noexcept nogil
     size_t kv_job_floats(const kv_job* J) noexcept nogil
     float* kv_job_place(kv_job* J, float* buf) noexcept nogil
-    void kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) noexcept nogil
+    int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) noexcept nogil
     void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
     void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
@@ -588,7 +612,8 @@ cdef const char* _data(cnp.ndarray a, str name) except NULL:
 
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
            Py_ssize_t n, float scale, bint causal, cnp.ndarray out):
-    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n).
+    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n); returns True,
+    or False (out untouched) when q holds a non-finite value.
 
     IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
     k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
@@ -597,7 +622,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     """
     cdef kv_job J
     cdef int T = <int>q.shape[0], D = <int>q.shape[2], Hkv = <int>k_codes.shape[1]
-    cdef int threads = num_threads(), nsplit, sp
+    cdef int threads = num_threads(), nsplit, sp, finite
     cdef Py_ssize_t chunk
     cdef size_t split_floats
     cdef void* buf = NULL
@@ -632,14 +657,16 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
         raise MemoryError("decode attention: workspace allocation failed")
     work = kv_job_place(&J, <float*>buf)
     with nogil:
-        kv_prepare(&J, qp, scale, n, causal)
-        if nsplit == 1:
+        finite = kv_prepare(&J, qp, scale, n, causal)
+        if finite and nsplit == 1:
             kv_split(&J, 0, n, work)
-        else:
+        elif finite:
             for sp in prange(nsplit, num_threads=nsplit, schedule="static"):
                 kv_split(&J, sp * chunk, min(n, (sp + 1) * chunk), work + sp * split_floats)
-        kv_merge(&J, nsplit, work, op)
+        if finite:
+            kv_merge(&J, nsplit, work, op)
         free(buf)
+    return finite != 0
 
 
 def rope(float[:, :, :] x, const int64_t[::1] positions, double theta, bint neox,

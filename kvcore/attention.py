@@ -35,9 +35,6 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
         check_shape("q", q, [spec.num_heads, spec.head_dim])
     else:
         check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
-    if not np.isfinite(q).all():
-        bad = np.argwhere(~np.isfinite(q))[0]
-        raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -59,8 +56,10 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ShapeError("out must be a writable C-contiguous array")
     k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
-    _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
-                      spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape))
+    if not _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
+                             spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape)):
+        bad = np.argwhere(~np.isfinite(q))[0]   # the kernel checks q as it reads it
+        raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
     return out
 
 
