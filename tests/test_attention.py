@@ -82,6 +82,101 @@ def test_head_dims_off_the_vector_width(rng, fmt, d):
     assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
 
 
+@pytest.mark.parametrize("fmt, d", [(f, d) for f in ["f32", "bf16", "int8", "q8_0"]
+                                    for d in [16, 32, 48, 96, 160] if f != "q8_0" or d % 32 == 0])
+def test_head_dims_off_the_column_blocks(rng, fmt, d):
+    """D a multiple of the vector width but not of the V column block (64 lanes with
+    AVX-512): the last columns go one vector at a time (q8_0 takes D % 32 == 0)."""
+    cache = make_cache(rng, fmt, 2, 4, d, 70)
+    q = rng.standard_normal((2, 8, d)).astype(np.float32)
+    assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, T", [(15, 1), (16, 1), (17, 3), (63, 1), (64, 1), (65, 1),
+                                  (66, 5), (127, 1), (128, 2), (129, 4)])
+def test_tile_and_vector_boundaries(rng, fmt, n, T):
+    """Lengths around the 16-position score groups and the 64-position tiles, with the
+    causal limits of T > 1 rows crossing a tile boundary (n = 66, T = 5: rows see up to
+    positions 61 .. 65)."""
+    cache = make_cache(rng, fmt, 2, 4, 64, n)
+    q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+    assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("fmt", ["f16", "int8", "fp8_e4m3", "q8_0"])
+@pytest.mark.parametrize("group, T", [(1, 1), (2, 1), (3, 1), (8, 1), (3, 5), (2, 3)])
+def test_group_sizes_and_row_blocks(rng, fmt, group, T):
+    """R = T * G query rows per kv head go in register blocks of 4: 1, 2, 3, 8, 15, 6."""
+    cache = make_cache(rng, fmt, 3, group, 64, 150)
+    q = rng.standard_normal((T, 3 * group, 64)).astype(np.float32)
+    assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("n, T, causal", [(64, 1, True), (65, 1, True), (128, 1, True),
+                                          (130, 5, True), (200, 3, False), (130, 60, True),
+                                          (1000, 7, True)])
+def test_splits_with_few_positions(rng, threads, n, T, causal):
+    """Threads split the positions (64 at least each, multiples of 16). With n = 130 and
+    T = 60 the first rows see no position of the last split: its state keeps m = -inf and
+    weighs 0 in the merge."""
+    cache = make_cache(rng, "fp8_e5m2", 2, 4, 64, n)
+    q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+    kvcore.set_num_threads(threads)
+    try:
+        out = decode_attention(q, cache, 0, causal=causal)
+    finally:
+        kvcore.set_num_threads(0)
+    assert rel_err(out, reference(q, cache, 0, causal=causal)) < TOL
+
+
+def test_threads_agree(rng):
+    """Every thread count gives the reference's result (the split states are merged in
+    order, so one thread count always gives the same bits)."""
+    cache = make_cache(rng, "int8", 8, 4, 128, 777)
+    q = rng.standard_normal((2, 32, 128)).astype(np.float32)
+    ref = reference(q, cache, 0)
+    outs = []
+    for threads in (1, 2, 3):
+        kvcore.set_num_threads(threads)
+        try:
+            outs.append(decode_attention(q, cache, 0))
+            np.testing.assert_array_equal(decode_attention(q, cache, 0), outs[-1])
+        finally:
+            kvcore.set_num_threads(0)
+    assert all(rel_err(o, ref) < TOL for o in outs)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_every_finite_code(rng, fmt):
+    """Codes written straight into the cache: every finite FP8 code (subnormals, the
+    largest, both zeros), or random f16/bf16 bit patterns with every exponent (V) and
+    every exponent below 1 (K, zeros and subnormals included; larger K would give scores
+    whose float32 rounding alone passes TOL). The kernel's decode (F16C, shifts) must
+    agree with the cache's own (tables, scalar code)."""
+    n, hkv, d = 96, 2, 64
+    cache = make_cache(rng, fmt, hkv, 4, d, n)
+    kc, vc, ks, vs = cache._layer_arrays(0)   # internal: raw code and scale views
+    if fmt.startswith("fp8"):
+        bad = {0x7F, 0xFF} if fmt == "fp8_e4m3" else set(range(0x7C, 0x80)) | set(range(0xFC, 0x100))
+        finite = np.array([c for c in range(256) if c not in bad], np.uint8)
+        for arr in (kc, vc):
+            arr.view(np.uint8)[:n] = rng.permuted(np.resize(finite, n * hkv * d)).reshape(n, hkv, d)
+        for arr in (ks, vs):
+            arr[:n] = rng.uniform(0.001, 0.01, (n, hkv, 1)).astype(np.float32)
+    else:
+        mant_bits, bias, top = (10, 15, 30) if fmt == "f16" else (7, 127, 127 + 60)
+        for arr, most in ((kc, bias - 1), (vc, top)):
+            exp = rng.integers(0, most + 1, (n, hkv, d)).astype(np.uint16)
+            mant = rng.integers(0, 2**mant_bits, (n, hkv, d)).astype(np.uint16)
+            sign = rng.integers(0, 2, (n, hkv, d)).astype(np.uint16) << 15
+            arr.view(np.uint16)[:n] = sign | (exp << mant_bits) | mant
+    q = rng.standard_normal((3, 8, d)).astype(np.float32)
+    out = decode_attention(q, cache, 0, scale=0.05)
+    assert rel_err(out, reference(q, cache, 0, scale=0.05)) < TOL
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_context_split_across_threads(rng, threads):
     """One kv head and a long context: the positions are split and merged (log-sum-exp)."""
@@ -155,6 +250,11 @@ def test_errors(rng):
     bad[7, 63] = np.nan
     with pytest.raises(NonFiniteError, match=r"non-finite value in q at index \(7, 63\)"):
         decode_attention(bad, cache, 0)
+    bad[7, 63] = 0
+    bad[2, 5] = -np.inf
+    with pytest.raises(NonFiniteError, match=r"non-finite value in q at index \(2, 5\)"):
+        decode_attention(bad, cache, 0, out=bad)       # in place: refused before writing
+    assert bad[2, 5] == -np.inf and not bad[:2].any()
     with pytest.raises(OutOfRangeError, match="layer 2 out of range: expected 0 <= layer < 2"):
         decode_attention(q, cache, 2)
     with pytest.raises(StateError, match="T=5 new tokens needs at least 5 positions, layer 0 holds 4"):
