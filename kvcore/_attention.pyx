@@ -494,6 +494,12 @@ cdef extern from *:
         for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
         memset(l, 0, rows * KV_W * sizeof(float));
         memset(acc, 0, rows * dp * sizeof(float));
+        /* the first tile, which no earlier tile prefetched: one burst, into L2 */
+        const size_t first = (size_t)(p1 - p0 < KV_P ? p1 - p0 : KV_P) * J->cs;
+        for (size_t o = 0; o < first; o += 64) {
+            __builtin_prefetch(J->kc + p0 * J->cs + o, 0, 1);
+            __builtin_prefetch(J->vc + p0 * J->cs + o, 0, 1);
+        }
         for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
