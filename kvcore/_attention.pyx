@@ -12,7 +12,8 @@
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
    once per group. The next tile's codes are prefetched a few lines at a time between
-   the current tile's score blocks, so the prefetches overlap the arithmetic.
+   the current tile's score blocks, so the prefetches overlap the arithmetic; a split's
+   first tile is prefetched in one burst.
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
    dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
