@@ -48,7 +48,7 @@ cdef extern from *:
     #include <stdint.h>
     #include <stdlib.h>
     #include <string.h>
-    #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
+    #if defined(__AVX2__) || defined(__F16C__) || defined(__FMA__) || defined(__AVX512F__)
     #include <immintrin.h>
     #endif
 
