@@ -32,13 +32,15 @@
 6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D].
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
-from libc.math cimport cos, pow, sin
+from libc.math cimport cos, sin
 from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 from cython.parallel cimport prange
 
 cimport numpy as cnp
 
-from kvcore._parallel cimport num_threads
+from kvcore._parallel cimport num_threads, threads_for
 
 cnp.import_array()
 
@@ -676,23 +678,65 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     return finite != 0
 
 
-def rope(float[:, :, :] x, const int64_t[::1] positions, double theta, bint neox,
-         Py_ssize_t rotary_dim):
+cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,
+                  Py_ssize_t half, bint neox) noexcept nogil:
+    """One head's rotary pairs in place: x its first value, es the byte stride between
+    values; pair i (NEOX (i, i + half), NORM (2i, 2i + 1)) turns by (c[i], s[i])."""
+    cdef Py_ssize_t i
+    cdef double x0, x1
+    cdef float* f = <float*>x
+    cdef float v0, v1
+    if es == 4 and (<size_t>x) % 4 == 0:   # unit stride: loops the compiler vectorises
+        if neox:
+            for i in range(half):
+                x0 = f[i]
+                x1 = f[i + half]
+                f[i] = <float>(x0 * c[i] - x1 * s[i])
+                f[i + half] = <float>(x0 * s[i] + x1 * c[i])
+        else:
+            for i in range(half):
+                x0 = f[2 * i]
+                x1 = f[2 * i + 1]
+                f[2 * i] = <float>(x0 * c[i] - x1 * s[i])
+                f[2 * i + 1] = <float>(x0 * s[i] + x1 * c[i])
+        return
+    cdef Py_ssize_t a, b
+    for i in range(half):
+        a = i if neox else 2 * i
+        b = i + half if neox else 2 * i + 1
+        memcpy(&v0, x + a * es, 4)
+        memcpy(&v1, x + b * es, 4)
+        x0, x1 = v0, v1
+        v0 = <float>(x0 * c[i] - x1 * s[i])
+        v1 = <float>(x0 * s[i] + x1 * c[i])
+        memcpy(x + a * es, &v0, 4)
+        memcpy(x + b * es, &v1, 4)
+
+
+def rope(float[:, :, :] x, const int64_t[::1] positions, const double[::1] inv_freq,
+         bint neox):
     """Rotates x in place. IN/OUT x float32 [T, H, D], any strides; IN positions int64
-    [T]; rotary_dim even, <= D. NEOX pairs (i, i + rotary_dim/2), NORM pairs (2i, 2i+1);
-    pair i turns by positions[t] * theta^(-2i / rotary_dim), in float64."""
-    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], half = rotary_dim // 2
-    cdef Py_ssize_t t, i, hh, a, b
-    cdef double ang, c, s, x0, x1
-    for t in prange(T, nogil=True, num_threads=num_threads(), schedule="static"):
-        for i in range(half):
-            ang = positions[t] * pow(theta, -2.0 * i / rotary_dim)
-            c = cos(ang)
-            s = sin(ang)
-            a = i if neox else 2 * i
-            b = i + half if neox else 2 * i + 1
+    [T]; inv_freq float64 [R/2] (R = rotary_dim, even, <= D): pair i turns by
+    positions[t] * inv_freq[i], angle and rotation in float64. NEOX pairs (i, i + R/2),
+    NORM pairs (2i, 2i + 1)."""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], half = inv_freq.shape[0]
+    cdef Py_ssize_t t, i, hh
+    cdef double ang
+    cdef double* cs
+    cdef char* base = <char*>&x[0, 0, 0] if x.shape[0] and x.shape[1] else NULL
+    cdef int failed = 0
+    for t in prange(T, nogil=True, num_threads=threads_for(T * H * 2 * half), schedule="static"):
+        cs = <double*>malloc(2 * half * sizeof(double))   # cos, then sin, of each pair
+        if cs == NULL:
+            failed = 1
+        else:
+            for i in range(half):
+                ang = positions[t] * inv_freq[i]
+                cs[i] = cos(ang)
+                cs[half + i] = sin(ang)
             for hh in range(H):
-                x0 = x[t, hh, a]
-                x1 = x[t, hh, b]
-                x[t, hh, a] = <float>(x0 * c - x1 * s)
-                x[t, hh, b] = <float>(x0 * s + x1 * c)
+                _rotate(base + t * x.strides[0] + hh * x.strides[1], x.strides[2], cs,
+                        cs + half, half, neox)
+            free(cs)
+    if failed:
+        raise MemoryError(f"rope: {2 * half} doubles of angles")

@@ -2,6 +2,7 @@
 kernels of _attention.pyx (docs/attention.md describes the kernel)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -98,6 +99,16 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
                              f"got {pos.size}")
         x3 = x[np.newaxis]
     check_shape("positions", pos.reshape(-1) if x.ndim == 2 else pos, [x3.shape[0]])
-    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64), float(theta),
-                    style == "neox", int(R))
+    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64),
+                    _inv_freq(float(theta), int(R)), style == "neox")
     return x
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """theta^(-2i / rotary_dim) for i < rotary_dim / 2, float64, read-only (cached: a
+    model asks for the same table at every layer and step)."""
+    i = np.arange(rotary_dim // 2, dtype=np.float64)
+    table = np.power(theta, -2.0 * i / rotary_dim)
+    table.flags.writeable = False
+    return table

@@ -47,6 +47,24 @@ def test_one_token_and_strided(rng):
     np.testing.assert_allclose(big[:, :, 1, :], expect, rtol=0, atol=2e-6 * np.abs(expect).max())
 
 
+@pytest.mark.parametrize("style", ["neox", "norm"])
+@pytest.mark.parametrize("layout", ["every other", "reversed", "many tokens"])
+def test_any_last_axis_stride(rng, style, layout):
+    # element strides other than one float (the kernel's byte-stride path), and enough
+    # tokens for the threaded path
+    t = 600 if layout == "many tokens" else 3
+    big = rng.standard_normal((t, 4, 128)).astype(np.float32)
+    x, rest = {"every other": (big[:, :, ::2], big[:, :, 1::2]),
+               "reversed": (big[:, :, 64:][:, :, ::-1], big[:, :, :64]),
+               "many tokens": (big[:, :, :64], big[:, :, 64:])}[layout]
+    positions = rng.integers(0, 200000, t)
+    expect = reference(x, positions, 10000.0, style, 64)
+    untouched = rest.copy()
+    apply_rope(x, positions, style=style)
+    np.testing.assert_allclose(x, expect, rtol=0, atol=2e-6 * np.abs(expect).max())
+    np.testing.assert_array_equal(rest, untouched)  # the values around x are not written
+
+
 def test_errors():
     x = np.zeros((2, 4, 16), np.float32)
     with pytest.raises(ShapeError, match=r"rotary_dim must be an even int in \[2, 16\], got 7"):
