@@ -252,9 +252,12 @@ def test_save_in_pieces(fmt, writeback, rng, tmp_path, monkeypatch):
     assert_same_snapshot(loaded, snap)
     with safe_open(str(tmp_path / "s.safetensors"), framework="numpy") as f:
         meta = f.metadata()
+    import xxhash
     for name in PARTS:
         if getattr(snap, name) is not None:
-            assert meta[f"sha256_{name}"] == hashlib.sha256(getattr(snap, name).tobytes()).hexdigest()
+            data = getattr(snap, name).tobytes()
+            assert meta[f"sha256_{name}"] == hashlib.sha256(data).hexdigest()
+            assert meta[f"xxh3_128_{name}"] == xxhash.xxh3_128(data).hexdigest()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -270,7 +273,7 @@ def test_files_read_by_the_safetensors_library(fmt, rng, tmp_path):
         assert arr.dtype == getattr(snap, name).dtype
         assert arr.tobytes() == getattr(snap, name).tobytes()
     assert meta["format"] == fmt and meta["length"] == "5" and meta["num_layers"] == "3"
-    assert meta["kvcore_version"] == kvcore.__version__ and meta["file_version"] == "1"
+    assert meta["kvcore_version"] == kvcore.__version__ and meta["file_version"] == "2"
 
 
 def test_save_replaces_atomically(rng, tmp_path, monkeypatch):
@@ -346,11 +349,12 @@ def edit_tensor(name, key, value):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (edit_meta(file_version="2"), r"file version 2 is newer than this kvcore reads \(up to 1\)"),
+    (edit_meta(file_version="3"), r"file version 3 is newer than this kvcore reads \(up to 2\)"),
     (edit_meta(file_version="0"), "unknown file version 0"),
     (edit_meta(format="int4"), "metadata format: unknown format 'int4'"),
     (edit_meta(format="f16"), r"metadata keys differ from a file of format f16: missing \[\], "
-                              r"unexpected \['sha256_k_scales', 'sha256_v_scales'\]"),
+                              r"unexpected \['sha256_k_scales', 'sha256_v_scales', "
+                              r"'xxh3_128_k_scales', 'xxh3_128_v_scales'\]"),
     (edit_meta(length="-1"), "metadata length must be a non-negative decimal integer"),
     (edit_meta(length="13"), "metadata length 13 exceeds capacity 12"),
     (edit_meta(head_dim="33"), "data section is 2160 bytes but the metadata describes 2220"),
@@ -403,17 +407,44 @@ def test_load_refuses_missing_and_extra_tensors(saved):
         load_snapshot(saved)
 
 
-@pytest.mark.parametrize("verify", [True, False])
-def test_load_checks_data_digests(saved, verify):
+@pytest.mark.parametrize("verify, algo, width", [(True, "xxh3_128", 32), ("sha256", "sha256", 64),
+                                                 (False, None, None)])
+def test_load_checks_data_digests(saved, verify, algo, width):
     raw = bytearray(saved.read_bytes())
     raw[-3] ^= 0x10  # a byte of v_codes
     saved.write_bytes(bytes(raw))
     if verify:
-        with pytest.raises(SnapshotError, match=r"the bytes of v_codes do not match their "
-                                                r"SHA-256 \(header [0-9a-f]{64}, data"):
-            load_snapshot(saved)
+        with pytest.raises(SnapshotError, match=rf"the bytes of v_codes do not match their "
+                                                rf"{algo} \(header [0-9a-f]{{{width}}}, data"):
+            load_snapshot(saved, verify=verify)
     else:  # the data pass is skipped; the header is still checked
         assert load_snapshot(saved, verify=False).v_codes.reshape(-1)[-3] != 0
+    with pytest.raises(SnapshotError, match=r"verify must be True, False or 'sha256', got 'md5'"):
+        load_snapshot(saved, verify="md5")
+
+
+def test_version_1_files_load_with_their_sha256(rng, tmp_path):
+    # version 1 (kvcore before the XXH3 digests): SHA-256 per tensor only
+    snap = random_snapshot("int8", rng)
+    path = tmp_path / "v1.safetensors"
+    snap.save(path)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    meta = header["__metadata__"]
+    for key in [k for k in meta if k.startswith("xxh3_128_")]:
+        del meta[key]
+    meta["file_version"] = "1"
+    meta["sha256"] = _metadata_digest(meta)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))  # same length: the data stays where it was
+    path.write_bytes(raw[:8] + text + raw[8 + n:])
+    assert_same_snapshot(load_snapshot(path), snap)
+    corrupt = bytearray(path.read_bytes())
+    corrupt[-1] ^= 1
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(SnapshotError, match=r"do not match their sha256"):
+        load_snapshot(path)
 
 
 def test_load_refuses_truncated_and_extended_files(saved):
