@@ -9,10 +9,14 @@
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
    [pos, pos + T) fit the capacity, and every value is finite and below the format's
    `_quant.input_limit` (f16, bf16, q8_0), tested on the raw input bits without conversion.
-3. Then each row (t, h) is encoded straight into storage at position pos + t with
-   `_quant.encode_row`: an aligned unit-stride float32 row is encoded in place; any
-   other row is first gathered through its strides into a small per-thread buffer
-   (f16/bf16 rows are widened by `_quant.decode_row`). No array of the step is made.
+3. Then each row (t, h) is encoded into storage at position pos + t with
+   `_quant.encode_row`: an aligned unit-stride float32 row is read in place; any other
+   row is first gathered through its strides into a small per-thread buffer (f16/bf16
+   rows are widened by `_quant.decode_row`). No array of the step is made. Rows of 2-4
+   byte codes (f32, f16, bf16) bound for positions never written before go out with
+   non-temporal stores (`kv_stream_copy`): none of those lines is cached, and a normal
+   store would first read each line from memory. Everything else is encoded straight
+   into the storage.
 4. Rows are spread over OpenMP threads (without the GIL) only when a call holds at least
    `_parallel.PARALLEL_MIN_VALUES` values; a smaller call, such as a decode step (T = 1),
    runs on the calling thread with the GIL held and the writer's own row buffer, so one
