@@ -451,7 +451,8 @@ cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_ki
 
 def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                   Py_ssize_t inner_stride, Py_ssize_t stride, int in_kind, int fmt,
-                  cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work) -> int:
+                  cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work,
+                  bint encode=True) -> int:
     """Encodes R = len(outer) * n_inner rows of D values into codes [R, D] and scales
     [R, S] (both C-contiguous).
 
@@ -460,6 +461,7 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     BF16 (format ids). OUT codes, scales (None for float formats). work: float32
     [threads, D] scratch. Returns the number of rows refused (a non-finite value, or one
     at or past input_limit(fmt)); those rows are left unwritten and the caller raises.
+    encode=False only counts them (codes and scales untouched).
     """
     cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = codes.shape[codes.ndim - 1]
     cdef Py_ssize_t code_row = d * codes.itemsize
@@ -487,7 +489,7 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                 amax = _amax_bits(row, d)
                 if amax >= limit:
                     bad += 1
-                else:
+                elif encode:
                     _encode_scaled(fmt, row, d, amax, dst + r * code_row,
                                    sdst + r * scale_row if sdst != NULL else NULL)
                 i = i + 1

@@ -44,6 +44,17 @@ def check_dtype(name: str, x: np.ndarray, allowed: Sequence[np.dtype | str]) -> 
         raise DTypeError(f"invalid dtype of {name}: expected {want}, got {x.dtype}")
 
 
+def check_out(name: str, out: object, shape: Sequence[int], allowed: Sequence[np.dtype | str]) -> np.ndarray:
+    """An output array a caller passed: a numpy array of one of the allowed dtypes, of
+    exactly `shape`, C-contiguous and writable."""
+    check_ndarray(name, out)
+    check_dtype(name, out, allowed)
+    check_shape(name, out, shape)
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ShapeError(f"{name} must be a writable C-contiguous array")
+    return out
+
+
 def check_index(name: str, value: object, limit: int) -> int:
     """0 <= value < limit, value an int (numpy ints too, bools not)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from . import _attention
-from ._validate import check_dtype, check_index, check_ndarray, check_shape
+from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
 from .cache import KVCache
 from .errors import DTypeError, FormatError, NonFiniteError, ShapeError, StateError
 
@@ -51,11 +51,7 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
     if out is None:
         out = np.empty(q.shape, np.float32)
     else:
-        check_ndarray("out", out)
-        check_dtype("out", out, [np.float32])
-        check_shape("out", out, q.shape)
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ShapeError("out must be a writable C-contiguous array")
+        check_out("out", out, q.shape, [np.float32])
     k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
     if not _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
                              spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape)):

@@ -10,9 +10,9 @@ import numpy as np
 
 from . import _quant
 from ._parallel import max_threads
-from ._validate import (check_dtype, check_ndarray, check_shape, float_input_dtypes,
-                        check_values)
-from .errors import FormatError, ShapeError
+from ._validate import (check_dtype, check_ndarray, check_out, check_shape, check_values,
+                        float_input_dtypes)
+from .errors import DTypeError, FormatError, ShapeError
 from .formats import BF16, F16, F32, Format, get_format, view_dtype
 
 Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
@@ -49,7 +49,9 @@ def _row_walk(x: np.ndarray) -> tuple[np.ndarray, int, int]:
     return outer.reshape(-1), n_inner, inner_stride
 
 
-def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray | None]:
+def quantize(x: np.ndarray, fmt: "str | Format", *,
+             out: tuple[np.ndarray, np.ndarray | None] | None = None,
+             ) -> tuple[np.ndarray, np.ndarray | None]:
     """Encodes rows of D values in a storage format.
 
     x: float32, float16 or bfloat16 (ml_dtypes), shape [..., D], any strides (read in
@@ -59,6 +61,9 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
         bfloat16 / float8_e4m3fn / float8_e5m2 (uint16 / uint8 without ml_dtypes);
       scales [..., S], S = fmt.scales_per_row(D): float32 (S = 1) for int8 and fp8,
         float16 (S = D/32) for q8_0; None for f32, f16 and bf16.
+    out: (codes, scales) to write instead, of those shapes and dtypes (codes in the raw
+    or the view dtype), C-contiguous, writable; returned as given. A refused call
+    leaves them untouched (x is checked in a first pass).
     Raises NonFiniteError for NaN/inf (naming the first bad index), FormatError for a
     value past the format's range (f16 |x| >= 65520, bf16 |x| >= 0x1.ffp127: they would
     round to infinity; q8_0 |x| >= Q8_0_LIMIT), ShapeError / DTypeError for bad arrays.
@@ -71,26 +76,53 @@ def quantize(x: np.ndarray, fmt: "str | Format") -> tuple[np.ndarray, np.ndarray
     d = x.shape[-1]
     f.check_head_dim(d)
     lead = x.shape[:-1]
-    codes = np.empty(lead + (d,), dtype=f.code_dtype)
-    scales = np.empty(lead + (f.scales_per_row(d),), dtype=f.scale_dtype) if f.quantized else None
+    code_shape, scale_shape = lead + (d,), lead + (f.scales_per_row(d),)
+    if out is None:
+        codes = np.empty(code_shape, dtype=f.code_dtype)
+        scales = np.empty(scale_shape, dtype=f.scale_dtype) if f.quantized else None
+        result = (codes.view(view_dtype(f)), scales)
+    else:
+        result = _check_quantize_out(out, f, code_shape, scale_shape)
+        codes, scales = result[0].view(f.code_dtype), result[1]
+        if any(a is not None and np.shares_memory(x, a) for a in result):
+            raise ShapeError("out overlaps x")
     work = np.empty((max_threads(), d), dtype=np.float32)
-    outer, n_inner, inner_stride = _row_walk(x)
-    bad = _quant.quantize_rows(x, outer, n_inner, inner_stride, x.strides[-1], _input_kind(x),
-                               f.id, codes, scales, work)
+    walk = (x, *_row_walk(x), x.strides[-1], _input_kind(x), f.id, codes, scales, work)
+    bad = _quant.quantize_rows(*walk, encode=out is None)
+    if not bad and out is not None:
+        bad = _quant.quantize_rows(*walk)
     if bad:
         check_values("x", x, f)
         raise AssertionError(f"quantize refused {bad} rows that hold no refused value")
-    return codes.view(view_dtype(f)), scales
+    return result
 
 
-def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format") -> np.ndarray:
+def _check_quantize_out(out, f: Format, code_shape, scale_shape):
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise DTypeError(f"invalid type of out: expected a (codes, scales) tuple, "
+                         f"got {type(out).__name__}")
+    codes = check_out("out codes", out[0], code_shape,
+                      list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
+    if f.quantized:
+        check_out("out scales", out[1], scale_shape, [f.scale_dtype])
+    elif out[1] is not None:
+        raise FormatError(f"format {f.name} has no scales: expected out scales None, "
+                          f"got {type(out[1]).__name__}")
+    if out[1] is not None and np.shares_memory(codes, out[1]):
+        raise ShapeError("out codes and scales overlap")
+    return out
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format", *,
+               out: np.ndarray | None = None) -> np.ndarray:
     """Decodes codes and scales back to float32.
 
     codes: shape [..., D], fmt's code dtype (raw or its ml_dtypes view dtype).
     scales: shape [..., S] of fmt's scale dtype for int8/fp8/q8_0, None for f32/f16/bf16.
     Non-contiguous codes or scales are first copied to C order (one copy each).
-    Returns a new float32 array [..., D]: code * scale for int8/fp8, code * float32(d)
-    per 32-value block for q8_0, the value itself for the float formats.
+    Returns float32 [..., D] (a new array, or out: float32 of that shape, C-contiguous,
+    writable): code * scale for int8/fp8, code * float32(d) per 32-value block for q8_0,
+    the value itself for the float formats.
     """
     f = get_format(fmt)
     check_ndarray("codes", codes)
@@ -108,7 +140,12 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format"
     elif scales is not None:
         raise FormatError(f"format {f.name} has no scales: expected scales=None, "
                           f"got {type(scales).__name__}")
+    if out is None:
+        out = np.empty(lead + (d,), dtype=np.float32)
+    else:
+        check_out("out", out, lead + (d,), [np.float32])
+        if np.shares_memory(out, codes) or (scales is not None and np.shares_memory(out, scales)):
+            raise ShapeError("out overlaps codes or scales")
     codes = np.ascontiguousarray(codes).view(f.code_dtype)
-    out = np.empty(lead + (d,), dtype=np.float32)
     _quant.dequantize_rows(f.id, codes, scales, out.reshape(math.prod(lead), d))
     return out

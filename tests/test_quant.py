@@ -305,6 +305,63 @@ def test_threads_agree(name, rng):
         np.testing.assert_array_equal(raw(scales), raw(results[0][1]))
 
 
+@pytest.mark.parametrize("name", list(kvcore.FORMATS))
+def test_out_arrays(name, rng):
+    f = kvcore.FORMATS[name]
+    x = rng.standard_normal((5, 3, 64)).astype(F32)[:, ::-1]       # strided input
+    want_codes, want_scales = kvcore.quantize(x, name)
+    for code_dtype in dict.fromkeys([f.code_dtype, want_codes.dtype]):
+        codes = np.zeros((5, 3, 64), code_dtype)
+        scales = np.zeros(want_scales.shape, want_scales.dtype) if f.quantized else None
+        got = kvcore.quantize(x, name, out=(codes, scales))
+        assert got[0] is codes and got[1] is scales
+        np.testing.assert_array_equal(raw(codes), raw(want_codes))
+        if f.quantized:
+            np.testing.assert_array_equal(raw(scales), raw(want_scales))
+    out = np.full((5, 3, 64), np.nan, F32)
+    assert kvcore.dequantize(want_codes, want_scales, name, out=out) is out
+    np.testing.assert_array_equal(out, kvcore.dequantize(want_codes, want_scales, name))
+
+
+@pytest.mark.parametrize("name, bad", [("int8", np.nan), ("f16", 70000.0), ("q8_0", -1e7)])
+def test_refused_quantize_leaves_out_untouched(name, bad, rng):
+    # rows before and after the refused one are valid: nothing is written anyway
+    x = rng.standard_normal((300, 64)).astype(F32)
+    x[150, 3] = bad
+    codes, scales = kvcore.quantize(np.zeros((300, 64), F32), name)
+    before = (codes.tobytes(), None if scales is None else scales.tobytes())
+    with pytest.raises((NonFiniteError, FormatError), match=r"x\[150, 3\]"):
+        kvcore.quantize(x, name, out=(codes, scales))
+    assert (codes.tobytes(), None if scales is None else scales.tobytes()) == before
+
+
+def test_bad_out_arrays(rng):
+    x = rng.standard_normal((4, 32)).astype(F32)
+    codes, scales = kvcore.quantize(x, "q8_0")
+    with pytest.raises(DTypeError, match=r"invalid type of out: expected a \(codes, scales\) tuple"):
+        kvcore.quantize(x, "q8_0", out=[codes, scales])
+    with pytest.raises(ShapeError, match=r"invalid shape of out codes: expected \[4, 32\], got \[4, 16\]"):
+        kvcore.quantize(x, "q8_0", out=(codes[:, :16], scales))
+    with pytest.raises(DTypeError, match=r"invalid dtype of out scales: expected float16, got float32"):
+        kvcore.quantize(x, "q8_0", out=(codes, scales.astype(F32)))
+    with pytest.raises(ShapeError, match=r"out codes must be a writable C-contiguous array"):
+        kvcore.quantize(x, "q8_0", out=(np.zeros((32, 4), np.int8).T, scales))
+    frozen = codes.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ShapeError, match=r"out codes must be a writable"):
+        kvcore.quantize(x, "q8_0", out=(frozen, scales))
+    with pytest.raises(FormatError, match=r"format f16 has no scales: expected out scales None"):
+        kvcore.quantize(x, "f16", out=(x.astype(np.float16), scales))
+    with pytest.raises(ShapeError, match=r"out overlaps x"):
+        kvcore.quantize(x, "f32", out=(x, None))
+    with pytest.raises(ShapeError, match=r"invalid shape of out: expected \[4, 32\], got \[4, 31\]"):
+        kvcore.dequantize(codes, scales, "q8_0", out=np.zeros((4, 31), F32))
+    with pytest.raises(DTypeError, match=r"invalid dtype of out: expected float32, got float64"):
+        kvcore.dequantize(codes, scales, "q8_0", out=np.zeros((4, 32)))
+    with pytest.raises(ShapeError, match=r"out overlaps codes or scales"):
+        kvcore.dequantize(x, None, "f32", out=x)
+
+
 def test_codes_view_dtypes():
     x = np.ones((2, 32), F32)
     assert kvcore.quantize(x, "fp8_e4m3")[0].dtype == ml_dtypes.float8_e4m3fn
