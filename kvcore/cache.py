@@ -18,8 +18,8 @@ from math import prod
 import numpy as np
 
 from . import _cache
-from ._validate import check_index
-from .errors import OutOfRangeError, SpecError, StateError
+from ._validate import check_index, check_out
+from .errors import OutOfRangeError, ShapeError, SpecError, StateError
 from .formats import view_dtype
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
@@ -223,14 +223,21 @@ class KVCache:
         """V scales, as `key_scales`."""
         return self._view("v_scales", layer, pending) if "v_scales" in self._regions else None
 
-    def dequantize(self, layer: int, which: str, *, pending: bool = False) -> np.ndarray:
-        """A new float32 [n, Hkv, D] array of K (which="k") or V ("v") decoded."""
+    def dequantize(self, layer: int, which: str, *, pending: bool = False,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """K (which="k") or V ("v") of the held positions decoded: float32 [n, Hkv, D], a
+        new array, or out (float32 of that shape, C-contiguous, writable)."""
         if which not in ("k", "v"):
             raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
         layer, n = self._held(layer, pending)
         codes = self._regions[f"{which}_codes"][layer, :n]
         scales = self._regions.get(f"{which}_scales")
-        out = np.empty(codes.shape, dtype=np.float32)
+        if out is None:
+            out = np.empty(codes.shape, dtype=np.float32)
+        else:
+            check_out("out", out, codes.shape, [np.float32])
+            if np.shares_memory(out, self._storage):
+                raise ShapeError("out overlaps the cache's storage")
         _cache.decode_rows(self._spec.fmt.id, codes,
                            None if scales is None else scales[layer, :n], out)
         return out

@@ -150,6 +150,14 @@ def test_dequantize_is_a_float32_copy(fmt, rng):
         np.testing.assert_array_equal(out, v)
     with pytest.raises(OutOfRangeError, match="which 'q' out of range"):
         cache.dequantize(0, "q")
+    into = np.full((3, 8, 128), np.nan, np.float32)
+    assert cache.dequantize(0, "v", out=into) is into
+    np.testing.assert_array_equal(into, out)
+    with pytest.raises(ShapeError, match=r"invalid shape of out: expected \[3, 8, 128\], got \[2, 8, 128\]"):
+        cache.dequantize(0, "v", out=into[:2])
+    if fmt == "f32":
+        with pytest.raises(ShapeError, match="out overlaps the cache's storage"):
+            cache.dequantize(0, "v", out=cache._layer_arrays(1)[0][:3])
 
 
 @pytest.mark.parametrize("fmt", ALL)
