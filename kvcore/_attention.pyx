@@ -728,7 +728,7 @@ def rope(float[:, :, :] x, const int64_t[::1] positions, const double[::1] inv_f
     for t in prange(T, nogil=True, num_threads=threads_for(T * H * 2 * half), schedule="static"):
         cs = <double*>malloc(2 * half * sizeof(double))   # cos, then sin, of each pair
         if cs == NULL:
-            failed = 1
+            failed += 1   # a reduction (a plain assignment in a prange is lastprivate)
         else:
             for i in range(half):
                 ang = positions[t] * inv_freq[i]

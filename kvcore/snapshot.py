@@ -7,7 +7,8 @@ Files are safetensors files (docs/snapshots.md gives the layout and the checks):
 
 `Snapshot.save` writes a temporary file beside the target, fsyncs it and renames it
 into place; `load_snapshot` validates the header against the file's size before it
-maps anything, memory-maps the tensors read-only and checks their SHA-256 digests.
+maps anything, memory-maps the tensors read-only and checks their digests (XXH3-128 by
+default, SHA-256 on request).
 """
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ class Snapshot:
 
         Atomic: the bytes go to a temporary file in the same directory, which is fsynced
         and renamed over `path`; a crash mid-save leaves any old file at `path` intact.
-        The data is written in chunks, each one's write-back to the disk started at once,
-        while a worker thread hashes the chunk before (SHA-256 and XXH3-128 per tensor).
+        The data is written in 32 MiB pieces, each one's write-back to the disk started at
+        once, while a worker thread per tensor hashes its pieces as they are written
+        (SHA-256 and XXH3-128 per tensor).
         """
         path = os.fspath(path)
         parts = [(name, getattr(self, name)) for name, _, _ in _layout(self.spec, self.length)]
