@@ -1,41 +1,55 @@
-"""decode_attention and apply_rope: validation and output allocation around the
+"""decode_attention, merge_attention and apply_rope: validation and output allocation around the
 kernels of _attention.pyx (docs/attention.md describes the kernel)."""
 from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import numpy as np
 
 from . import _attention
 from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
 from .cache import KVCache
+from .pool import KVPool, _counts
 from .errors import DTypeError, FormatError, NonFiniteError, ShapeError, StateError
 
 ROPE_STYLES = ("neox", "norm")
 
 
-def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float | None = None,
-                     causal: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-    """Attention of new tokens' queries over one layer of a cache, read in its own format.
+def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
+                     seqs: Sequence[int] | None = None,
+                     counts: Sequence[int] | np.ndarray | None = None,
+                     scale: float | None = None, causal: bool = True,
+                     out: np.ndarray | None = None,
+                     return_lse: bool = False) -> "np.ndarray | tuple[np.ndarray, np.ndarray]":
+    """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
+    KVPool, read in the storage's own format.
 
-    q: float32, shape [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides.
-    The layer's committed plus pending positions, n of them, are attended; with causal,
-    token t sees positions [0, n - T + t] (the T new tokens are the last T positions).
-    scale: defaults to 1 / sqrt(D). out: float32 of q's shape, C-contiguous, written and
-    returned (may be q itself); allocated when None.
-    Returns float32 of q's shape.
+    KVCache: q float32 [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides;
+    the layer's n = length + pending(layer) positions are attended.
+    KVPool: seqs (B sequence ids, each once); q float32 [B, Hq, D] (one new token per
+    sequence) or, with counts (B ints >= 0), [sum counts, Hq, D]: rows [c_b, c_b +
+    counts[b]) (c_b the sum of the counts before b) are sequence b's tokens; sequence b
+    attends its n_b = length + pending(layer) positions, read through its pages.
+    Causal: token t of T new tokens sees positions [0, n - T + t] (the new tokens are the
+    last T positions: chunked prefill, speculative verification); causal=False: all n.
+    scale defaults to 1 / sqrt(D). out: float32 of q's shape, C-contiguous (may be q).
+    Returns out, or (out, lse) with return_lse: lse float32 of q's shape without D, the
+    natural-log log-sum-exp of each row's scaled scores (merge_attention's input).
+    A pool sequence's rows equal, bit for bit, this call on a KVCache holding the same
+    positions with the same thread count (docs/attention.md).
     """
+    if isinstance(cache, KVPool):
+        return _pool_attention(q, cache, layer, seqs, counts, scale, causal, out, return_lse)
     if not isinstance(cache, KVCache):
-        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__}")
+        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__} "
+                         f"(or a KVPool with seqs)")
+    if seqs is not None or counts is not None:
+        raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    check_ndarray("q", q)
-    check_dtype("q", q, [np.float32])
-    if q.ndim == 2:
-        check_shape("q", q, [spec.num_heads, spec.head_dim])
-    else:
-        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+    _check_q(q, spec, 2)
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -44,20 +58,124 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
     if causal and T > n:
         raise StateError(f"causal attention of T={T} new tokens needs at least {T} positions, "
                          f"layer {layer} holds {n}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(spec.head_dim)
-    elif not math.isfinite(scale):
-        raise NonFiniteError(f"scale must be finite, got {scale}")
-    if out is None:
-        out = np.empty(q.shape, np.float32)
-    else:
-        check_out("out", out, q.shape, [np.float32])
+    scale = _scale(scale, spec)
+    out = _out(out, q)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
     if not _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
-                             spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape)):
-        bad = np.argwhere(~np.isfinite(q))[0]   # the kernel checks q as it reads it
-        raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
-    return out
+                             spec.fmt.id, n, scale, bool(causal), out.reshape(q3.shape),
+                             None if lse is None else lse.reshape(q3.shape[:2])):
+        _raise_non_finite(q)
+    return (out, lse) if return_lse else out
+
+
+def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse):
+    spec = pool.spec
+    layer = check_index("layer", layer, spec.num_layers)
+    if seqs is None:
+        raise StateError("decode_attention on a KVPool needs seqs: the sequence ids")
+    seqs = list(seqs)
+    B = len(seqs)
+    if len(set(seqs)) != B:
+        raise StateError(f"decode_attention names a sequence twice: {seqs}")
+    _check_q(q, spec, 3)
+    if counts is None:
+        check_shape("q", q, [B, spec.num_heads, spec.head_dim])
+        count_list = [1] * B
+    else:
+        count_list = _counts(counts, B)
+        check_shape("q", q, [sum(count_list), spec.num_heads, spec.head_dim])
+    table = pool._table
+    lengths = []
+    for s, t in zip(seqs, count_list):
+        seq = table.get(s)
+        n = seq.length + seq.pending[layer]
+        if t and n == 0:
+            raise StateError(f"decode_attention on an empty sequence: sequence {s} holds 0 "
+                             f"positions in layer {layer}")
+        if causal and t > n:
+            raise StateError(f"causal attention of T={t} new tokens needs at least {t} "
+                             f"positions, sequence {s} holds {n} in layer {layer}")
+        lengths.append(n)
+    width = max([pool.pages_for(n) for n in lengths] + [1])
+    tables = np.zeros((B, width), np.int32)
+    for b, s in enumerate(seqs):
+        pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
+        tables[b, :len(pages)] = pages
+    scale = _scale(scale, spec)
+    out = _out(out, q)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
+    k_codes, v_codes, k_scales, v_scales = pool._layer_arrays(layer)
+    if not _attention.attend_paged(np.ascontiguousarray(q), k_codes, v_codes, k_scales, v_scales,
+                                   spec.fmt.id, pool.page_size, tables,
+                                   np.array(lengths, np.int64), np.array(count_list, np.int64),
+                                   scale, bool(causal), out, lse):
+        _raise_non_finite(q)
+    return (out, lse) if return_lse else out
+
+
+def _check_q(q, spec, ndim_max: int) -> None:
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
+    if q.ndim == 2 and ndim_max == 2:
+        check_shape("q", q, [spec.num_heads, spec.head_dim])
+    else:
+        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+
+
+def _scale(scale, spec) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(spec.head_dim)
+    if not math.isfinite(scale):
+        raise NonFiniteError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _out(out, q) -> np.ndarray:
+    if out is None:
+        return np.empty(q.shape, np.float32)
+    return check_out("out", out, q.shape, [np.float32])
+
+
+def _raise_non_finite(q) -> None:
+    bad = np.argwhere(~np.isfinite(q))[0]   # the kernel checks q as it reads it
+    raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
+
+
+def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
+                    lse2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merges two attention results over disjoint sets of positions into the result over
+    their union (FlashInfer's merge_state; cascade attention over a shared prefix).
+
+    o1, o2: float32 [..., Hq, D]; lse1, lse2: float32 [..., Hq], natural-log
+    log-sum-exp of each row's scores (decode_attention(..., return_lse=True)); -inf
+    marks a row that saw no position (its o is ignored). Returns (o, lse) new arrays:
+    o = (e^(lse1 - m) o1 + e^(lse2 - m) o2) / (e^(lse1 - m) + e^(lse2 - m)),
+    lse = m + log(e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2), in float32; a
+    row that neither side saw gets o = 0, lse = -inf.
+    """
+    for name, x in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
+        check_ndarray(name, x)
+        check_dtype(name, x, [np.float32])
+    if o1.ndim < 2:
+        raise ShapeError(f"invalid shape of o1: expected [..., Hq, D], got {list(o1.shape)}")
+    check_shape("o2", o2, list(o1.shape))
+    check_shape("lse1", lse1, list(o1.shape[:-1]))
+    check_shape("lse2", lse2, list(o1.shape[:-1]))
+    for name, x in (("lse1", lse1), ("lse2", lse2)):
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise NonFiniteError(f"{name} holds NaN or +inf")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.maximum(lse1, lse2)
+        seen = np.isfinite(m)
+        m0 = np.where(seen, m, np.float32(0))
+        w1 = np.exp(lse1 - m0)
+        w2 = np.exp(lse2 - m0)
+        den = w1 + w2
+        o = np.where(seen[..., None], (w1[..., None] * o1 + w2[..., None] * o2)
+                     / np.where(seen, den, 1)[..., None], np.float32(0)).astype(np.float32)
+        lse = np.where(seen, m0 + np.log(den), -np.inf).astype(np.float32)
+    return o, lse
 
 
 def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,

@@ -141,7 +141,15 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
     """Copies committed positions [0, n) of every layer (n defaults to cache.length) out
     of a CPU KVCache into a new Snapshot (compact token-major arrays, no capacity padding).
     Pending positions are never included."""
-    length = cache.length
+    return snapshot_parts(cache.spec, cache.length, n, lambda layer, count: tuple(
+        None if a is None else a[:count] for a in cache._layer_arrays(layer)))
+
+
+def snapshot_parts(spec: KVSpec, length: int, n: int | None, layer_parts) -> Snapshot:
+    """A Snapshot of positions [0, n) (n defaults to length; OutOfRangeError unless
+    0 <= n <= length) of a sequence of `spec`: layer_parts(layer, n) gives (k_codes,
+    v_codes, k_scales, v_scales) of that layer's first n positions, token-major
+    [n, Hkv, D] / [n, Hkv, S] or None (shared by KVCache and KVPool)."""
     if n is None:
         n = length
     elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -150,12 +158,11 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
         raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
                               f"0 <= n <= length {length}")
     n = int(n)
-    spec = cache.spec
     parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, n)}
     for layer in range(spec.num_layers):
-        for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
+        for name, arr in zip(_PART_NAMES, layer_parts(layer, n)):
             if arr is not None:
-                parts[name][layer] = arr[:n]
+                parts[name][layer] = arr
     return Snapshot(spec, n, **parts)
 
 
