@@ -49,7 +49,7 @@ def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
         raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    _check_q(q, spec, 2)
+    _check_q(q, spec)
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -78,7 +78,8 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
     B = len(seqs)
     if len(set(seqs)) != B:
         raise StateError(f"decode_attention names a sequence twice: {seqs}")
-    _check_q(q, spec, 3)
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
     if counts is None:
         check_shape("q", q, [B, spec.num_heads, spec.head_dim])
         count_list = [1] * B
@@ -114,10 +115,10 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
     return (out, lse) if return_lse else out
 
 
-def _check_q(q, spec, ndim_max: int) -> None:
+def _check_q(q, spec) -> None:
     check_ndarray("q", q)
     check_dtype("q", q, [np.float32])
-    if q.ndim == 2 and ndim_max == 2:
+    if q.ndim == 2:
         check_shape("q", q, [spec.num_heads, spec.head_dim])
     else:
         check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
@@ -172,8 +173,10 @@ def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
         w1 = np.exp(lse1 - m0)
         w2 = np.exp(lse2 - m0)
         den = w1 + w2
-        o = np.where(seen[..., None], (w1[..., None] * o1 + w2[..., None] * o2)
-                     / np.where(seen, den, 1)[..., None], np.float32(0)).astype(np.float32)
+        part1 = np.where((w1 > 0)[..., None], w1[..., None] * o1, np.float32(0))
+        part2 = np.where((w2 > 0)[..., None], w2[..., None] * o2, np.float32(0))
+        o = np.where(seen[..., None], (part1 + part2) / np.where(seen, den, 1)[..., None],
+                     np.float32(0)).astype(np.float32)
         lse = np.where(seen, m0 + np.log(den), -np.inf).astype(np.float32)
     return o, lse
 
