@@ -98,6 +98,8 @@ class PoolMachine(RuleBasedStateMachine):
     def apply(self, s, layer, t, codes, scales, end):
         """Records a write the pool accepted; codes/scales [2, t, H, D / S] (K, V)."""
         m = self.model[s]
+        if t == 0:
+            return
         first, last = end // PS, (end + t - 1) // PS
         holders = self.holders()
         for i in range(first, min(last + 1, len(m.pages))):
@@ -133,10 +135,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @initialize()
-    def two_sequences(self):
+    @initialize(a=st.integers(0, 9), b=st.integers(0, 9), seed=st.integers(0, 2**32 - 1))
+    def two_sequences(self, a, b, seed):
+        """Two sequences prefilled with a and b positions (within the pool's 24)."""
         for _ in range(2):
             self.new()
+        for layer in range(L):
+            assert self.batch(layer, [0, 1], [a, b], seed + layer)
+        assert self.pool.advance([0, 1]) == [a, b]
+        for s, n in ((0, a), (1, b)):
+            self.model[s].length = n
+            self.model[s].pending = [0] * L
 
     @precondition(lambda self: len(self.model) < 4)
     @rule()
@@ -160,19 +169,14 @@ class PoolMachine(RuleBasedStateMachine):
         codes, scales = self.encode(k, v)
         self.apply(s, layer, t, codes, scales, end)
 
-    @precondition(lambda self: self.model)
-    @rule(layer=st.integers(0, L - 1), data=st.data(), seed=st.integers(0, 2**32 - 1))
-    def append_batch(self, layer, data, seed):
-        live = sorted(self.model)
-        seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live),
-                                  unique=True))
-        counts = data.draw(st.lists(st.integers(0, 4), min_size=len(seqs), max_size=len(seqs)))
+    def batch(self, layer, seqs, counts, seed) -> bool:
+        """append_batch of one layer; returns whether the pool took it."""
         k, v = self.data(np.random.default_rng(seed), sum(counts))
         plans = [self.plan(s, layer, t) for s, t in zip(seqs, counts)]
         if any(end + t > N for (_, end), t in zip(plans, counts)) or \
                 sum(need for need, _ in plans) > self.free_pages():
             self.refused(CapacityError, self.pool.append_batch, layer, seqs, k, v, counts)
-            return
+            return False
         self.pool.append_batch(layer, seqs, k, v, counts)
         codes, scales = self.encode(k, v)
         at = 0
@@ -180,6 +184,34 @@ class PoolMachine(RuleBasedStateMachine):
             self.apply(s, layer, t, codes[:, at:at + t],
                        None if scales is None else scales[:, at:at + t], end)
             at += t
+        return True
+
+    def draw_batch(self, data):
+        live = sorted(self.model)
+        seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live),
+                                  unique=True))
+        counts = data.draw(st.lists(st.integers(0, 4), min_size=len(seqs), max_size=len(seqs)))
+        return seqs, counts
+
+    @precondition(lambda self: self.model)
+    @rule(layer=st.integers(0, L - 1), data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def append_batch(self, layer, data, seed):
+        self.batch(layer, *self.draw_batch(data), seed)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def step(self, data, seed):
+        """A decode step: the same positions appended to every layer, then advance."""
+        seqs, counts = self.draw_batch(data)
+        if not all(self.batch(layer, seqs, counts, seed + layer) for layer in range(L)):
+            return
+        if any(len(set(self.model[s].pending)) > 1 for s in seqs):
+            self.refused(StateError, self.pool.advance, seqs)
+            return
+        assert self.pool.advance(seqs) == [self.model[s].pending[0] for s in seqs]
+        for s in seqs:
+            self.model[s].length += self.model[s].pending[0]
+            self.model[s].pending = [0] * L
 
     @precondition(lambda self: self.model)
     @rule(pick=st.integers(0, 3), seed=st.integers(0, 2**32 - 1),
@@ -246,10 +278,26 @@ class PoolMachine(RuleBasedStateMachine):
         c.pages = m.pages[:full] + ([next(_tokens)] if part else [])
         self.model[t] = c
 
-    @precondition(lambda self: self.model)
-    @rule(pick=st.integers(0, 3), n=st.integers(-1, N + 1))
-    def truncate(self, pick, n):
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3), back=st.integers(1, 4), which=st.booleans(),
+          seed=st.integers(0, 2**32 - 1))
+    def fork_and_rewrite(self, pick, back, which, seed):
+        """Speculative decoding's rollback: fork, drop the last `back` positions of one of
+        the two (often into a page they share), decode one step into it."""
         s = sorted(self.model)[pick % len(self.model)]
+        self.fork(pick)
+        if len(self.model) == 1 or max(self.model) == s:
+            return                 # the fork was refused
+        target = max(self.model) if which else s
+        self.truncate_to(target, max(0, self.model[target].length - back))
+        for layer in range(L):
+            if not self.batch(layer, [target], [1], seed + layer):
+                return
+        assert self.pool.advance(target) == 1
+        self.model[target].length += 1
+        self.model[target].pending = [0] * L
+
+    def truncate_to(self, s, n):
         m = self.model[s]
         if not 0 <= n <= m.length:
             self.refused(OutOfRangeError, self.pool.truncate, s, n)
@@ -258,6 +306,15 @@ class PoolMachine(RuleBasedStateMachine):
         m.length = n
         m.pending = [0] * L
         del m.pages[-(-n // PS):]
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 3), cut=st.integers(0, 4), bad=st.sampled_from([0, 0, 0, -1, 1]))
+    def truncate(self, pick, cut, bad):
+        """To a point within the length (often inside a page a fork shares), or just
+        outside it (bad)."""
+        s = sorted(self.model)[pick % len(self.model)]
+        m = self.model[s]
+        self.truncate_to(s, -1 if bad < 0 else m.length + 1 if bad else m.length * cut // 4)
 
     @precondition(lambda self: self.model)
     @rule(pick=st.integers(0, 3))
