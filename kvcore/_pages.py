@@ -142,19 +142,27 @@ class PageTable:
         `layer` (None: after the committed ones, for every layer: a reservation) and plans
         it; changes nothing. Raises StateError (unknown or repeated sequence),
         CapacityError (a sequence past `capacity`, or too few free pages for the call)."""
-        ps, refs, free = self.page_size, self.refs, self.free
+        ps, refs, free, table = self.page_size, self.refs, self.free, self.seqs
         nfree = len(free)
         plan = WritePlan(layer, [], [])
-        rows = plan.rows
-        seen = set()
+        rows, changes = plan.rows, plan.changes
+        if len(set(ids)) != len(ids):
+            twice = next(s for i, s in enumerate(ids) if s in ids[:i])
+            raise StateError(f"sequence {twice} appears twice in one write")
         short = []    # (sequence, pages it takes) for the error message
         take = 0
         for s, t in zip(ids, counts):
-            seq = self.get(s)
-            if s in seen:
-                raise StateError(f"sequence {s} appears twice in one write")
-            seen.add(s)
+            seq = table.get(s) if s.__class__ is int else None
+            if seq is None:
+                seq = self.get(s)    # raises the error for an unknown id
             end = seq.length if layer is None else seq.length + seq.pending[layer]
+            if t == 1:    # the decode step: one position in a page the sequence holds alone
+                pages = seq.pages
+                i = end // ps
+                if i < len(pages) and refs[pages[i]] == 1 and end < self.capacity:
+                    rows.append(pages[i] * ps + end - i * ps)
+                    changes.append((seq, None, 1))
+                    continue
             stop = end + t
             if stop > self.capacity:
                 where = "" if layer is None else f" layer {layer}"
@@ -185,7 +193,7 @@ class PageTable:
                 rows.append(pages[first] * ps + end % ps)
             else:
                 rows.extend([pages[p // ps] * ps + p % ps for p in range(end, stop)])
-            plan.changes.append((seq, new, t))
+            changes.append((seq, new, t))
         if take > nfree:
             need = ", ".join(f"sequence {s}: {k}" for s, k in short)
             raise CapacityError(f"pool out of pages: the write needs {take} new pages ({need}), "
