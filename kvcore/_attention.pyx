@@ -6,14 +6,20 @@
    C-contiguous; n positions are valid. Query token t sees positions [0, n - T + t]
    (causal) or [0, n). Query head i reads K/V head i // G (G = Hq / Hkv); the R = T * G
    query rows of a group are scaled and zero-padded to Dp (D rounded up to 16).
+   `attend_paged` does the same for many sequences of a KVPool in one call: one job per
+   sequence, position p of a job in storage row table[p / ps] * ps + p % ps. A KVCache
+   is the one-job case with the table [0] and ps = N: one code path.
 2. Splits: each thread takes a contiguous range of positions over every kv head (equal
    ranges, multiples of 16), so it streams through the token-major storage in address
    order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
-   once per group. The next tile's codes are prefetched a few lines at a time between
-   the current tile's score blocks, so the prefetches overlap the arithmetic; a split's
-   first tile is prefetched in one burst.
+   once per group. Tiles are 64 logical positions whatever the pages (a tile looks up
+   the row of each position, `kv_tile`), so the result never depends on where a row is
+   stored. The next tile's codes (its runs of consecutive rows) are prefetched a few
+   lines at a time between the current tile's score blocks, so the prefetches overlap
+   the arithmetic; a split's first tile is prefetched in one burst. The (job, split)
+   items of a call share the threads (`_run`).
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
    dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
@@ -29,7 +35,8 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
-6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D].
+6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D] (and, when
+   asked, each row's log-sum-exp M + log L, natural log).
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
@@ -731,7 +738,7 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
         total += kv_job_floats(&jobs[b]) + jobs[b].nsplit * kv_split_floats(&jobs[b])
         nitems += jobs[b].nsplit
     cdef int* items = <int*>malloc(2 * max(nitems, 1) * sizeof(int))   # (job, split)
-    if items == NULL or posix_memalign(&buf, 64, max(total, 1) * sizeof(float)):
+    if items == NULL or posix_memalign(&buf, 64, (total if total else 1) * sizeof(float)):
         free(items)
         raise MemoryError("decode attention: workspace allocation failed")
     place = <float*>buf

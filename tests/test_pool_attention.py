@@ -205,5 +205,7 @@ def test_errors(rng):
     # a sequence with no query token may be empty; zero tokens in all gives an empty result
     out = decode_attention(q[:1], pool, 0, seqs=[a, e], counts=[1, 0])
     assert out.shape == (1, 4, 64)
+    out, lse = decode_attention(q[:0], pool, 0, seqs=[e], counts=[0], return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
     with pytest.raises(StateError, match="seqs and counts are for a KVPool"):
         decode_attention(q[0], KVCache(spec), 0, seqs=[0])
