@@ -163,8 +163,13 @@ class KVCache:
         """Commits the pending positions of every layer and returns how many. Every layer
         must hold the same number (StateError names the layers that differ); with none
         pending anywhere it is a no-op that returns 0."""
-        with self._guard("advance"):
+        guard = self._guard   # once per decode step: inlined as in append
+        if not guard.acquire(False):
+            guard.refuse("advance")
+        try:
             return self._cells.commit()
+        finally:
+            guard.release()
 
     def truncate(self, n: int) -> None:
         """Keeps the first n committed positions (0 <= n <= length) and drops every pending
