@@ -98,6 +98,8 @@ class KVCache:
 
     Positions are appended per layer (`append`, pending) and committed for every layer at
     once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
+    One call at a time: a call that finds another thread inside the cache raises
+    StateError and changes nothing (docs/design.md, Threads).
     """
 
     def __init__(self, spec: KVSpec):
