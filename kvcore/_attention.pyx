@@ -35,8 +35,10 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
-6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D] (and, when
-   asked, each row's log-sum-exp M + log L, natural log).
+6. The splits are merged with a log-sum-exp reduction into the workspace (and, when
+   asked, each row's log-sum-exp M + log L, natural log, into lse), then copied to out
+   [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
+   V past float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
@@ -247,9 +249,10 @@ cdef extern from *:
         return v[0];
     }
 
-    /* exp(x) for KV_W lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
+    /* exp(x) for KV_W lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0,
+       NaN lanes (a score that overflowed float32) stay NaN, so that the result shows it. */
     KV_INLINE kv_vf kv_exp(kv_vf x) {
-        kv_vi keep = x >= kv_splat(-87.3f);
+        kv_vi keep = ~(x < kv_splat(-87.3f));
         x = (kv_vf)((kv_vi)x & keep);   /* dropped lanes compute exp(0), then masked */
         kv_vf t = kv_fma(x, kv_splat(1.44269504088896341f), kv_splat(12582912.0f));
         kv_vf n = t - kv_splat(12582912.0f);   /* round to nearest */
@@ -588,8 +591,9 @@ cdef extern from *:
         }
     }
 
-    /* J->q [hkv][r][dp] = scale * J->qin [t][hkv * g][d] (zero-padded); J->last [r]. Returns
-       0 when qin holds a non-finite value (x * 0 is NaN only for those), else 1. */
+    /* J->q [hkv][r][dp] = scale * J->qin [t][hkv * g][d] (zero-padded); J->last [r].
+       Returns 0 when scale * q holds a non-finite value (x * 0 is NaN only for those: q
+       non-finite, or scale * q past float32), else 1. */
     static int kv_prepare(kv_job* J, float scale, int causal) {
         const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
         const float* q = J->qin;
@@ -602,11 +606,11 @@ cdef extern from *:
                 float* dst = J->q + ((size_t)h * R + r) * dp;
                 int i = 0;
                 for (; i + KV_W <= d; i += KV_W) {
-                    kv_vf x = kv_loadf(src + i);
+                    kv_vf x = kv_loadf(src + i) * kv_splat(scale);
                     zv = zv + x * kv_splat(0.0f);
-                    kv_storef(dst + i, x * kv_splat(scale));
+                    kv_storef(dst + i, x);
                 }
-                for (; i < d; i++) { z = z + src[i] * 0.0f; dst[i] = src[i] * scale; }
+                for (; i < d; i++) { dst[i] = src[i] * scale; z = z + dst[i] * 0.0f; }
                 for (; i < dp; i++) dst[i] = 0.0f;
             }
         for (int r = 0; r < R; r++) J->last[r] = causal ? n - J->t + r / G : n - 1;
@@ -614,14 +618,13 @@ cdef extern from *:
         return z == 0.0f;
     }
 
-    /* J->out [t][hkv * g][d] = the nsplit split states at J->w (kv_split_floats each)
+    /* out [t][hkv * g][d] = the J->nsplit split states at J->w (kv_split_floats each)
        merged by log-sum-exp and normalised; J->lse [t][hkv * g] = M + log(sum of the
        weights e^(s - M)) over the scores s (scaled, base e) when not NULL. out may be
-       the q that kv_prepare read. */
-    static void kv_merge(const kv_job* J) {
+       J->q (kv_prepare's copy, no longer read). */
+    static void kv_merge(const kv_job* J, float* out) {
         const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp, nsplit = J->nsplit;
         const float* w = J->w;
-        float* out = J->out;
         const size_t rows = (size_t)H * R, stride = kv_split_floats(J);
         const size_t lo = KV_ROUND16(rows), ao = lo + rows * KV_W;   /* offsets of l, acc */
         float c[nsplit];
@@ -653,6 +656,17 @@ cdef extern from *:
             }
         }
     }
+
+    /* 1 when x [n] holds no NaN or inf. */
+    static int kv_all_finite(const float* x, size_t n) {
+        uint32_t bad = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+        }
+        return !bad;
+    }
     """
     ctypedef struct kv_job:
         const char* kc
@@ -675,7 +689,8 @@ cdef extern from *:
     float* kv_job_place(kv_job* J, float* buf) noexcept nogil
     int kv_prepare(kv_job* J, float scale, int causal) noexcept nogil
     void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
-    void kv_merge(const kv_job* J) noexcept nogil
+    void kv_merge(const kv_job* J, float* out) noexcept nogil
+    int kv_all_finite(const float* x, size_t n) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -688,6 +703,17 @@ cdef const char* _data(cnp.ndarray a, str name) except NULL:
         raise ValueError(f"attention reads C-contiguous arrays, {name} is not")
     return <const char*>cnp.PyArray_DATA(a)
 
+
+ROWS_MAX = 2**31 - 1
+"""The most query rows per kv head (T x Hq / Hkv) one job takes: the kernel counts them in
+a C int."""
+
+cdef enum:
+    _OK = 0
+    _BAD_Q = 1
+    _OVERFLOW = 2
+
+ATTEND_OK, ATTEND_BAD_Q, ATTEND_OVERFLOW = _OK, _BAD_Q, _OVERFLOW
 
 cdef int32_t _page_zero = 0   # the page table of a KVCache: one page of N rows
 
@@ -728,10 +754,12 @@ cdef void _seq_job(kv_job* J, int T, int64_t n, int threads) noexcept nogil:
 
 cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
     """Runs the jobs (fields set but q, last, w): one workspace, every job's q prepared
-    (returns 0, nothing written, when a q holds a non-finite value), then every split of
-    every job on up to `threads` threads, then each job's splits merged; returns 1."""
+    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every split
+    of every job on up to `threads` threads, then each job's splits merged into its
+    workspace, copied to its out when every job's result is finite (else _OVERFLOW,
+    nothing written but lse); returns _OK."""
     cdef size_t total = 0
-    cdef int b, it, sp, nitems = 0, bad = 0, nt
+    cdef int b, it, sp, nitems = 0, bad = 0, nt, status = _OK
     cdef void* buf = NULL
     cdef float* place
     for b in range(nj):
@@ -769,15 +797,31 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
             else:           # splits of unequal sequences: taken as threads come free
                 for it in prange(nitems, num_threads=nt, schedule="dynamic"):
                     _split_item(jobs, items, it)
+            # each job merged into its own q buffer (hkv * r * dp >= t * Hq * D floats),
+            # copied to out only when the whole call is finite
             if nj > 1 and nt > 1:
                 for b in prange(nj, num_threads=nt, schedule="static"):
-                    kv_merge(&jobs[b])
+                    kv_merge(&jobs[b], jobs[b].q)
+                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
             else:
                 for b in range(nj):
-                    kv_merge(&jobs[b])
+                    kv_merge(&jobs[b], jobs[b].q)
+                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
+            if bad == 0:
+                for b in range(nj):
+                    memcpy(jobs[b].out, jobs[b].q, _out_floats(&jobs[b]) * sizeof(float))
+            else:
+                status = _OVERFLOW
+        else:
+            status = _BAD_Q
         free(buf)
         free(items)
-    return bad == 0
+    return status
+
+
+cdef inline size_t _out_floats(const kv_job* J) noexcept nogil:
+    """Floats of a job's output rows: t * Hq * D."""
+    return <size_t>J.t * J.hkv * J.g * J.d
 
 
 cdef inline void _split_item(kv_job* jobs, const int* items, int it) noexcept nogil:
@@ -789,16 +833,21 @@ cdef inline void _split_item(kv_job* jobs, const int* items, int it) noexcept no
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
            Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None):
     """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n) of a
-    KVCache's layer (storage row p holds position p: one page of N rows); returns True,
-    or False (out untouched) when q holds a non-finite value.
+    KVCache's layer (storage row p holds position p: one page of N rows). Returns
+    ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
+    ATTEND_OVERFLOW when a score or the weighted sum of V overflowed float32 (the result
+    is made in the workspace and copied to out only when every value is finite).
 
     IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
     k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
-    1 <= n <= N, and T <= n when causal. OUT out float32 [T, Hq, D] C-contiguous (may be
-    q itself); lse float32 [T, Hq] C-contiguous or None. The caller (attention.py)
-    validates shapes and dtypes; this only reads.
+    1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
+    C-contiguous (may be q itself); lse float32 [T, Hq] C-contiguous or None. The caller
+    (attention.py) validates shapes and dtypes; this only reads.
     """
     cdef kv_job J
+    cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
+    if rows > ROWS_MAX:
+        raise ValueError(f"attend: {rows} rows per kv head exceed a C int")
     _layer_job(&J, k_codes, v_codes, k_scales, v_scales, fmt, <int>q.shape[1])
     J.table = &_page_zero
     J.ps = k_codes.shape[0]
@@ -806,7 +855,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     J.out = <float*>_data(out, "out")
     J.lse = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
     _seq_job(&J, <int>q.shape[0], n, num_threads())
-    return _run(&J, 1, scale, causal, num_threads()) != 0
+    return _run(&J, 1, scale, causal, num_threads())
 
 
 def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
@@ -814,7 +863,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
                  const int64_t[::1] lengths, const int64_t[::1] counts, float scale,
                  bint causal, cnp.ndarray out, lse=None):
     """Attention of B sequences' new tokens, each over its own positions, in one call;
-    returns True, or False (out untouched) when q holds a non-finite value.
+    returns ATTEND_OK, ATTEND_BAD_Q or ATTEND_OVERFLOW (out untouched), as `attend`.
 
     Sequence b has counts[b] query tokens (rows [c_b, c_b + counts[b]) of q, c_b the sum
     of the counts before it) and attends its positions [0, lengths[b]), position p in
@@ -823,7 +872,8 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     bits. IN q float32 [sum counts, Hq, D]; k_codes, v_codes [P * page_size, Hkv, D],
     scales [P * page_size, Hkv, S] or None; tables int32 [B, M] (M * page_size >= every
     length, entries < P); lengths, counts int64 [B] (counts[b] <= lengths[b] when causal,
-    lengths[b] >= 1 when counts[b] >= 1). OUT out as q (may be q); lse float32
+    lengths[b] >= 1 when counts[b] >= 1, counts[b] * Hq / Hkv <= ROWS_MAX). OUT out as q
+    (may be q); lse float32
     [sum counts, Hq] or None. Checked by the caller (pool.py / attention.py).
     """
     cdef Py_ssize_t B = lengths.shape[0], b, row = 0
@@ -848,7 +898,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
                 _seq_job(&jobs[nj], <int>counts[b], lengths[b], threads)
                 nj += 1
             row += counts[b]
-        return _run(jobs, nj, scale, causal, threads) != 0
+        return _run(jobs, nj, scale, causal, threads)
     finally:
         free(jobs)
 

@@ -60,11 +60,13 @@ class Storage:
         r = self.regions
         self.writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
                                        r.get("k_scales"), r.get("v_scales"))
-        self.read_only: dict[str, np.ndarray] = {}
-        for name, arr in r.items():
-            view = arr.view(view_dtype(fmt)) if name.endswith("codes") else arr.view()
-            view.flags.writeable = False
-            self.read_only[name] = view
+        # Views handed out come from an array over a read-only buffer of the same pages,
+        # so that no view (nor any view of a view) can be made writable again.
+        frozen = np.frombuffer(memoryview(self.array).toreadonly(), np.uint8)
+        self.read_only = {
+            name: frozen[self.offsets[name]:self.offsets[name] + arr.nbytes]
+            .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
+            for name, arr in r.items()}
 
     def layer_arrays(self, layer: int):
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable views of every

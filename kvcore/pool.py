@@ -15,11 +15,12 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ._cache import decode_rows
+from ._guard import CallGuard
 from ._pages import PageTable
 from ._storage import Storage
 from ._validate import check_index, check_ndarray, check_out
 from .errors import CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError
-from .snapshot import Snapshot, fit_snapshot, snapshot_parts
+from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
 
 _EMPTY_ROWS = np.zeros(0, np.int64)
@@ -32,6 +33,8 @@ class KVPool:
     num_pages * page_size positions in all. Sequences are int ids (`new_sequence`).
     Positions are appended per layer and sequence (pending) and committed with
     `advance`, as in a KVCache; pages are taken when a write first needs them.
+    One call at a time: a call that finds another thread inside the pool raises
+    StateError and changes nothing (as a KVCache; docs/design.md, Threads).
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16):
@@ -46,31 +49,36 @@ class KVPool:
         self._storage = self._store.array
         self._table = PageTable(int(num_pages), self._ps, spec.num_layers, spec.capacity)
         self._num_layers = spec.num_layers
+        self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
 
     # -- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> int:
         """A new empty sequence (no page yet); returns its id."""
-        return self._table.new()
+        with self._guard("new_sequence"):
+            return self._table.new()
 
     def free(self, seq: int) -> None:
         """Ends a sequence: its pages that no other sequence holds become free."""
-        self._table.free_seq(seq)
+        with self._guard("free"):
+            self._table.free_seq(seq)
 
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
         pending one; pages past the last kept position are released."""
-        self._table.truncate(seq, n)
+        with self._guard("truncate"):
+            self._table.truncate(seq, n)
 
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's committed positions: full pages are shared (a later
         write to a shared page copies it first), the partial last page is copied now.
         CapacityError (nothing changed) when that copy finds no free page."""
-        t, copy = self._table.fork(seq)
-        if copy is not None:
-            self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
-                                                   np.int64), self._ps)
-        return t
+        with self._guard("fork"):
+            t, copy = self._table.fork(seq)
+            if copy is not None:
+                self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
+                                                       np.int64), self._ps)
+            return t
 
     # -- writing -------------------------------------------------------------------
 
@@ -80,10 +88,11 @@ class KVPool:
         or [Hkv, D], any strides. Atomic: a refused call (ShapeError, DTypeError,
         NonFiniteError, FormatError, OutOfRangeError, StateError for an unknown sequence,
         CapacityError past spec.capacity or with too few free pages) changes nothing."""
-        if layer.__class__ is not int or not 0 <= layer < self._num_layers:
-            layer = check_index("layer", layer, self._num_layers)
-        t = k.shape[0] if getattr(k, "ndim", 0) == 3 else 1
-        self._write(layer, [seq], [t], k, v)
+        with self._guard("append"):
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            t = k.shape[0] if getattr(k, "ndim", 0) == 3 else 1
+            self._write(layer, [seq], [t], k, v)
 
     def append_batch(self, layer: int, seqs: Sequence[int], k: np.ndarray, v: np.ndarray,
                      counts: Sequence[int] | np.ndarray | None = None) -> None:
@@ -91,20 +100,21 @@ class KVPool:
         (default 1 each) after the held ones of seqs[b], taken in order from k, v (float32,
         float16 or bfloat16, [sum counts, Hkv, D], any strides), pending until `advance`.
         Atomic over the whole call, as `append`; a sequence may appear once."""
-        if layer.__class__ is not int or not 0 <= layer < self._num_layers:
-            layer = check_index("layer", layer, self._num_layers)
-        seqs = list(seqs)
-        counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
-        check_ndarray("k", k)
-        check_ndarray("v", v)
-        if k.ndim != 3:
-            raise ShapeError(f"invalid shape of k: expected [T, {self._spec.num_kv_heads}, "
-                             f"{self._spec.head_dim}], got {list(k.shape)}")
-        if k.shape[0] != sum(counts):
-            raise ShapeError(f"invalid shape of k: expected [{sum(counts)}, "
-                             f"{self._spec.num_kv_heads}, {self._spec.head_dim}] (the sum of "
-                             f"counts), got {list(k.shape)}")
-        self._write(layer, seqs, counts, k, v)
+        with self._guard("append_batch"):
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            seqs = list(seqs)
+            counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
+            check_ndarray("k", k)
+            check_ndarray("v", v)
+            if k.ndim != 3:
+                raise ShapeError(f"invalid shape of k: expected [T, {self._spec.num_kv_heads}, "
+                                 f"{self._spec.head_dim}], got {list(k.shape)}")
+            if k.shape[0] != sum(counts):
+                raise ShapeError(f"invalid shape of k: expected [{sum(counts)}, "
+                                 f"{self._spec.num_kv_heads}, {self._spec.head_dim}] (the sum of "
+                                 f"counts), got {list(k.shape)}")
+            self._write(layer, seqs, counts, k, v)
 
     def _write(self, layer, seqs, counts, k, v) -> None:
         plan = self._table.plan_write(layer, seqs, counts)
@@ -119,11 +129,12 @@ class KVPool:
         (returns their counts) or of every sequence (None; counts in `sequences` order).
         Every layer of a sequence must hold the same number pending (StateError names
         them); all are checked before any is committed."""
-        if seqs is None:
-            return self._table.advance(list(self._table.seqs))
-        if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
-            return self._table.advance([int(seqs)])[0]
-        return self._table.advance(list(seqs))
+        with self._guard("advance"):
+            if seqs is None:
+                return self._table.advance(list(self._table.seqs))
+            if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+                return self._table.advance([int(seqs)])[0]
+            return self._table.advance(list(seqs))
 
     def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | np.ndarray,
                      out: np.ndarray) -> np.ndarray:
@@ -132,19 +143,21 @@ class KVPool:
         M >= sum counts, gets them in order, then -1 (skip) to its end. Pages are taken
         (copy-on-write included) as an append would: atomic, CapacityError with the
         numbers. Row r is page r // page_size, offset r % page_size."""
-        seqs = list(seqs)
-        counts = _counts(counts, len(seqs))
-        check_ndarray("out", out)
-        check_out("out", out, (out.shape[0],) if out.ndim == 1 else ("M",), [np.int64])
-        if out.shape[0] < sum(counts):
-            raise ShapeError(f"out holds {out.shape[0]} slots, the positions need {sum(counts)}")
-        plan = self._table.plan_write(None, seqs, counts)
-        if plan.copies:
-            self._store.writer.copy_pages(np.array(plan.copies, np.int64) * self._ps, self._ps)
-        self._table.commit_write(plan)
-        out[:len(plan.rows)] = plan.rows
-        out[len(plan.rows):] = -1
-        return out
+        with self._guard("slot_mapping"):
+            seqs = list(seqs)
+            counts = _counts(counts, len(seqs))
+            check_ndarray("out", out)
+            check_out("out", out, (out.shape[0],) if out.ndim == 1 else ("M",), [np.int64])
+            if out.shape[0] < sum(counts):
+                raise ShapeError(f"out holds {out.shape[0]} slots, the positions need "
+                                 f"{sum(counts)}")
+            plan = self._table.plan_write(None, seqs, counts)
+            if plan.copies:
+                self._store.writer.copy_pages(np.array(plan.copies, np.int64) * self._ps, self._ps)
+            self._table.commit_write(plan)
+            out[:len(plan.rows)] = plan.rows
+            out[len(plan.rows):] = -1
+            return out
 
     # -- state ---------------------------------------------------------------------
 
@@ -204,18 +217,19 @@ class KVPool:
         """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
         positions (committed, plus `layer`'s pending ones when given), then `fill`
         (vLLM's block table). ShapeError when M is too small."""
-        seqs = list(seqs)
-        tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
-        check_ndarray("out", out)
-        width = max((len(t) for t in tabs), default=0)
-        check_out("out", out, (len(seqs), out.shape[-1] if out.ndim == 2 else "M"), [np.int32])
-        if out.shape[1] < width:
-            raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
-                             f"got {list(out.shape)}")
-        out[:] = fill
-        for b, t in enumerate(tabs):
-            out[b, :len(t)] = t
-        return out
+        with self._guard("block_tables"):
+            seqs = list(seqs)
+            tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
+            check_ndarray("out", out)
+            width = max((len(t) for t in tabs), default=0)
+            check_out("out", out, (len(seqs), out.shape[-1] if out.ndim == 2 else "M"), [np.int32])
+            if out.shape[1] < width:
+                raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
+                                 f"got {list(out.shape)}")
+            out[:] = fill
+            for b, t in enumerate(tabs):
+                out[b, :len(t)] = t
+            return out
 
     def csr(self, seqs: Sequence[int], indptr: np.ndarray, indices: np.ndarray,
             last_page_len: np.ndarray, *, layer: int | None = None) -> int:
@@ -224,24 +238,27 @@ class KVPool:
         indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
         1..page_size; 0 for an empty sequence). Positions: committed, plus `layer`'s
         pending ones when given. Returns nnz."""
-        seqs = list(seqs)
-        tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
-                for s, n in ((s, self._held(s, layer)) for s in seqs)]
-        nnz = sum(len(t) for t, _ in tabs)
-        check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
-        check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
-        check_ndarray("indices", indices)
-        check_out("indices", indices, (indices.shape[0] if indices.ndim == 1 else "nnz",), [np.int32])
-        if indices.shape[0] < nnz:
-            raise ShapeError(f"indices holds {indices.shape[0]} entries, the tables need {nnz}")
-        at = 0
-        indptr[0] = 0
-        for b, (t, n) in enumerate(tabs):
-            indices[at:at + len(t)] = t
-            at += len(t)
-            indptr[b + 1] = at
-            last_page_len[b] = n - (len(t) - 1) * self._ps if t else 0
-        return nnz
+        with self._guard("csr"):
+            seqs = list(seqs)
+            tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
+                    for s, n in ((s, self._held(s, layer)) for s in seqs)]
+            nnz = sum(len(t) for t, _ in tabs)
+            check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
+            check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
+            check_ndarray("indices", indices)
+            check_out("indices", indices, (indices.shape[0] if indices.ndim == 1 else "nnz",),
+                      [np.int32])
+            if indices.shape[0] < nnz:
+                raise ShapeError(f"indices holds {indices.shape[0]} entries, the tables need "
+                                 f"{nnz}")
+            at = 0
+            indptr[0] = 0
+            for b, (t, n) in enumerate(tabs):
+                indices[at:at + len(t)] = t
+                at += len(t)
+                indptr[b + 1] = at
+                last_page_len[b] = n - (len(t) - 1) * self._ps if t else 0
+            return nnz
 
     # -- reads ---------------------------------------------------------------------
 
@@ -259,47 +276,52 @@ class KVPool:
     def dequantize(self, seq: int, layer: int, which: str, *, pending: bool = False) -> np.ndarray:
         """K (which="k") or V ("v") of seq's committed positions (and pending ones when
         asked) decoded: float32 [n, Hkv, D], a new array."""
-        if which not in ("k", "v"):
-            raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
-        rows = self._rows(seq, layer, pending)
-        k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
-        codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
-        out = np.empty(codes.shape, np.float32)
-        decode_rows(self._spec.fmt.id, codes, scales, out)
-        return out
+        with self._guard("dequantize"):
+            if which not in ("k", "v"):
+                raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
+            rows = self._rows(seq, layer, pending)
+            k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
+            codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
+            out = np.empty(codes.shape, np.float32)
+            decode_rows(self._spec.fmt.id, codes, scales, out)
+            return out
 
     # -- snapshots -----------------------------------------------------------------
 
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot a
         KVCache makes: restores into a KVCache, a GpuKVCache or a pool sequence."""
-        length = self.length(seq)
-        rows = np.array(self._table.rows(seq, 0, length), np.int64)
-        return snapshot_parts(self._spec, length, n,
-                              lambda layer, count: self._store.gather(layer, rows[:count]))
+        with self._guard("snapshot"):
+            length = self.length(seq)
+            rows = np.array(self._table.rows(seq, 0, length), np.int64)
+            return snapshot_parts(self._spec, length, n,
+                                  lambda layer, count: self._store.gather(layer, rows[:count]))
 
     def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> int:
         """A new sequence holding a snapshot's positions (length = snapshot.length, nothing
         pending); returns its id. Checked as KVCache.restore (SnapshotError, the pool
         untouched; requantize=True re-encodes another format), and CapacityError when the
         pool has too few free pages."""
-        snap = fit_snapshot(self._spec, snapshot, requantize=requantize)
-        table = self._table
-        need = self.pages_for(snap.length)
-        if need > len(table.free):
-            raise CapacityError(f"pool out of pages: restoring {snap.length} positions needs "
-                                f"{need} pages, {len(table.free)} of {table.num_pages} are free")
-        s = table.new()
-        plan = table.plan_write(None, [s], [snap.length])
-        table.commit_write(plan)
-        rows = np.array(plan.rows, np.int64)
-        for layer in range(self._num_layers):
-            for name, arr in zip(("k_codes", "v_codes", "k_scales", "v_scales"),
-                                 self._store.layer_arrays(layer)):
-                if arr is not None:
-                    arr[rows] = getattr(snap, name)[layer]
-        table.get(s).length = snap.length
-        return s
+        with self._guard("restore"):
+            snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize),
+                            self._storage)
+            table = self._table
+            need = self.pages_for(snap.length)
+            if need > len(table.free):
+                raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
+                                    f"needs {need} pages, {len(table.free)} of "
+                                    f"{table.num_pages} are free")
+            s = table.new()
+            plan = table.plan_write(None, [s], [snap.length])
+            table.commit_write(plan)
+            rows = np.array(plan.rows, np.int64)
+            for layer in range(self._num_layers):
+                for name, arr in zip(("k_codes", "v_codes", "k_scales", "v_scales"),
+                                     self._store.layer_arrays(layer)):
+                    if arr is not None:
+                        arr[rows] = getattr(snap, name)[layer]
+            table.get(s).length = snap.length
+            return s
 
     # -- layout and memory ---------------------------------------------------------
 
@@ -335,7 +357,8 @@ def _counts(counts, n: int) -> list[int]:
     """counts as a list of n ints >= 0 (a list, tuple or integer array)."""
     if isinstance(counts, np.ndarray):
         if counts.dtype.kind not in "iu":
-            raise DTypeError(f"invalid dtype of counts: expected an integer type, got {counts.dtype}")
+            raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
+                             f"{counts.dtype}")
         counts = counts.tolist()
     counts = list(counts)
     if len(counts) != n:

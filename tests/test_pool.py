@@ -301,3 +301,63 @@ def test_snapshots_both_ways(rng, fmt, tmp_path):
     with pytest.raises(CapacityError, match="restoring 12 positions needs 4 pages, 3 of 3"):
         small.restore(snap)
     assert state(pool) == before and small.sequences == []
+
+
+class _BlockingLayer(int):
+    """A layer index whose conversion waits for `go`: holds a call inside the pool."""
+
+    def __new__(cls, value, inside, go):
+        obj = super().__new__(cls, value)
+        obj.inside, obj.go = inside, go
+        return obj
+
+    def __index__(self):
+        self.inside.set()
+        assert self.go.wait(60)
+        return super().__int__()
+
+    __int__ = __index__
+
+
+def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
+    import threading
+    pool = KVPool(spec("int8"), num_pages=8, page_size=4)
+    a = pool.new_sequence()
+    k, v = steps(rng, 2)
+    for layer in range(L):
+        pool.append(a, layer, k, v)
+    pool.advance()
+    snap = pool.snapshot(a)
+    inside, go = threading.Event(), threading.Event()
+    errors = []
+
+    def hold():
+        try:
+            pool.append(a, _BlockingLayer(0, inside, go), k, v)
+        except BaseException as e:    # noqa: BLE001 - reported below
+            errors.append(e)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(60)
+        before = state(pool)
+        q = np.zeros((1, 2, D), np.float32)
+        calls = {"append": lambda: pool.append(a, 0, k, v),
+                 "append_batch": lambda: pool.append_batch(0, [a], k, v, [2]),
+                 "advance": pool.advance, "truncate": lambda: pool.truncate(a, 1),
+                 "fork": lambda: pool.fork(a), "free": lambda: pool.free(a),
+                 "new_sequence": pool.new_sequence, "restore": lambda: pool.restore(snap),
+                 "snapshot": lambda: pool.snapshot(a),
+                 "dequantize": lambda: pool.dequantize(a, 0, "k"),
+                 "slot_mapping": lambda: pool.slot_mapping([a], [1], np.zeros(1, np.int64)),
+                 "block_tables": lambda: pool.block_tables([a], np.zeros((1, 2), np.int32)),
+                 "decode_attention": lambda: kvcore.decode_attention(q, pool, 0, seqs=[a])}
+        for op, call in calls.items():
+            with pytest.raises(StateError, match=f"{op}: this KVPool is in use by another thread"):
+                call()
+            assert state(pool) == before
+    finally:
+        go.set()
+        t.join(60)
+    assert not t.is_alive() and not errors
+    assert pool.pending(a, 0) == 2 and pool.pending(a, 1) == 0

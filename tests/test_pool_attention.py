@@ -209,3 +209,21 @@ def test_errors(rng):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
     with pytest.raises(StateError, match="seqs and counts are for a KVPool"):
         decode_attention(q[0], KVCache(spec), 0, seqs=[0])
+
+
+def test_overflow_is_refused_with_out_untouched(rng):
+    """A score past float32 in one sequence refuses the whole call, naming that sequence."""
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=40, num_heads=4,
+                  format="f32")
+    pool = KVPool(spec, num_pages=10, page_size=8)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    small = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    pool.append_batch(0, [a, b], np.concatenate([small, small * 1e30]),
+                      np.concatenate([small, small]), [20, 20])
+    q = np.full((2, 4, 64), 1e20, np.float32)
+    out = np.full_like(q, 7.0)
+    with pytest.raises(kvcore.RangeError, match="decode_attention of sequence 1, layer 0 "
+                                                "overflows float32"):
+        decode_attention(q, pool, 0, seqs=[a, b], out=out)
+    assert (out == 7.0).all()
+    assert np.isfinite(decode_attention(q[:1], pool, 0, seqs=[a])).all()
