@@ -142,19 +142,38 @@ def bench_step_write() -> None:
                     c.append(layer, kb, vb)
                 c.advance()
     threads = kvcore.max_threads()
-    times = {}
-    for nt in sorted({1, threads}):
-        kvcore.set_num_threads(nt)
-        times[f"kvcore KVPool.append_batch (32 calls + advance), {nt} thread(s)"] = \
-            median_time(pooled, repeat=5, warmup=1)
-    kvcore.set_num_threads(threads)
+
+    def at(nt, fn):
+        def call():
+            kvcore.set_num_threads(nt)
+            try:
+                fn()
+            finally:
+                kvcore.set_num_threads(threads)
+        return call
     loop_name = "Python loop of KVCache.append (1,024 calls + 32 advance)"
-    times[loop_name] = median_time(loop, repeat=5, warmup=1)
+    fns = {f"kvcore KVPool.append_batch (32 calls + advance), {nt} thread(s)": at(nt, pooled)
+           for nt in sorted({1, threads})}
+    fns[loop_name] = loop
+    times = _interleaved(fns)
     peer = times[loop_name]
     print_table(f"Decode step write: {B} sequences x {L} layers, 1 position each, f32 input "
                 f"[{HKV}, {D}] into f16 storage",
                 ["implementation", "us / step", "speed vs the loop"],
                 [[name, secs / steps * 1e6, peer / secs] for name, secs in times.items()])
+
+
+def _interleaved(fns: dict, rounds: int = 9) -> dict[str, float]:
+    """Median seconds of one call of each fn, the fns timed in turn within each round so
+    that a change of machine load hits them alike (the first round warms up)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def main(argv=None) -> None:
