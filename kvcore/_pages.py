@@ -66,9 +66,11 @@ class PageTable:
 
     def get(self, s: object) -> Seq:
         try:
-            return self.seqs[s]
+            if not isinstance(s, bool):
+                return self.seqs[s]
         except (KeyError, TypeError):
-            raise StateError(f"unknown sequence {s!r}: never made by this pool, or freed") from None
+            pass
+        raise StateError(f"unknown sequence {s!r}: never made by this pool, or freed")
 
     def free_seq(self, s: int) -> None:
         seq = self.get(s)
@@ -146,7 +148,11 @@ class PageTable:
         nfree = len(free)
         plan = WritePlan(layer, [], [])
         rows, changes = plan.rows, plan.changes
-        if len(set(ids)) != len(ids):
+        try:
+            repeated = len(set(ids)) != len(ids)
+        except TypeError:            # an unhashable id, refused by get below
+            repeated = False
+        if repeated:
             twice = next(s for i, s in enumerate(ids) if s in ids[:i])
             raise StateError(f"sequence {twice} appears twice in one write")
         short = []    # (sequence, pages it takes) for the error message
