@@ -1,9 +1,12 @@
 # cython: language_level=3
-"""CPU cache kernels: checked, atomic row writes into a KVCache's storage.
+"""CPU cache kernels: checked, atomic row writes into a KVCache's or a KVPool's storage.
 
-1. `RowWriter` holds the base addresses of one cache's four regions (codes [L][N][Hkv][D],
-   scales [L][N][Hkv][S]) and its sizes; `KVCache` (cache.py) owns the storage array and
-   the bookkeeping (lengths, pending positions) and tells `write` where to write.
+1. `RowWriter` holds the base addresses of one storage's four regions (codes
+   [L][N][Hkv][D], scales [L][N][Hkv][S], N rows) and its sizes; `_storage.Storage` owns
+   the array, `KVCache` / `KVPool` the bookkeeping, and they tell `write` where to write:
+   rows [pos, pos + T) (a KVCache), or a list of T rows (a pool's pages, several
+   sequences in one call), after copying whole pages first when asked (copy-on-write,
+   only once the input has passed every check).
 2. `RowWriter.write(layer, pos, k, v)` checks everything before it writes a byte: k and v
    are numpy arrays of float32, float16 or ml_dtypes bfloat16 in native byte order, of
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
