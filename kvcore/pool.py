@@ -297,22 +297,29 @@ class KVPool:
             return snapshot_parts(self._spec, length, n,
                                   lambda layer, count: self._store.gather(layer, rows[:count]))
 
-    def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> int:
-        """A new sequence holding a snapshot's positions (length = snapshot.length, nothing
-        pending); returns its id. Checked as KVCache.restore (SnapshotError, the pool
-        untouched; requantize=True re-encodes another format), and CapacityError when the
-        pool has too few free pages."""
+    def restore(self, snapshot: Snapshot, *, seq: int | None = None,
+                requantize: bool = False) -> int:
+        """A sequence holding a snapshot's positions (length = snapshot.length, nothing
+        pending): a new one, or `seq`, whose content and pages it replaces; returns its id.
+        Checked as KVCache.restore (SnapshotError; requantize=True re-encodes another
+        format), StateError for an unknown seq, and CapacityError when the pool has too few
+        pages (free ones, plus those only seq holds): a refused call changes nothing."""
         with self._guard("restore"):
             snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize),
                             self._storage)
             table = self._table
+            own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
             need = self.pages_for(snap.length)
-            if need > len(table.free):
+            if need > len(table.free) + own:
                 raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
                                     f"needs {need} pages, {len(table.free)} of "
-                                    f"{table.num_pages} are free")
-            s = table.new()
-            plan = table.plan_write(None, [s], [snap.length])
+                                    f"{table.num_pages} are free"
+                                    + (f" and sequence {seq} alone holds {own}" if own else ""))
+            if seq is None:
+                seq = table.new()
+            else:
+                table.truncate(seq, 0)
+            plan = table.plan_write(None, [seq], [snap.length])
             table.commit_write(plan)
             rows = np.array(plan.rows, np.int64)
             for layer in range(self._num_layers):
@@ -320,8 +327,8 @@ class KVPool:
                                      self._store.layer_arrays(layer)):
                     if arr is not None:
                         arr[rows] = getattr(snap, name)[layer]
-            table.get(s).length = snap.length
-            return s
+            table.get(seq).length = snap.length
+            return seq
 
     # -- layout and memory ---------------------------------------------------------
 

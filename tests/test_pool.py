@@ -294,6 +294,17 @@ def test_snapshots_both_ways(rng, fmt, tmp_path):
     assert_same(pool, b, cache)
     with pytest.raises(OutOfRangeError, match="expected 0 <= n <= length 12"):
         pool.snapshot(a, 13)
+    # into an existing sequence: its pages are replaced (shared ones stay with the others)
+    c = pool.fork(a)
+    used = pool.num_used_pages
+    assert pool.restore(cache.snapshot(5), seq=c) == c
+    assert pool.length(c) == 5 and pool.pending(c, 0) == 0
+    assert pool.num_used_pages == used + 2   # c shared a's 4 full pages; 5 positions take 2
+    back.restore(cache.snapshot(5))
+    assert_same(pool, c, back)
+    assert_same(pool, a, cache)
+    with pytest.raises(StateError, match="unknown sequence 99"):
+        pool.restore(snap, seq=99)
     before = state(pool)
     with pytest.raises(SnapshotError, match="does not match"):
         pool.restore(KVCache(spec(fmt, capacity=4).replace(head_dim=32)).snapshot())
