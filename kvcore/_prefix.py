@@ -75,23 +75,22 @@ class PrefixIndex:
         nothing: a plan takes as many as it needs."""
         order = list(self.lru)
         gone: dict[bytes, int] = {}                 # children evicted so far, per key
-        done: set[int] = set()
+        done = [False] * len(order)
         entries, children = self.entries, self.children
-        while len(done) < len(order):
-            pick = None
-            for g in order:
-                if g in done:
-                    continue
-                if pick is None:
-                    pick = g                        # the fallback: the least recent
-                e = entries[g]
-                if children.get(e.key, 0) == gone.get(e.key, 0):
-                    pick = g
+        start = 0                                   # order[:start] are all done
+        for _ in range(len(order)):
+            while done[start]:
+                start += 1
+            pick = start                            # the fallback: the least recent
+            for i in range(start, len(order)):
+                e = entries[order[i]]
+                if not done[i] and children.get(e.key, 0) == gone.get(e.key, 0):
+                    pick = i
                     break
-            done.add(pick)
-            parent = entries[pick].parent
+            done[pick] = True
+            parent = entries[order[pick]].parent
             gone[parent] = gone.get(parent, 0) + 1
-            yield pick
+            yield order[pick]
 
     def evict(self, pages: list[int]) -> None:
         for g in pages:
