@@ -8,8 +8,12 @@ abstract tokens shared by fork (to predict when a write needs a page or a copy).
 After every step: free + held pages = P, every reference count equals the number of
 sequences whose table names the page, no free page is reachable from a table, and every
 sequence reads back exactly what was written to it (codes and scales, byte for byte,
-committed and pending). After every refused call: the storage, the free list, the
+committed and pending); batched decode attention over the sequences equals, bit for
+bit, attention on a KVCache restored from the model's codes. After every refused call: the storage, the free list, the
 reference counts and every sequence's table, length and pending counts are unchanged.
+
+PrefixMachine runs the same rules over a pool with a prefix cache, K/V a function of the
+token ids, plus match_prefix and free into the cache (its docstring lists its invariants).
 
 Examples per format: KVCORE_POOL_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a long run.
@@ -26,7 +30,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 import kvcore
-from kvcore import FORMATS, KVPool, KVSpec
+from kvcore import FORMATS, KVCache, KVPool, KVSpec, Snapshot
 from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
@@ -371,6 +375,26 @@ class PoolMachine(RuleBasedStateMachine):
         c.pages = [next(_tokens) for _ in range(-(-n // PS))]
         c.ids, c.extra, c.keyed = m.ids[:n], m.extra, False    # a restore carries no ids
         self.model[t] = c
+
+    @precondition(lambda self: any(m.length for m in self.model.values()))
+    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1))
+    def attend(self, layer, seed):
+        """Batched attention over the sequences with positions and nothing pending in the
+        layer equals, bit for bit, attention on a KVCache restored from the model's codes."""
+        seqs = [s for s, m in sorted(self.model.items()) if m.length and not m.pending[layer]]
+        if not seqs:
+            return
+        q = np.random.default_rng(seed).standard_normal((len(seqs), H, D)).astype(np.float32)
+        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs)
+        for b, s in enumerate(seqs):
+            m = self.model[s]
+            n = m.length
+            parts = {f"{w}_codes": m.codes[w][:, :n].copy() for w in "kv"}
+            if m.scales:
+                parts.update({f"{w}_scales": m.scales[w][:, :n].copy() for w in "kv"})
+            cache = KVCache(self.spec)
+            cache.restore(Snapshot(self.spec, n, **parts))
+            assert out[b].tobytes() == kvcore.decode_attention(q[b], cache, layer).tobytes()
 
     # -------------------------------------------------------------- invariants
 
