@@ -1412,11 +1412,12 @@ def cuStreamEndCapture(emu, hStream):
     if c.mode != CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED and c.thread != threading.get_ident():
         _fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
               "the capture began on another thread")
+    tail = s.tail
     emu.end_capture(c)
     if c.invalid is not None:
         _fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, f"the capture was invalidated: {c.invalid}")
     emu.check_fault(ctx)
-    joined, todo = set(), list(s.tail)
+    joined, todo = set(), list(tail)
     while todo:
         n = todo.pop()
         if n.index not in joined:
