@@ -70,7 +70,8 @@ def dequantize(codes, scales, fmt):
         return x
     s = scales.astype(np.float64)
     if f.name == "q8_0":
-        return (x.reshape(*x.shape[:-1], -1, 32) * s[..., None]).reshape(x.shape)
+        # explicit block count: a -1 cannot be inferred for an empty slot (size 0)
+        return (x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32) * s[..., None]).reshape(x.shape)
     return x * s
 
 
