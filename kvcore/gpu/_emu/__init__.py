@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 
-from ...errors import ShapeError, StateError
+from ...errors import ShapeError
 
 
 def use_emulator(*, devices: int = 1, seed: int = 0, memory_bytes: int = 2 << 30,

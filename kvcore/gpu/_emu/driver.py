@@ -265,7 +265,7 @@ def _where() -> str:
         if not fn.startswith(pkg):
             site = f"{fn}:{f.f_lineno} in {f.f_code.co_name}"
             return site if inner is None else f"{site} (via {inner})"
-        if inner is None and not fn.startswith(os.path.dirname(__file__)):
+        if not fn.startswith(os.path.dirname(__file__)):  # the outermost kvcore.gpu frame
             inner = f"{os.path.basename(fn)}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
     return inner or "?"
@@ -289,8 +289,8 @@ class Leak:
 class _Resource:
     kind = "?"
 
-    def __init__(self, emu: "_Emulator", ctx: "_Context | None", cls=None):
-        self.handle = emu.new_handle(self, cls)
+    def __init__(self, emu: "_Emulator", ctx: "_Context | None"):
+        self.handle = emu.new_handle(self)
         self.ctx = ctx
         self.where = _where()
         self.serial = next(emu.serials)
@@ -320,9 +320,9 @@ class _Op:
 class _Stream(_Resource):
     kind = "stream"
 
-    def __init__(self, emu, ctx, blocking: bool, name: str, cls=CUstream, fixed: int | None = None):
+    def __init__(self, emu, ctx, blocking: bool, name: str, fixed: int | None = None):
         if fixed is None:
-            super().__init__(emu, ctx, cls)
+            super().__init__(emu, ctx)
         else:  # the legacy / per-thread streams: no handle of their own
             self.handle, self.ctx, self.where, self.serial = fixed, ctx, "", 0
         self.blocking = blocking
@@ -339,7 +339,7 @@ class _Event(_Resource):
     kind = "event"
 
     def __init__(self, emu, ctx, flags: int):
-        super().__init__(emu, ctx, CUevent)
+        super().__init__(emu, ctx)
         self.timing = not flags & CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.op: _Op | None = None
         self.time: float | None = None
@@ -369,8 +369,8 @@ class _Capture:
 class _Graph(_Resource):
     kind = "graph"
 
-    def __init__(self, emu, ctx, nodes, cls=CUgraph):
-        super().__init__(emu, ctx, cls)
+    def __init__(self, emu, ctx, nodes):
+        super().__init__(emu, ctx)
         self.nodes = nodes
 
 
@@ -378,14 +378,14 @@ class _GraphExec(_Graph):
     kind = "graphExec"
 
     def __init__(self, emu, ctx, nodes):
-        super().__init__(emu, ctx, nodes, CUgraphExec)
+        super().__init__(emu, ctx, nodes)
 
 
 class _Module(_Resource):
     kind = "module"
 
     def __init__(self, emu, ctx, name: str, info: _ptx.PtxModule | None, impl):
-        super().__init__(emu, ctx, CUmodule)
+        super().__init__(emu, ctx)
         self.name, self.info, self.impl = name, info, impl
         self.functions: dict[str, _Function] = {}
 
@@ -394,14 +394,14 @@ class _Function(_Resource):
     kind = "function"
 
     def __init__(self, emu, module: _Module, name: str, params):
-        super().__init__(emu, module.ctx, CUfunction)
+        super().__init__(emu, module.ctx)
         self.module, self.name, self.params = module, name, params  # params: ((size, is_ptr), ...)
         self.max_dynamic_shared = 48 * 1024
 
 
 class _Context:
     def __init__(self, emu: "_Emulator", device: "_Device"):
-        self.handle = emu.new_handle(self, CUcontext)
+        self.handle = emu.new_handle(self)
         self.device = device
         self.refs = 0
         self.alive = True
@@ -486,7 +486,7 @@ class _Emulator:
 
     # ------------------------------------------------------------------ handles
 
-    def new_handle(self, obj, cls) -> int:
+    def new_handle(self, obj) -> int:
         h = next(self.next_handle)
         self.handles[h] = obj
         return h
