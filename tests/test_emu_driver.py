@@ -324,6 +324,38 @@ def test_event_timing_and_queries(machine):
     ok(d.cuMemFree(p))
 
 
+def test_per_thread_default_stream_and_capture_info(machine):
+    d = machine()
+    p = int(ok(d.cuMemAlloc(8)))
+    ok(d.cuMemsetD8(p, 0, 8))
+    ok(d.cuMemsetD8Async(p, 4, 8, d.CU_STREAM_PER_THREAD))  # blocking: the legacy stream waits
+    assert read(p, 8).tolist() == [4] * 8
+    seen = {}
+
+    def worker():  # another thread's per-thread stream is another stream
+        ok(d.cuCtxSetCurrent(ctx))
+        seen["busy"] = d.cuStreamQuery(d.CU_STREAM_PER_THREAD)[0]
+    ctx = ok(d.cuCtxGetCurrent())
+    ok(d.cuMemsetD8Async(p, 5, 8, d.CU_STREAM_PER_THREAD))
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"busy": R.CUDA_SUCCESS}
+    fails(d.cuStreamQuery(d.CU_STREAM_PER_THREAD), R.CUDA_ERROR_NOT_READY)
+    s = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    status, cid, _, deps, _, n = ok(d.cuStreamGetCaptureInfo(s))
+    assert status == d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE and n == 0
+    ok(d.cuStreamBeginCapture(s, MODES.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    ok(d.cuMemsetD8Async(p, 1, 8, s))
+    status, cid, _, deps, _, n = ok(d.cuStreamGetCaptureInfo(s))
+    assert status == d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE and cid > 0 and n == 1
+    # a non-blocking capture leaves the legacy stream free
+    assert ok(d.cuStreamIsCapturing(0)) == d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    ok(d.cuGraphDestroy(ok(d.cuStreamEndCapture(s))))
+    ok(d.cuStreamDestroy(s))
+    ok(d.cuMemFree(p))
+
+
 # ------------------------------------------------------------------ capture and graphs
 
 def _refusals(d, s, p, other):
