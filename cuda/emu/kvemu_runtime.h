@@ -488,8 +488,8 @@ static void check_exit(Fiber& f) {
         if (l != lane && o.state == AT_COLLECTIVE && (o.mask >> lane & 1u)) {
             char n[64];
             thread_name(o, n, sizeof n);
-            fault(ILLEGAL_INSTRUCTION, "exits while lane %d (%s) waits for it at %s at %s:%d "
-                  "(mask 0x%08x)", l, n, kind_name(false, o.kind), o.file, o.line, o.mask);
+            fault(ILLEGAL_INSTRUCTION, "lane %d exits while lane %d (%s) waits for it at %s at "
+                  "%s:%d (mask 0x%08x)", lane, l, n, kind_name(false, o.kind), o.file, o.line, o.mask);
         }
     }
 }
