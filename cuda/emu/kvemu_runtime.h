@@ -86,6 +86,13 @@ struct Fiber {
     void* asan_fake = nullptr;
 };
 
+// The collectives of one warp that some lanes wait at (usually none or one).
+struct Open { int kind; unsigned mask; const char* file; int line; unsigned arrived; };
+struct Warp {
+    unsigned exist = 0, done = 0;  // lanes that are threads of the block / have exited
+    std::vector<Open> open;
+};
+
 struct Entry {
     const char* name;
     int nparams;
@@ -101,6 +108,7 @@ dim3 kvemu_bdim, kvemu_gdim;
 static Fiber* kvemu_cur;
 static std::vector<Fiber> kvemu_fibers;
 static std::vector<int> kvemu_ready;
+static std::vector<Warp> kvemu_warps;
 static Context kvemu_sched;
 static const Entry* kvemu_entry;
 static void** kvemu_params;
@@ -357,14 +365,14 @@ void yield_point() { switch_to_scheduler(false); }
 int barrier(int kind, int pred, const char* file, int line) {
     Fiber& f = *kvemu_cur;
     const char* name = kind_name(true, kind);
-    if (kvemu_done > 0) {
+    if (__builtin_expect(kvemu_done > 0, 0)) {
         char t[64];
         thread_name(kvemu_fibers[kvemu_first_exit], t, sizeof t);
         fault(ILLEGAL_INSTRUCTION, "%s at %s:%d reached after %s exited (every thread of the "
               "block must reach a barrier)", name, file, line, t);
     }
     if (kvemu_bar_count > 0 && (kvemu_bar_kind != kind || kvemu_bar_line != line ||
-                                strcmp(kvemu_bar_file, file))) {
+                                (kvemu_bar_file != file && strcmp(kvemu_bar_file, file)))) {
         fault(ILLEGAL_INSTRUCTION, "divergent barrier: %s at %s:%d while %d thread(s) wait at %s "
               "at %s:%d", name, file, line, kvemu_bar_count, kind_name(true, kvemu_bar_kind),
               kvemu_bar_file, kvemu_bar_line);
@@ -391,11 +399,6 @@ int barrier(int kind, int pred, const char* file, int line) {
     }
     yield_point();
     return (int)f.result;
-}
-
-// A waiting collective of lane `w` that names lane `lane` must be this very one.
-static bool same_collective(const Fiber& w, int kind, unsigned mask, const char* file, int line) {
-    return w.kind == kind && w.mask == mask && w.line == line && !strcmp(w.file, file);
 }
 
 static void complete_collective(int wbase, unsigned mask) {
@@ -436,34 +439,45 @@ uint64_t collective(int kind, unsigned mask, uint64_t value, int arg, int width,
                     const char* file, int line) {
     Fiber& f = *kvemu_cur;
     const int lane = f.lin & 31, wbase = f.lin - lane;
+    const unsigned me = 1u << lane;
+    Warp& w = kvemu_warps[f.lin >> 5];
     const char* name = kind_name(false, kind);
-    if (!(mask >> lane & 1u))
+    if (!(mask & me))
         fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: mask 0x%08x leaves out the calling lane %d",
               name, file, line, mask, lane);
     if (width < 1 || width > 32 || (width & (width - 1)))
         fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: width %d is not a power of 2 in [1, 32]",
               name, file, line, width);
-    int arrived = 1;
-    for (int l = 0; l < 32; l++) {
-        if (l == lane) continue;
-        const bool named = mask >> l & 1u;
-        if (named && wbase + l >= kvemu_nthreads)
-            fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: mask 0x%08x names lane %d, which is not a "
-                  "thread of the block (%d threads)", name, file, line, mask, l, kvemu_nthreads);
-        if (wbase + l >= kvemu_nthreads) continue;
-        const Fiber& o = kvemu_fibers[wbase + l];
+    if (mask & ~w.exist)
+        fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: mask 0x%08x names lane %d, which is not a "
+              "thread of the block (%d threads)", name, file, line, mask,
+              __builtin_ctz(mask & ~w.exist), kvemu_nthreads);
+    if (mask & w.done) {
+        const int l = __builtin_ctz(mask & w.done);
         char t[64];
-        thread_name(o, t, sizeof t);
-        if (named && o.state == DONE)
-            fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: mask 0x%08x names lane %d (%s), which has "
-                  "exited", name, file, line, mask, l, t);
-        if (o.state != AT_COLLECTIVE || !(named || (o.mask >> lane & 1u))) continue;
-        if (!same_collective(o, kind, mask, file, line))
-            fault(ILLEGAL_INSTRUCTION, "%s at %s:%d (mask 0x%08x) while lane %d (%s) waits at %s "
-                  "at %s:%d (mask 0x%08x)", name, file, line, mask, l, t,
-                  kind_name(false, o.kind), o.file, o.line, o.mask);
-        arrived++;
+        thread_name(kvemu_fibers[wbase + l], t, sizeof t);
+        fault(ILLEGAL_INSTRUCTION, "%s at %s:%d: mask 0x%08x names lane %d (%s), which has "
+              "exited", name, file, line, mask, l, t);
     }
+    // the open collective of this warp that involves this lane, if any, must be this one
+    Open* match = nullptr;
+    for (Open& o : w.open) {
+        if (!((o.mask & me) || (o.arrived & mask))) continue;
+        if (o.kind != kind || o.mask != mask || o.line != line || (o.file != file && strcmp(o.file, file))) {
+            const int l = __builtin_ctz(o.arrived);
+            char t[64];
+            thread_name(kvemu_fibers[wbase + l], t, sizeof t);
+            fault(ILLEGAL_INSTRUCTION, "%s at %s:%d (mask 0x%08x) while lane %d (%s) waits at %s "
+                  "at %s:%d (mask 0x%08x)", name, file, line, mask, l, t, kind_name(false, o.kind),
+                  o.file, o.line, o.mask);
+        }
+        match = &o;
+    }
+    if (!match) {
+        w.open.push_back(Open{kind, mask, file, line, 0});
+        match = &w.open.back();
+    }
+    match->arrived |= me;
     f.kind = kind;
     f.mask = mask;
     f.value = value;
@@ -472,7 +486,11 @@ uint64_t collective(int kind, unsigned mask, uint64_t value, int arg, int width,
     f.file = file;
     f.line = line;
     f.state = AT_COLLECTIVE;
-    if (arrived == __builtin_popcount(mask)) complete_collective(wbase, mask);
+    if (match->arrived == mask) {
+        complete_collective(wbase, mask);
+        *match = w.open.back();
+        w.open.pop_back();
+    }
     yield_point();
     return f.result;
 }
@@ -483,15 +501,16 @@ static void check_exit(Fiber& f) {
               "of the block must reach a barrier)", kvemu_bar_count,
               kind_name(true, kvemu_bar_kind), kvemu_bar_file, kvemu_bar_line);
     const int lane = f.lin & 31, wbase = f.lin - lane;
-    for (int l = 0; l < 32 && wbase + l < kvemu_nthreads; l++) {
-        const Fiber& o = kvemu_fibers[wbase + l];
-        if (l != lane && o.state == AT_COLLECTIVE && (o.mask >> lane & 1u)) {
-            char n[64];
-            thread_name(o, n, sizeof n);
-            fault(ILLEGAL_INSTRUCTION, "lane %d exits while lane %d (%s) waits for it at %s at "
-                  "%s:%d (mask 0x%08x)", lane, l, n, kind_name(false, o.kind), o.file, o.line, o.mask);
-        }
+    Warp& w = kvemu_warps[f.lin >> 5];
+    for (const Open& o : w.open) {
+        if (!(o.mask >> lane & 1u)) continue;
+        const int l = __builtin_ctz(o.arrived);
+        char n[64];
+        thread_name(kvemu_fibers[wbase + l], n, sizeof n);
+        fault(ILLEGAL_INSTRUCTION, "lane %d exits while lane %d (%s) waits for it at %s at "
+              "%s:%d (mask 0x%08x)", lane, l, n, kind_name(false, o.kind), o.file, o.line, o.mask);
     }
+    w.done |= 1u << lane;
 }
 
 // ---- cp.async ---------------------------------------------------------------------------
@@ -585,6 +604,13 @@ static void run_block(uint3 block) {
     kvemu_done = 0;
     kvemu_bar_count = 0;
     kvemu_ready.clear();
+    kvemu_warps.resize((size_t)(n + 31) / 32);
+    for (size_t w = 0; w < kvemu_warps.size(); w++) {
+        const int lanes = n - 32 * (int)w < 32 ? n - 32 * (int)w : 32;
+        kvemu_warps[w].exist = lanes == 32 ? ~0u : (1u << lanes) - 1u;
+        kvemu_warps[w].done = 0;
+        kvemu_warps[w].open.clear();
+    }
     for (int i = 0; i < n; i++) {
         Fiber& f = kvemu_fibers[i];
         f.lin = i;
