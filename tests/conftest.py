@@ -13,7 +13,6 @@ CUDA arrays (torch, CuPy) and a real device, and skip under the emulator.
 """
 import functools
 import gc
-import shutil
 import zlib
 
 import numpy as np
@@ -35,7 +34,8 @@ def _real_device() -> bool:
 
 
 def _compiler() -> str | None:
-    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    from kvcore.gpu._emu import kernels
+    return kernels.compiler()
 
 
 @functools.cache

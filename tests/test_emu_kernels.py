@@ -87,6 +87,7 @@ def test_launch_checks_the_dims_like_the_device(cases):
         assert e.value.code == "CUDA_ERROR_INVALID_VALUE"
 
 
+@pytest.mark.skipif(kernels.asan_present(), reason="under ASan its redzones replace the canary")
 def test_alloc_poisons_and_free_finds_an_overrun():
     p = kernels.alloc(100)
     assert ctypes.string_at(p, 100) == b"\xff" * 100

@@ -288,8 +288,10 @@ def test_plan_validation(rng):
     with pytest.raises(StateError, match="make a new plan"):
         plan.run(q, out, 0)
     cache.free()
+    cache = GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1)
     with pytest.raises(FormatError, match="head_dim 64, 128 or 256"):
-        AttentionPlan(GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1))
+        AttentionPlan(cache)
+    cache.free()
 
 
 @pytest.mark.gpu

@@ -1717,7 +1717,7 @@ def _kernel_run(emu, ctx, f: _Function, grid, block, shmem, params: list[bytes],
                                  f"allocation of device {ctx.device.ordinal} when the kernel runs "
                                  f"(freed after the launch was queued or captured?)")
         bufs = [ctypes.create_string_buffer(raw, len(raw)) for raw in params]
-        argv = (ctypes.c_void_p * max(len(bufs), 1))(*[ctypes.addressof(b) for b in bufs])
+        argv = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
         kernels = _kernels()
         try:
             f.module.impl.launch(f.name, grid, block, shmem, argv, emu.next_seed())

@@ -277,7 +277,7 @@ _alloc_lock = threading.Lock()
 _allocations: dict[int, int] = {}
 
 
-def _asan_present() -> bool:
+def asan_present() -> bool:
     """libasan is in the process: its malloc has redzones of its own, no canary then."""
     return hasattr(_libc, "__asan_init")
 
@@ -287,7 +287,7 @@ def alloc(nbytes: int) -> int:
     with poison (0xFF: NaN bits for f32/f16/bf16), followed (without ASan) by a 256-byte
     canary that free() checks. Raises CudaError when out of memory."""
     nbytes = int(nbytes)
-    pad = 0 if _asan_present() else _REDZONE
+    pad = 0 if asan_present() else _REDZONE
     p = ctypes.c_void_p()
     if _libc.posix_memalign(ctypes.byref(p), _ALIGN, max(nbytes, 1) + pad) != 0 or not p.value:
         raise CudaError(f"emulated cuMemAlloc: cannot allocate {nbytes} bytes of host memory")
@@ -306,7 +306,7 @@ def free(ptr: int) -> None:
         nbytes = _allocations.pop(int(ptr), None)
     if nbytes is None:
         raise CudaError(f"emulated cuMemFree: 0x{int(ptr):x} is not an allocation of the emulator")
-    pad = 0 if _asan_present() else _REDZONE
+    pad = 0 if asan_present() else _REDZONE
     tail = ctypes.string_at(ptr + nbytes, pad)
     ctypes.memset(ptr, 0xFF, nbytes)
     _libc.free(ptr)
