@@ -41,7 +41,7 @@ import random
 import sys
 import threading
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from . import ptx as _ptx
@@ -540,8 +540,8 @@ class _Emulator:
     def check_fault(ctx: _Context) -> None:
         if ctx.fault is not None:
             code, message = ctx.fault
-            raise _Fail(code, f"a kernel fault earlier in this context (sticky: the context "
-                              f"is unusable): {message}")
+            raise _Fail(code, f"a kernel fault in this context (sticky: every later call in "
+                              f"the context fails): {message}")
 
     def device(self, dev) -> _Device:
         self.need_init()
@@ -597,7 +597,9 @@ class _Emulator:
         return a
 
     def free(self, a: _Alloc) -> None:
-        i = self.allocs.index(a)
+        """Forgets and frees a (kernels.free poisons it; it raises KernelFault, after freeing,
+        when a kernel or copy wrote past the end)."""
+        i = bisect_left(self.starts, a.ptr)
         del self.allocs[i], self.starts[i]
         a.live = False
         a.ctx.device.used -= a.size
@@ -1042,7 +1044,12 @@ def cuMemFree(emu, dptr):
               f"one is device {ctx.device.ordinal}'s")
     emu.synchronize_ctx(ctx)  # cuMemFree waits for the device, as the driver's does
     emu.after_wait(ctx)
-    emu.free(a)
+    kernels = _kernels()
+    try:
+        emu.free(a)
+    except kernels.KernelFault as e:  # the canary past the end was overwritten
+        ctx.fault = (getattr(CUresult, e.code, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS), e.message)
+        emu.check_fault(ctx)
 
 
 def _copy_op(emu, ctx, dst, src, n, dst_dev: bool, src_dev: bool, what: str):
