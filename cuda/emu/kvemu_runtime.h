@@ -142,15 +142,25 @@ static char* kvemu_shared_end;
 
 #ifdef __SANITIZE_ADDRESS__
 // The shared variables are plain statics with ASan redzones: found once, by asking ASan
-// for every global in this module's writable segments (the runtime's own are kvemu_*).
+// for every global in this module's writable segments. The runtime's own globals are all
+// named kvemu_* and it has no function-local statics, so every other one is __shared__.
 static int find_shared_cb(struct dl_phdr_info* info, size_t, void* self) {
     Dl_info me;
     if (!dladdr(self, &me) || (void*)info->dlpi_addr != me.dli_fbase) return 0;
+    uintptr_t relro_lo = 0, relro_hi = 0;  // made read-only after relocation: no shared there
+    for (int j = 0; j < info->dlpi_phnum; j++)
+        if (info->dlpi_phdr[j].p_type == PT_GNU_RELRO) {
+            relro_lo = info->dlpi_addr + info->dlpi_phdr[j].p_vaddr;
+            relro_hi = relro_lo + info->dlpi_phdr[j].p_memsz;
+        }
     for (int j = 0; j < info->dlpi_phnum; j++) {
         const ElfW(Phdr)& ph = info->dlpi_phdr[j];
         if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_W)) continue;
-        char* p = (char*)((info->dlpi_addr + ph.p_vaddr) & ~(uintptr_t)7);
-        char* hi = (char*)(info->dlpi_addr + ph.p_vaddr + ph.p_memsz);
+        uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+        const uintptr_t end = lo + ph.p_memsz;
+        if (lo >= relro_lo && lo < relro_hi) lo = relro_hi;
+        char* p = (char*)((lo + 7) & ~(uintptr_t)7);
+        char* hi = (char*)end;
         while (p < hi) {
             char name[256];
             void* beg = nullptr;
@@ -222,13 +232,14 @@ static void thread_name(const Fiber& f, char* buf, size_t n) {
     snprintf(buf, n, "thread (%u,%u,%u)", f.ids.tid.x, f.ids.tid.y, f.ids.tid.z);
 }
 
+static const char* const kvemu_barrier_names[] = {"__syncthreads", "__syncthreads_or",
+                                                   "__syncthreads_and", "__syncthreads_count"};
+static const char* const kvemu_collective_names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
+                                                      "__shfl_xor_sync", "__any_sync", "__all_sync",
+                                                      "__ballot_sync", "__syncwarp"};
+
 static const char* kind_name(bool barrier, int kind) {
-    static const char* const bars[] = {"__syncthreads", "__syncthreads_or", "__syncthreads_and",
-                                       "__syncthreads_count"};
-    static const char* const colls[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
-                                        "__shfl_xor_sync", "__any_sync", "__all_sync",
-                                        "__ballot_sync", "__syncwarp"};
-    return barrier ? bars[kind] : colls[kind];
+    return barrier ? kvemu_barrier_names[kind] : kvemu_collective_names[kind];
 }
 
 static void switch_to_scheduler(bool exiting);
@@ -299,8 +310,10 @@ static inline void jump(Context& save, Context& to) { swapcontext(&save.uc, &to.
 
 // Stacks for n fibers: one mapping, each stack with a PROT_NONE guard page below it; kept
 // for the life of the process and grown on demand.
+static std::vector<std::pair<char*, size_t>> kvemu_stacks;
+
 static void ensure_fibers(int n) {
-    static std::vector<std::pair<char*, size_t>> stacks;
+    std::vector<std::pair<char*, size_t>>& stacks = kvemu_stacks;
     const size_t page = (size_t)sysconf(_SC_PAGESIZE), size = kvemu_stack_bytes();
     while ((int)stacks.size() < n) {
         const int batch = 32;
