@@ -97,8 +97,9 @@ _available: bool | None = None
 
 
 def is_available() -> bool:
-    """True when cuda-python imports, the driver initialises and a device exists. Never
-    raises: whatever goes wrong on the way (no module, no libcuda, no device) is False."""
+    """True when cuda-python imports, the driver initialises and a device exists (always,
+    after use_emulator()). Never raises: whatever goes wrong on the way (no module, no
+    libcuda, no device) is False."""
     global _available
     if _available is None:
         try:

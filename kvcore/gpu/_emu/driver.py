@@ -460,6 +460,9 @@ _ATTRIBUTES = {
 }
 
 
+_HANDLES = itertools.count(0x7e0000001000, 0x40)
+
+
 def _kernels():
     from . import kernels  # the host-compiled kernel modules (built on first use)
     return kernels
@@ -474,7 +477,7 @@ class _Emulator:
         self.devices = [_Device(i, config.memory_bytes) for i in range(config.devices)]
         self.handles: dict[int, object] = {}
         self.dead: dict[int, str] = {}            # destroyed handle -> what it was
-        self.next_handle = itertools.count(0x7e0000001000, 0x40)
+        self.next_handle = _HANDLES  # shared by every reset: an old handle is never reissued
         self.serials = itertools.count(1)
         self.capture_ids = itertools.count(1)
         self.launches = 0
