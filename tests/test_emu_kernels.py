@@ -101,6 +101,21 @@ def test_alloc_poisons_and_free_finds_an_overrun():
         kernels.free(p)
 
 
+@pytest.mark.skipif(kernels.asan_present(), reason="under ASan its redzones replace the canary")
+def test_a_kernel_writing_past_an_allocation_is_reported_at_free(cases):
+    n = 10
+    p = kernels.alloc(4 * n)
+    _launch(cases, "global_overrun", (1, 1, 1), (32, 1, 1), p, n)
+    with pytest.raises(kernels.KernelFault, match="bytes 0..3 past the end"):
+        kernels.free(p)
+
+
+def test_shared_reads_in_bounds(cases):
+    out = np.zeros(32, np.float32)
+    _launch(cases, "shared_overrun", (1, 1, 1), (32, 1, 1), out, 31)
+    assert (out == 1).all()
+
+
 # ---- kvcore's kernels against the CPU references -------------------------------------------------
 
 def _raw(a):

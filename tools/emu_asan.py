@@ -3,6 +3,7 @@
 
     python3 tools/emu_asan.py                                   # emulator + every gpu test
     python3 tools/emu_asan.py tests/test_gpu_attention.py -k q8_0   # any pytest arguments
+    python3 tools/emu_asan.py --self-check   # an overrun of shared and of device memory is reported
 
 pytest runs in a child process with the compiler's libasan preloaded (ASAN_OPTIONS
 detect_leaks=0: the interpreter is not instrumented and would report its own allocations)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -50,12 +52,59 @@ def child_main(args: list[str]) -> int:
     return pytest.main(args, plugins=[AsanPlugin()])
 
 
-def main() -> int:
-    args = sys.argv[1:] or DEFAULT_ARGS
+def overrun_main(kind: str) -> None:
+    """Child of --self-check: one out-of-bounds access that ASan must report."""
+    import ctypes
+    import numpy as np
+    from kvcore.gpu._emu import kernels
+    mod = kernels.load("emu_cases", asan=True, source_dir=os.path.join(ROOT, "tests", "emu_cases"))
+    n = 32
+    buf = kernels.alloc(4 * n)
+    out = np.zeros(n, np.float32)
+    if kind == "shared":
+        vals = [ctypes.c_void_p(out.ctypes.data), ctypes.c_int(n)]   # reads s[32]
+    else:
+        vals = [ctypes.c_void_p(buf), ctypes.c_int(n)]               # writes buf[32]
+    params = (ctypes.c_void_p * 2)(*[ctypes.addressof(v) for v in vals])
+    mod.launch(f"{kind}_overrun", (1, 1, 1), (32, 1, 1), 0, params, 0)
+
+
+def _env() -> dict:
     env = dict(os.environ)
     env["LD_PRELOAD"] = libasan()
     env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0:halt_on_error=1"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+    return env
+
+
+def self_check() -> int:
+    """Proves the ASan build bites: a shared-memory over-read and a device-memory overrun of
+    a test kernel must each end in an ASan report naming the kernel's source line."""
+    failures = 0
+    # a shared array overrun through a pointer is seen by UBSan's object-size check first
+    # (when the compiler knows the object) or by ASan's redzones around the static
+    reports = {"shared": ("global-buffer-overflow", "insufficient space for an object"),
+               "global": ("heap-buffer-overflow",)}
+    for kind, names in reports.items():
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import emu_asan; "
+                "emu_asan.overrun_main(sys.argv[2])")
+        res = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tools"), kind],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True)
+        line = re.search(r"in \S*%s_overrun\S* (\S+emu_cases\.cu:\d+)" % kind, res.stderr)
+        report = next((r for r in names if r in res.stderr), None)
+        line = line or re.search(r"(\S+emu_cases\.cu:\d+):\d+: runtime error", res.stderr)
+        ok = res.returncode != 0 and report is not None and line is not None
+        failures += not ok
+        print(f"{kind} memory overrun: {'reported' if ok else 'NOT reported'}: "
+              f"{report if ok else res.stderr[-2000:]} at {line.group(1) if line else '?'}")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--self-check"]:
+        return self_check()
+    args = sys.argv[1:] or DEFAULT_ARGS
+    env = _env()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import emu_asan; "
             "sys.exit(emu_asan.child_main(sys.argv[2:]))")
     cmd = [sys.executable, "-c", code, os.path.join(ROOT, "tools"), "--gpu=emu", "-p", "no:cacheprovider", *args]

@@ -105,3 +105,18 @@ extern "C" __global__ void intrinsics(const float* x, const unsigned* a, const u
 
 // Every thread of every block adds 1.
 extern "C" __global__ void atomic_count(unsigned long long* n) { atomicAdd(n, 1ull); }
+
+// Thread 0 writes p[n], one element past an n-element allocation.
+extern "C" __global__ void global_overrun(float* p, int n) {
+    if (threadIdx.x == 0) p[n] = 1.0f;  // site: global overrun
+}
+
+// Reads s[i] through a pointer (so only ASan's redzones, not UBSan's bounds, can see it):
+// i = 32 is one past the array. Launched out of bounds only by tools/emu_asan.py --self-check.
+extern "C" __global__ void shared_overrun(float* out, int i) {
+    __shared__ float s[32];
+    s[threadIdx.x] = 1.0f;
+    __syncthreads();
+    const float* p = s;
+    out[threadIdx.x] = p[i];  // site: shared overrun
+}

@@ -8,7 +8,8 @@ see docs/gpu.md, "Emulated kernels"), loaded with ctypes.
     mod.launch("kv_advance", (1, 1, 1), (32, 1, 1), 0, params, seed=0)  # KernelFault on a fault
 
 Builds are cached under $XDG_CACHE_HOME/kvcore/emu (default ~/.cache/kvcore/emu), keyed by
-every source byte, the compiler's version and the flags; a build writes a temporary file and
+every byte of the module's sources (its .cu, what it includes, cuda/emu/), its kernel names,
+the compiler's version and the flags; a build writes a temporary file and
 renames it, so concurrent processes never see half a library.
 """
 from __future__ import annotations
@@ -218,6 +219,23 @@ def _kernel_names(src: str, module: str) -> list[str]:
     return names
 
 
+_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _includes(path: str, seen: set[str] | None = None) -> set[str]:
+    """`path` and every file it includes with #include "..." (found beside the includer),
+    recursively: the sources a module's build depends on besides cuda/emu/."""
+    seen = set() if seen is None else seen
+    path = os.path.normpath(path)
+    if path in seen or not os.path.exists(path):
+        return seen
+    seen.add(path)
+    with open(path, "rb") as f:
+        for inc in _INCLUDE.findall(f.read()):
+            _includes(os.path.join(os.path.dirname(path), inc.decode()), seen)
+    return seen
+
+
 def _emu_dir(src: str) -> str:
     own = os.path.join(src, "emu")
     if os.path.exists(os.path.join(own, "module.cpp")):
@@ -242,11 +260,10 @@ def _build(module: str, src: str, asan: bool) -> str:
     key = hashlib.sha256()
     for part in (_compiler_version(cxx), " ".join(flags), module, " ".join(names), label):
         key.update(part.encode() + b"\0")
-    files = sorted(glob.glob(os.path.join(src, "*.cu")) + glob.glob(os.path.join(src, "*.cuh"))
-                   + glob.glob(os.path.join(emu, "*")))
+    files = sorted(_includes(os.path.join(src, module + ".cu")) | set(glob.glob(os.path.join(emu, "*"))))
     for path in files:
         with open(path, "rb") as f:
-            key.update(os.path.basename(path).encode() + b"\0" + f.read())
+            key.update(os.path.relpath(path, src).encode() + b"\0" + f.read())
     out_dir = cache_dir()
     out = os.path.join(out_dir, f"{module}-{key.hexdigest()[:24]}{'-asan' if asan else ''}.so")
     if os.path.exists(out):
