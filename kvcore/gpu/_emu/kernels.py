@@ -49,7 +49,7 @@ _ERRBUF = 4096
 
 _launch_lock = threading.Lock()   # one kernel at a time per process
 _load_lock = threading.Lock()
-_modules: dict[str, "Module"] = {}
+_modules: dict[tuple[str, str, bool], "Module"] = {}
 _source_override: str | None = None
 
 
@@ -113,16 +113,19 @@ def modules(src: str | None = None) -> list[str]:
 
 
 def load(module: str, *, asan: bool = False, source_dir: str | None = None) -> "Module":
-    """The emulated module `module` (cuda/<module>.cu), built on first use. asan: the
+    """The emulated module `module` (cuda/<module>.cu), built on first use and loaded once
+    per process (later edits of the sources need a new process). asan: the
     AddressSanitizer + UBSan build (the process must have libasan preloaded).
     Raises CudaError naming the compiler error when the build fails."""
     src = os.path.abspath(source_dir) if source_dir else default_source_dir()
-    path = _build(module, src, asan)
-    with _load_lock:
-        mod = _modules.get(path)
-        if mod is None:
-            mod = _modules[path] = Module(module, path)
-        return mod
+    key = (module, src, asan)
+    mod = _modules.get(key)  # sources are read once per process
+    if mod is None:
+        path = _build(module, src, asan)
+        with _load_lock:
+            mod = _modules.get(key) or Module(module, path)
+            _modules[key] = mod
+    return mod
 
 
 def build_all(*, asan: bool = False, source_dir: str | None = None) -> list["Module"]:
