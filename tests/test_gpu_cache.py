@@ -1,4 +1,4 @@
-"""GpuKVCache and the layer under it, on a device (skipped without one).
+"""GpuKVCache and the layer under it, on a device or under the emulator (--gpu, conftest.py).
 
 The reference is the CPU: kvcore.quantize for codes and scales, KVCache and
 KVCache.snapshot / restore for layouts. Device memory is poisoned (0xA5) before
