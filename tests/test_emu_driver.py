@@ -615,3 +615,34 @@ def test_use_emulator_validates_and_answers():
     else:
         with pytest.raises(StateError, match="real device"):
             gpu.use_emulator()
+
+
+def test_a_missing_stream_dependency_reads_stale_data_through_kvcore(machine):
+    # a foreign producer whose CAI names no stream: the cache's stream does not wait for
+    # its pending copy, so the append reads the poison still there (NaN: the step is refused)
+    if not gpu.using_emulator():
+        pytest.skip("the session runs kvcore on a real device")
+    machine(init=False)
+    spec = kvcore.KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=4, format="int8")
+    cache = gpu.GpuKVCache(spec, 2)
+    producer = gpu.Stream.create(non_blocking=True)
+    x = np.ones((2, 2, 32), np.float32)
+    buf = gpu.DeviceBuffer.alloc(x.nbytes)
+    buf.copy_from_host(x, stream=producer)
+
+    class Foreign:
+        def __init__(self, stream):
+            self.__cuda_array_interface__ = dict(buf.view(x.shape, x.dtype).__cuda_array_interface__,
+                                                 stream=stream)
+    cache.append(0, Foreign(None), Foreign(None))
+    cache.advance()
+    with pytest.raises(kvcore.NonFiniteError):
+        cache.check()
+    cache.append(0, Foreign(producer.ptr), Foreign(producer.ptr))  # ordered: reads the ones
+    cache.advance()
+    cache.check()
+    assert cache.length(0) == 1 and (cache.keys(0).to_numpy()[:, :, 0] == 127).all()
+    producer.synchronize()
+    producer.destroy()
+    buf.free()
+    cache.free()
