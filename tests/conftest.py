@@ -95,7 +95,6 @@ def pytest_runtest_setup(item):
         item.stash[_LEAK_MARK] = emu.live_serial()
 
 
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
