@@ -317,6 +317,16 @@ def test_attention_against_float64(fmt, D, group, Hkv, lengths, N, nsplit, rng):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("fmt,D", [("int8", 64), ("q8_0", 128), ("q8_0", 256), ("fp8_e4m3", 256), ("bf16", 128)])
+def test_attention_full_slots(fmt, D, rng):
+    """Slots filled to capacity (plus a pending position, clipped): every slot's codes and
+    scales are their own exact-size allocation, so the ASan build (tools/emu_asan.py) sees
+    any read past a full slot."""
+    N = 96 if D < 256 else 48
+    out, ref = run_attention(fmt, D, 2, 2, [N, N - 1], N, 3, rng, extra=1)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
 def test_attention_seed_independent(rng):
     """A race-free kernel gives the same bits whatever the thread order."""
     outs = [run_attention("int8", 64, 4, 1, [100], 128, 2, np.random.default_rng(1), seed=s)[0]
