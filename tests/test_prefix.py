@@ -283,3 +283,37 @@ def test_without_prefix_cache():
     assert pool.stats == kvcore.PoolStats(2, 0, 0, 0, 0, 0)
     with pytest.raises(kvcore.SpecError, match="prefix_cache must be a bool"):
         KVPool(spec, num_pages=2, prefix_cache=1)
+
+
+def test_eviction_takes_leaves_before_parents_then_any():
+    """A0 is cached but names B1 (held) as its child: a newer leaf X0 goes first; when only
+    A0 is left, it goes too (a write never fails while a cached page exists)."""
+    pool = make_pool(pages=6)
+    a, _ = prefill(pool, list(range(5)))             # A0 registered, A1 partial
+    b = pool.new_sequence()                          # the same 4 ids, then 5 more, computed
+    toks = list(range(9))
+    kv = kv_of(toks)
+    for layer in range(L):
+        pool.append(b, layer, kv, -kv)
+    pool.advance(b, tokens=toks)                     # B0 (a duplicate: not registered), B1
+    pa = pool.page_table(a).tolist()
+    pool.free(a)                                     # A0 cached, A1 free
+    x, _ = prefill(pool, [40] * 4 + [1])             # X0 registered, X1 partial
+    px = pool.page_table(x).tolist()
+    pool.free(x)                                     # lru: A0, then X0 (newer)
+    assert (pool.stats.free, pool.stats.cached) == (1, 2)
+    c = pool.new_sequence()
+    big = kv_of([7] * 8)
+    for layer in range(L):
+        pool.append(c, layer, big, big)              # 2 pages: the free one, then X0
+    assert px[0] in pool.page_table(c).tolist() and pool.stats.evictions == 1
+    m, n = pool.match_prefix(list(range(9)) + [0])   # A0 and B1 still found
+    assert n == 8 and pool.page_table(m).tolist()[0] == pa[0]
+    pool.free(m)                                     # A0 cached again, B1 held by b
+    d = pool.new_sequence()
+    for layer in range(L):
+        pool.append(d, layer, big[:4], big[:4])      # no free page, no leaf: A0 goes
+    assert pool.page_table(d).tolist() == [pa[0]] and pool.stats.evictions == 2
+    assert pool.match_prefix(list(range(9)) + [0])[1] == 0
+    check_counts(pool)
+    expect(pool, b, toks)
