@@ -133,6 +133,12 @@ def test_chunk_round_trip_every_format(fmt, rng):
         assert got[name].dtype == arr.dtype and np.array_equal(got[name].view(np.uint8),
                                                                 arr.view(np.uint8))
         assert not got[name].flags.writeable
+    # the body is a safetensors blob: the safetensors library reads it as written
+    from safetensors.numpy import load
+    blob = load(value[24:])
+    assert np.array_equal(blob["token_ids"], tokens)
+    for name, arr in parts.items():
+        assert np.array_equal(blob[name].view(np.uint8), arr.view(np.uint8))
 
 
 def test_every_flipped_bit_and_truncation_is_refused(rng):
