@@ -258,6 +258,8 @@ def test_store_refuses_bad_arguments(tmp_path, rng):
     for model in ("", "has space", "x{tag}", "a" * 201, 3):
         with pytest.raises(DTypeError, match="invalid model"):
             KVStore(backend, model=model, spec=spec)
+    with pytest.raises(DTypeError, match="invalid prefix 'a b'"):
+        KVStore(backend, model="m", spec=spec, prefix="a b")
     with pytest.raises(RangeError, match="chunk_tokens"):
         KVStore(backend, model="m", spec=spec, chunk_tokens=0)
     store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
@@ -310,6 +312,12 @@ def test_writer_saves_off_the_caller_thread_drops_when_full_and_flushes_on_close
         assert store.lookup(np.append(p, 0)) == (2 * C if ok else 0)
     with pytest.raises(kvcore.StateError, match="closed"):
         writer.submit(snaps[0], prompts[0])
+    with StoreWriter(store) as other:  # refused in the caller's thread, nothing queued
+        with pytest.raises(DTypeError, match="expected Snapshot"):
+            other.submit(prompts[0], prompts[0])
+        with pytest.raises(DTypeError, match="extra 'salt'"):
+            other.submit(snaps[0], prompts[0], {"salt": 1})
+        assert other.stats.submitted == 0
 
 
 # ------------------------------------------------------------------ Redis

@@ -22,13 +22,14 @@ log = logging.getLogger("kvcore.store")
 KEY_VERSION = "1"
 
 
-def _check_model(model: object) -> str:
-    if not isinstance(model, str) or not re.fullmatch(r"[\x21-\x7e]{1,200}", model) \
-            or "{" in model or "}" in model:
-        raise DTypeError(f"invalid model {str(model)[:80]!r}: expected 1-200 printable ASCII "
-                         f"characters without spaces or braces (a model name and revision, "
-                         f"e.g. 'meta-llama/Llama-3.1-8B@5206a32')")
-    return model
+def _check_name(what: str, value: object) -> str:
+    """A key field: 1-200 printable ASCII characters, no space, no brace (a brace would
+    make Redis Cluster slot the key by a hash tag)."""
+    if not isinstance(value, str) or not re.fullmatch(r"[\x21-\x7a|~]{1,200}", value):
+        raise DTypeError(f"invalid {what} {str(value)[:80]!r}: expected 1-200 printable ASCII "
+                         f"characters without spaces or braces (e.g. a model name and "
+                         f"revision, 'meta-llama/Llama-3.1-8B@5206a32')")
+    return value
 
 
 @dataclass
@@ -74,11 +75,11 @@ class KVStore:
             raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(spec).__name__}")
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise RangeError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-        _check_model(prefix)
+        _check_name("prefix", prefix)
         self.backend = backend
         self.spec = spec
         self.chunk_tokens = chunk_tokens
-        self._kind = ChunkKind(_check_model(model), spec, chunk_tokens)
+        self._kind = ChunkKind(_check_name("model", model), spec, chunk_tokens)
         self._key_head = (f"{prefix}:{KEY_VERSION}:{model}:{spec.format}:{LAYOUT}:"
                           f"L{spec.num_layers}.H{spec.num_kv_heads}.D{spec.head_dim}.C{chunk_tokens}:")
 
@@ -225,7 +226,11 @@ class StoreWriter:
         """Queues a save; False when the queue was full and it was dropped."""
         if self._closed:
             raise StateError("StoreWriter.submit: the writer is closed")
-        ids = token_array(tokens)  # bad tokens raise here, in the caller's thread
+        if not isinstance(snapshot, Snapshot):
+            raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
+                             f"got {type(snapshot).__name__}")
+        ids = token_array(tokens)  # bad arguments raise here, in the caller's thread
+        encode_extra(extra)
         with self._lock:
             self.stats.submitted += 1
         try:
