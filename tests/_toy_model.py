@@ -17,12 +17,19 @@ def kv(spec: kvcore.KVSpec, layer: int, tokens: np.ndarray, start: int):
     return k, v
 
 
-def prefill(cache: kvcore.KVCache, tokens: np.ndarray) -> None:
-    """Appends tokens after the cache's positions, every layer, and advances."""
-    start = cache.length
-    for layer in range(cache.spec.num_layers):
-        cache.append(layer, *kv(cache.spec, layer, tokens, start))
-    cache.advance()
+def prefill(cache, tokens: np.ndarray, seq: int | None = None) -> None:
+    """Appends tokens after the positions of a KVCache (or of sequence seq of a KVPool),
+    every layer, and advances."""
+    if seq is None:
+        start = cache.length
+        for layer in range(cache.spec.num_layers):
+            cache.append(layer, *kv(cache.spec, layer, tokens, start))
+        cache.advance()
+    else:
+        start = cache.length(seq)
+        for layer in range(cache.spec.num_layers):
+            cache.append(seq, layer, *kv(cache.spec, layer, tokens, start))
+        cache.advance(seq)
 
 
 def query(spec: kvcore.KVSpec, step: int) -> np.ndarray:
@@ -31,13 +38,18 @@ def query(spec: kvcore.KVSpec, step: int) -> np.ndarray:
     return np.sin(j * 0.013 + step).astype(np.float32).reshape(spec.num_heads, spec.head_dim)
 
 
-def decode(cache: kvcore.KVCache, tokens: np.ndarray) -> np.ndarray:
-    """Feeds tokens one at a time (append, advance), attending after each in every layer:
-    float32 [len(tokens), L, Hq, D], every attention output."""
+def decode(cache, tokens: np.ndarray, seq: int | None = None) -> np.ndarray:
+    """Feeds tokens one at a time (append, advance) to a KVCache (or sequence seq of a
+    KVPool), attending after each in every layer: float32 [len(tokens), L, Hq, D], every
+    attention output."""
     spec = cache.spec
     out = np.empty((len(tokens), spec.num_layers, spec.num_heads, spec.head_dim), np.float32)
     for i, t in enumerate(tokens):
-        prefill(cache, np.array([t]))
+        prefill(cache, np.array([t]), seq)
         for layer in range(spec.num_layers):
-            out[i, layer] = kvcore.decode_attention(query(spec, i), cache, layer)
+            if seq is None:
+                out[i, layer] = kvcore.decode_attention(query(spec, i), cache, layer)
+            else:
+                out[i, layer] = kvcore.decode_attention(query(spec, i)[None], cache, layer,
+                                                        seqs=[seq])[0]
     return out

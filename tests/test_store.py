@@ -358,52 +358,33 @@ def test_redis_cluster_spreads_chunks_over_the_nodes(redis_cluster, rng):
     backend.close()
 
 
-_CHILD = """
-import sys
-import numpy as np
-sys.path.insert(0, {tests!r})
-import kvcore
-from kvcore.store import KVStore, RedisBackend, StoreWriter
-from _toy_model import decode, prefill
-role, url = sys.argv[1], sys.argv[2]
-spec = kvcore.KVSpec(**{spec!r})
-prompt, new = np.load(sys.argv[3]), np.load(sys.argv[4])
-store = KVStore(RedisBackend(url), model="toy@1", spec=spec, chunk_tokens={c})
-cache = kvcore.KVCache(spec)
-if role == "writer":
-    prefill(cache, prompt)
-    with StoreWriter(store) as writer:
-        writer.submit(cache.snapshot(), prompt)
-    assert writer.stats.chunks_written > 0, writer.stats
-else:
-    result = store.load_into(cache, prompt)
-    print(result.positions)
-    prefill(cache, prompt[cache.length:])
-    np.save(sys.argv[5], decode(cache, new))
-"""
-
-
-def test_two_processes_share_a_prefix_through_the_server(redis_server, tmp_path, rng):
-    spec = spec_of("int8")
+def share_through_server(url, spec, tmp_path, rng, reader="reader"):
+    """A writer process saves a prompt's chunks to the server, a reader process (a
+    KVCache, or a KVPool with reader="reader-pool") loads them, computes the rest and
+    decodes; returns (positions the reader loaded, its attention outputs, the outputs of
+    this process computing everything itself), tests/_store_child.py."""
+    import json
     prompt = rng.integers(0, 50000, 5 * C + 7)
     new = rng.integers(0, 50000, 6)
     np.save(tmp_path / "prompt.npy", prompt)
     np.save(tmp_path / "new.npy", new)
-    fields = dict(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                  head_dim=spec.head_dim, capacity=spec.capacity, num_heads=spec.num_heads,
-                  format=spec.format)
-    code = _CHILD.format(tests=TESTS, spec=fields, c=C)
-    args = [redis_server.url, str(tmp_path / "prompt.npy"), str(tmp_path / "new.npy")]
-    RedisBackend(redis_server.url).client.flushdb()
-    subprocess.run([sys.executable, "-c", code, "writer", *args], check=True, cwd=ROOT_DIR)
-    reader = subprocess.run([sys.executable, "-c", code, "reader", *args,
-                             str(tmp_path / "out.npy")],
-                            check=True, cwd=ROOT_DIR, capture_output=True, text=True)
-    assert int(reader.stdout) == 5 * C  # the reader computed only the last 7 prompt tokens
+    fields = json.dumps(dict(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                             head_dim=spec.head_dim, capacity=spec.capacity,
+                             num_heads=spec.num_heads, format=spec.format))
+    args = [url, fields, str(tmp_path / "prompt.npy"), str(tmp_path / "new.npy")]
+    child = [sys.executable, os.path.join(TESTS, "_store_child.py")]
+    env = dict(os.environ, PYTHONPATH=ROOT_DIR)  # the kvcore under test
+    subprocess.run(child + ["writer", *args], check=True, env=env)
+    run = subprocess.run(child + [reader, *args, str(tmp_path / "out.npy")],
+                         check=True, env=env, capture_output=True, text=True)
     cache = KVCache(spec)
     prefill(cache, prompt)
-    expected = decode(cache, new)
-    got = np.load(tmp_path / "out.npy")
+    return int(run.stdout), np.load(tmp_path / "out.npy"), decode(cache, new)
+
+
+def test_two_processes_share_a_prefix_through_the_server(redis_server, tmp_path, rng):
+    loaded, got, expected = share_through_server(redis_server.url, spec_of("int8"), tmp_path, rng)
+    assert loaded == 5 * C  # the reader computed only the last 7 prompt tokens
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 

@@ -180,7 +180,12 @@ class KVStore:
         """load, then restore what was found: into a new sequence of a KVPool (its id in
         result.seq; none is made when nothing was found) or into a KVCache (replacing its
         content when something was found). The target is written only after every chunk
-        was checked, by its own atomic restore."""
+        was checked, by its own atomic restore (a pool with too few free pages raises its
+        CapacityError, the pool unchanged). A pool's page_size must divide chunk_tokens."""
+        page_size = getattr(target, "page_size", None)
+        if page_size is not None and self.chunk_tokens % page_size:
+            raise RangeError(f"chunk_tokens {self.chunk_tokens} is not a multiple of the "
+                             f"pool's page_size {page_size}")
         result = self.load(tokens, extra)
         if result.snapshot is not None:
             seq = target.restore(result.snapshot)
