@@ -252,6 +252,26 @@ def test_a_corrupt_file_is_a_reported_miss_and_is_replaced(tmp_path, rng):
     assert store.load(tokens).positions == C
 
 
+def test_a_bounded_directory_evicts_the_least_recently_used_last_chunks_first(tmp_path, rng):
+    spec = spec_of("int8")
+    a, b = (rng.integers(0, 50000, 4 * C + 1) for _ in range(2))
+    scratch = KVStore(DirectoryBackend(tmp_path / "scratch"), model="m", spec=spec, chunk_tokens=C)
+    scratch.save(computed(spec, a).snapshot(), a)
+    size = max(len(v) for v in scratch.backend.get_prefix(scratch.keys(a)))  # one chunk's bytes
+    backend = DirectoryBackend(tmp_path / "kv", fsync=False, max_bytes=6 * size + 100)
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
+    store.save(computed(spec, a).snapshot(), a)
+    assert store.load(a).positions == 4 * C  # a read: a's chunks are used last to first
+    store.save(computed(spec, b).snapshot(), b)  # 8 chunks: the 3 least recently used go
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "kv") for f in fs]
+    assert len(files) == 5 and sum(os.path.getsize(f) for f in files) <= backend.max_bytes
+    result = store.load(a)
+    assert (result.positions, result.miss) == (C, "chunk 1 not stored")  # a kept its first
+    assert store.load(b).positions == 4 * C
+    with pytest.raises(RangeError, match="max_bytes"):
+        DirectoryBackend(tmp_path, max_bytes=0)
+
+
 def test_store_refuses_bad_arguments(tmp_path, rng):
     spec = spec_of("int8")
     backend = DirectoryBackend(tmp_path)

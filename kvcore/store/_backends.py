@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -52,11 +53,26 @@ class DirectoryBackend(Backend):
     more than a few thousand files). A write goes to a temporary file beside the target,
     is fsynced (fsync=True) and renamed over it, so a reader or a crash sees the old value
     or the new one, never part of one. Any number of processes may share a directory.
+
+    max_bytes bounds the values' bytes (None: no bound): a write or a read marks a file
+    used (its mtime, set from a clock that never repeats within the process; the files
+    of one read are marked last to first, so a prefix's first chunk is its most recently
+    used), and once a tenth of max_bytes has been written since the last sweep, a sweep
+    lists the files and deletes the least recently used (oldest mtime) until at most
+    0.9 x max_bytes remain: a prefix loses its last chunks first. Between sweeps the
+    directory may pass the bound by that tenth.
     """
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True):
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True,
+                 max_bytes: int | None = None):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise RangeError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = bool(fsync)
+        self.max_bytes = max_bytes
+        self._since_sweep = max_bytes  # sweep at the first write: the directory may be full
+        self._clock = 0  # the last mtime set, ns
         self.name = f"directory {self.root}"
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -66,6 +82,14 @@ class DirectoryBackend(Backend):
     def _path(self, key: str) -> str:
         h = hashlib.sha256(key.encode("utf-8")).hexdigest()
         return os.path.join(self.root, h[:2], h[2:4], h)
+
+    def _touch(self, path: str) -> None:
+        """Marks a file used now (mtime), later than every file this process marked."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        try:
+            os.utime(path, ns=(self._clock, self._clock))
+        except FileNotFoundError:
+            pass
 
     def get_prefix(self, keys):
         out = []
@@ -77,6 +101,9 @@ class DirectoryBackend(Backend):
                 break
             except OSError as e:
                 raise self._fail(f"read of key {key!r}", e) from None
+        if self.max_bytes is not None:
+            for key in reversed(keys[:len(out)]):
+                self._touch(self._path(key))
         return out
 
     def contains_prefix(self, keys):
@@ -108,6 +135,35 @@ class DirectoryBackend(Backend):
                 except OSError:
                     pass
                 raise self._fail(f"write of key {key!r}", e) from None
+            if self.max_bytes is not None:
+                self._touch(path)
+                self._since_sweep += len(value)
+                if self._since_sweep * 10 >= self.max_bytes:
+                    self.sweep()
+
+    def sweep(self) -> int:
+        """Deletes the least recently used values until at most 0.9 x max_bytes remain
+        (nothing without max_bytes); returns the bytes deleted. Files other processes
+        delete meanwhile are skipped."""
+        self._since_sweep = 0
+        if self.max_bytes is None:
+            return 0
+        try:
+            files = [f for a in _subdirs(self.root) for b in _subdirs(a) for f in _value_files(b)]
+        except OSError as e:
+            raise self._fail("sweep", e) from None
+        total, freed = sum(size for _, size, _ in files), 0
+        for _, size, path in sorted(files):
+            if total - freed <= 0.9 * self.max_bytes:
+                break
+            try:
+                os.unlink(path)
+                freed += size
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise self._fail("sweep", e) from None
+        return freed
 
     def delete(self, keys):
         for key in keys:
@@ -117,6 +173,33 @@ class DirectoryBackend(Backend):
                 pass
             except OSError as e:
                 raise self._fail(f"delete of key {key!r}", e) from None
+
+
+def _subdirs(path: str) -> list[str]:
+    """The fan-out directories (two hex digits) in path."""
+    try:
+        return [e.path for e in os.scandir(path) if len(e.name) == 2 and e.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
+def _value_files(path: str) -> list[tuple[int, int, str]]:
+    """(mtime ns, size, path) of the value files in path (not the temporary ones);
+    files deleted meanwhile are left out."""
+    out = []
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        if e.name.startswith("."):
+            continue
+        try:
+            st = e.stat()
+        except FileNotFoundError:
+            continue
+        out.append((st.st_mtime_ns, st.st_size, e.path))
+    return out
 
 
 class RedisBackend(Backend):
@@ -177,8 +260,11 @@ class RedisBackend(Backend):
     def get_prefix(self, keys):
         if not keys:
             return []
+        # sent last to first: the server's LRU clock then finds a prefix's first chunk the
+        # most recently used, and evicts its last chunks first
+        values = self._pipeline(f"GET of {len(keys)} keys", [("get", k) for k in reversed(keys)])
         out = []
-        for value in self._pipeline(f"GET of {len(keys)} keys", [("get", k) for k in keys]):
+        for value in reversed(values):
             if value is None:
                 break
             out.append(value)
