@@ -260,11 +260,8 @@ class RedisBackend(Backend):
     def get_prefix(self, keys):
         if not keys:
             return []
-        # sent last to first: the server's LRU clock then finds a prefix's first chunk the
-        # most recently used, and evicts its last chunks first
-        values = self._pipeline(f"GET of {len(keys)} keys", [("get", k) for k in reversed(keys)])
         out = []
-        for value in reversed(values):
+        for value in self._pipeline(f"GET of {len(keys)} keys", [("get", k) for k in keys]):
             if value is None:
                 break
             out.append(value)

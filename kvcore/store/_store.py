@@ -127,8 +127,8 @@ class KVStore:
         names = [n for n in ("k_codes", "v_codes", "k_scales", "v_scales")
                  if getattr(snapshot, n) is not None]
         written = 0
-        # One chunk at a time (one value's memory at once), last to first: a backend that
-        # evicts the least recently used then drops a prefix's last chunks before its first.
+        # One chunk at a time (one value's memory at once), last to first: a directory's
+        # sweep (least recently written or read first) then drops a prefix's tail first.
         for i in reversed(range(start, len(keys))):
             parts = {n: getattr(snapshot, n)[:, i * c:(i + 1) * c] for n in names}
             value = encode_chunk(self._kind, keys[i], ids[i * c:(i + 1) * c], parts)
