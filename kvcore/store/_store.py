@@ -89,20 +89,23 @@ class KVStore:
 
     # -- keys ----------------------------------------------------------------------
 
-    def _chunks(self, tokens, extra: Extra | None, limit: int) -> tuple[np.ndarray, list[str]]:
-        """(token ids int64, the keys of the whole chunks within the first `limit` ids)."""
+    def _chunks(self, tokens, extra: Extra | None,
+                limit: int | None = None) -> tuple[np.ndarray, list[str]]:
+        """(token ids int64, the keys of the whole chunks within the first `limit` ids,
+        default all)."""
         ids = token_array(tokens)
         extra_bytes = encode_extra(extra)
         c = self.chunk_tokens
+        end = ids.size if limit is None else min(limit, ids.size)
         keys, parent = [], ROOT
-        for start in range(0, min(limit, ids.size) - c + 1, c):
+        for start in range(0, end - c + 1, c):
             parent = chain_key(parent, ids[start:start + c], extra_bytes)
             keys.append(self._key_head + parent.hex())
         return ids, keys
 
     def keys(self, tokens: Sequence[int] | np.ndarray, extra: Extra | None = None) -> list[str]:
         """The keys of the whole chunks of tokens (len(tokens) // chunk_tokens of them)."""
-        return self._chunks(tokens, extra, 2**62)[1]
+        return self._chunks(tokens, extra)[1]
 
     # -- save ----------------------------------------------------------------------
 
@@ -110,9 +113,9 @@ class KVStore:
              extra: Extra | None = None) -> int:
         """Saves the whole chunks of a sequence: snapshot holds its first positions, tokens
         the ids of its first positions; the whole chunks within both are saved (a partial
-        last chunk is not). Chunks already stored at
-        the start are skipped (one round trip asks); returns the chunks written.
-        StoreError when the backend fails (chunks written before stay: each is whole)."""
+        last chunk is not). Chunks already stored at the start are skipped (one round trip
+        asks); returns the chunks written. StoreError when the backend fails (the chunks
+        written before stay: each is whole)."""
         if not isinstance(snapshot, Snapshot):
             raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
                              f"got {type(snapshot).__name__}")
