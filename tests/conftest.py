@@ -69,13 +69,16 @@ def redis_cluster(tmp_path_factory):
 
 @pytest.fixture
 def server_factory(tmp_path):
-    """Starts servers of the test's own (to kill or to configure), stopped after it."""
-    from _servers import Server
-    binary = _server_binaries()[0]
+    """Starts servers of the test's own (to kill or to configure), stopped after it:
+    start(*args) a redis-server with extra arguments, start(cluster=True) a cluster."""
+    from _servers import Cluster, Server
+    binary, cli = _server_binaries()
     started = []
 
-    def start(*args):
-        started.append(Server(binary, str(tmp_path / f"redis{len(started)}"), args=args))
+    def start(*args, cluster=False):
+        workdir = str(tmp_path / f"redis{len(started)}")
+        started.append(Cluster(binary, cli, workdir) if cluster
+                       else Server(binary, workdir, args=args))
         return started[-1]
     yield start
     for s in started:

@@ -378,6 +378,23 @@ def test_redis_cluster_spreads_chunks_over_the_nodes(redis_cluster, rng):
     backend.close()
 
 
+def test_a_cluster_node_killed_fails_store_calls_by_name(server_factory, rng):
+    from _servers import free_port
+    with pytest.raises(StoreError, match=r"^redis cluster redis://127\.0\.0\.1:\d+: connect failed: "
+                                         r"RedisClusterException"):
+        RedisBackend(f"redis://127.0.0.1:{free_port()}", cluster=True)
+    cluster = server_factory(cluster=True)
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 6 * C + 1)
+    store = KVStore(RedisBackend(cluster.url, cluster=True), model="m", spec=spec, chunk_tokens=C)
+    assert store.save(computed(spec, tokens).snapshot(), tokens) == 6
+    dead = cluster.nodes[1]
+    dead.kill()
+    with pytest.raises(StoreError, match=rf"^redis cluster {cluster.url}: GET of 6 keys failed: "
+                                         rf"ConnectionError: .*127\.0\.0\.1:{dead.port}"):
+        store.load(tokens)
+
+
 def share_through_server(url, spec, tmp_path, rng, reader="reader"):
     """A writer process saves a prompt's chunks to the server, a reader process (a
     KVCache, or a KVPool with reader="reader-pool") loads them, computes the rest and

@@ -230,7 +230,9 @@ class RedisBackend(Backend):
             raise StoreError("RedisBackend takes one of url or client")
         if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
             raise RangeError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
-        self._errors = (redis.exceptions.RedisError, OSError)
+        # RedisClusterException (cluster unreachable, slot not covered) is no RedisError
+        self._errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
+                        OSError)
         self._px = None if ttl is None else max(1, round(ttl * 1000))
         if client is None:
             opts = dict(socket_connect_timeout=2.0, socket_timeout=10.0,
@@ -242,7 +244,8 @@ class RedisBackend(Backend):
                 else:
                     client = redis.Redis.from_url(url, **opts)
             except self._errors as e:
-                raise StoreError(f"redis {url}: connect failed: {type(e).__name__}: {e}") from None
+                raise StoreError(f"redis{' cluster' if cluster else ''} {url}: connect failed: "
+                                 f"{type(e).__name__}: {e}") from None
         self.client = client
         self.cluster = type(client).__name__ == "RedisCluster"
         self.name = (f"redis cluster {url or 'client'}" if self.cluster
