@@ -14,7 +14,7 @@ import pytest
 
 import kvcore
 from kvcore import KVCache, KVSpec
-from kvcore._prefix_keys import ROOT, chain_key, encode_extra, prefix_keys, token_array
+from kvcore._prefix_keys import ROOT, encode_extra, prefix_keys, token_array
 from kvcore.errors import ChunkError, DTypeError, RangeError, SnapshotError, StoreError
 from kvcore.store import (DirectoryBackend, KVStore, RedisBackend, StoreWriter, decode_chunk,
                           encode_chunk)
