@@ -133,6 +133,12 @@ def test_chunk_round_trip_every_format(fmt, rng):
         assert got[name].dtype == arr.dtype and np.array_equal(got[name].view(np.uint8),
                                                                 arr.view(np.uint8))
         assert not got[name].flags.writeable
+    # the same value from arrays of any layout: a slice of positions of a longer snapshot
+    # (one piece per layer), and Fortran order (copied)
+    wide = {n: np.concatenate([a, a], axis=1) for n, a in parts.items()}
+    assert encode_chunk(kind, key, tokens, {n: a[:, C:] for n, a in wide.items()}) == value
+    assert encode_chunk(kind, key, tokens, {n: np.asfortranarray(a)
+                                            for n, a in parts.items()}) == value
     # the body is a safetensors blob: the safetensors library reads it as written
     from safetensors.numpy import load
     blob = load(value[24:])

@@ -61,17 +61,27 @@ class ChunkKind:
 
 def encode_chunk(kind: ChunkKind, key: str, token_ids: np.ndarray, parts: dict) -> bytes:
     """The value of one chunk. token_ids: int64 [C]; parts: k_codes, v_codes, k_scales,
-    v_scales as in a Snapshot of C positions (any strides: copied once, into the value)."""
-    arrays = [(name, np.ascontiguousarray(token_ids if name == _TOKENS else parts[name],
-                                          dtype=dtype))
+    v_scales as in a Snapshot of C positions (C-contiguous, or a slice of positions of a
+    C-contiguous snapshot array: copied once, into the value)."""
+    arrays = [(name, np.asarray(token_ids if name == _TOKENS else parts[name], dtype))
               for name, _, dtype in kind.layout()]
     header = _encode_header(kind.metadata(key), arrays)
+    pieces = [p for _, a in arrays for p in _pieces(a)]
     h = xxhash.xxh3_128()
     h.update(header)
-    views = [memoryview(a.reshape(-1).view(np.uint8)) for _, a in arrays]
-    for v in views:
-        h.update(v)
-    return b"".join([MAGIC, h.digest(), header, *views])
+    for p in pieces:
+        h.update(p)
+    return b"".join([MAGIC, h.digest(), header, *pieces])
+
+
+def _pieces(arr: np.ndarray) -> list[memoryview]:
+    """arr's bytes in C order as contiguous pieces: no copy when arr is C-contiguous, or
+    each arr[i] is (a chunk's positions of a snapshot array: one piece per layer)."""
+    if arr.flags.c_contiguous:
+        return [memoryview(arr.reshape(-1).view(np.uint8))]
+    if arr.ndim > 1 and all(a.flags.c_contiguous for a in arr):
+        return [p for a in arr for p in _pieces(a)]
+    return _pieces(np.ascontiguousarray(arr))
 
 
 def decode_chunk(kind: ChunkKind, key: str, token_ids: np.ndarray, value) -> dict:
