@@ -8,10 +8,11 @@ from .errors import (CapacityError, ChunkError, CudaError, DTypeError, FormatErr
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
+from .pool import KVPool
 from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
-from .attention import apply_rope, decode_attention
+from .attention import apply_rope, decode_attention, merge_attention
 from .store import DirectoryBackend, KVStore, RedisBackend, StoreWriter
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "StoreError", "ChunkError", "KVStore", "DirectoryBackend", "RedisBackend",
     "StoreWriter", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
+    "KVPool",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "Snapshot", "load_snapshot", "decode_attention", "apply_rope", "__version__",
+    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope", "__version__",
 ]

@@ -1,8 +1,9 @@
 """Chunk store throughput: save and load of a 4,096-token int8 prefix (32 layers, Hkv 8,
 D 128: 277 MB, 16 chunks of 256 tokens) through a KVStore on a directory and on a Redis
 server, against the raw writes and reads of the same value bytes through the same
-backend, and against the bare copy of the same positions into a cache (what a load
-costs when there is nothing to fetch or check: recomputing nothing).
+backend, and against the bare copy of the same positions into the pages of a KVPool
+(page_size 16; what a load costs when there is nothing to fetch or check: recomputing
+nothing).
 
     python tools/bench_cpu.py --only store      (or python tools/bench_store.py)
 
@@ -10,7 +11,7 @@ save = slice each chunk out of the snapshot, encode (header, copy into one value
 XXH3-128 of every byte), write (directory: temporary file + fsync + rename; Redis: SET);
 its raw peer writes the already-encoded values the same way. load = one round trip for
 the values, check every chunk (digest, header, tokens, codes), assemble, restore into a
-KVCache; its raw peer fetches the same bytes only. The Redis server is a redis-server
+new sequence of a KVPool; its raw peer fetches the same bytes only. The Redis server is a redis-server
 started on a free loopback port for the run (skipped, saying so, when none is on PATH).
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import kvcore  # noqa: E402
 from kvcore.snapshot import Snapshot  # noqa: E402
 from kvcore.store import DirectoryBackend, KVStore, RedisBackend  # noqa: E402
 
-LAYERS, POSITIONS, HEADS, HEAD_DIM, CHUNK = 32, 4096, 8, 128, 256
+LAYERS, POSITIONS, HEADS, HEAD_DIM, CHUNK, PAGE = 32, 4096, 8, 128, 256, 16
 REPEAT = 5
 
 
@@ -66,24 +67,28 @@ def _time(fn: Callable[[], object], setup: Callable[[], object] | None = None) -
 def _rows(name: str, backend, snap: Snapshot, tokens: np.ndarray) -> list[list]:
     store = KVStore(backend, model="bench@1", spec=snap.spec, chunk_tokens=CHUNK)
     keys = store.keys(tokens)[:POSITIONS // CHUNK]
-    cache = kvcore.KVCache(snap.spec)
-    cache._storage[:] = 0  # touch every page once, as a cache in use has been
+    pool = kvcore.KVPool(snap.spec, num_pages=POSITIONS // PAGE, page_size=PAGE)
+    pool._storage[:] = 0  # touch every page once, as a pool in use has been
     clear = lambda: backend.delete(keys)  # noqa: E731
+
+    def free_all() -> None:  # a load or copy takes every page: free them before the next
+        for s in pool.sequences:
+            pool.free(s)
     t_save = _time(lambda: store.save(snap, tokens), clear)
     values = backend.get_prefix(keys)
     assert len(values) == len(keys)
     t_put = _time(lambda: backend.put_many(list(zip(keys, values))), clear)
-    result = store.load_into(cache, tokens)
+    result = store.load_into(pool, tokens)
     assert result.positions == POSITIONS, result.miss
-    t_load = _time(lambda: store.load_into(cache, tokens))
+    t_load = _time(lambda: store.load_into(pool, tokens), free_all)
     t_get = _time(lambda: backend.get_prefix(keys))
-    t_copy = _time(lambda: cache.restore(snap))
+    t_copy = _time(lambda: pool.restore(snap), free_all)
     gb = snap.nbytes / 1e9
     return [[name, "save", gb / t_save, "raw write of the values", gb / t_put, t_put / t_save],
-            [name, "load into a KVCache", gb / t_load, "raw read of the values", gb / t_get,
-             t_get / t_load],
-            [name, "load into a KVCache", gb / t_load, "bare copy into the cache (no fetch)",
-             gb / t_copy, t_copy / t_load]]
+            [name, "load into a pool sequence", gb / t_load, "raw read of the values",
+             gb / t_get, t_get / t_load],
+            [name, "load into a pool sequence", gb / t_load, "bare copy into the pages (no "
+             "fetch)", gb / t_copy, t_copy / t_load]]
 
 
 def main() -> None:
