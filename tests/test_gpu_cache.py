@@ -426,7 +426,8 @@ class _Producer:
         if stream is not None and stream != -1:
             ev = self.gpu.Event.create(timing=False)
             ev.record(stream=self.stream)
-            self.gpu.driver.call("cuStreamWaitEvent", self.gpu.driver.stream_handle(int(stream)), ev.handle, 0)
+            with ev.ctx:
+                self.gpu.driver.call("cuStreamWaitEvent", self.gpu.driver.stream_handle(int(stream)), ev.handle, 0)
             ev.destroy()
         return self.arr.__dlpack__()
 
@@ -518,38 +519,39 @@ def test_graph_replay_equals_eager(gpu, rng):
     views = [[inp.view((M, 2, 64), np.float16, offset=((l * 2 + w) * M * 2 * 64) * 2)
               for w in range(2)] for l in range(3)]
     st = graphed.stream
-    gpu.driver.call("cuStreamBeginCapture", st.handle,
-                    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
-        for layer in range(3):
-            graphed.append(layer, views[layer][0], views[layer][1])
-        graphed.advance()
-        with pytest.raises(StateError, match="while a stream is capturing"):
-            graphed.snapshot(0)
-        with pytest.raises(StateError, match="while a stream is capturing"):
-            graphed.check()
-    finally:
-        graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
-    keep = []
-    for t in range(steps):
-        host = np.ascontiguousarray(xs[t])  # alive until the step's sync below
-        inp.copy_from_host(host, stream=st)
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
-        for layer in range(3):
-            keep += [dev(gpu, xs[t, layer, 0]), dev(gpu, xs[t, layer, 1])]
-            eager.append(layer, keep[-2], keep[-1])
-        eager.advance()
-        st.synchronize()  # the host input is reused next step
-    eager.check()
-    graphed.check()
-    assert list(graphed.lengths_host()) == [steps] * M
-    for s in range(M):
-        _same(graphed.snapshot(s), eager.snapshot(s))
-    gpu.driver.call("cuGraphExecDestroy", exe)
-    gpu.driver.call("cuGraphDestroy", graph)
-    eager.free()
-    graphed.free()
+    with st.ctx:  # the raw driver calls below need the context current
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        try:
+            for layer in range(3):
+                graphed.append(layer, views[layer][0], views[layer][1])
+            graphed.advance()
+            with pytest.raises(StateError, match="while a stream is capturing"):
+                graphed.snapshot(0)
+            with pytest.raises(StateError, match="while a stream is capturing"):
+                graphed.check()
+        finally:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+        keep = []
+        for t in range(steps):
+            host = np.ascontiguousarray(xs[t])  # alive until the step's sync below
+            inp.copy_from_host(host, stream=st)
+            gpu.driver.call("cuGraphLaunch", exe, st.handle)
+            for layer in range(3):
+                keep += [dev(gpu, xs[t, layer, 0]), dev(gpu, xs[t, layer, 1])]
+                eager.append(layer, keep[-2], keep[-1])
+            eager.advance()
+            st.synchronize()  # the host input is reused next step
+        eager.check()
+        graphed.check()
+        assert list(graphed.lengths_host()) == [steps] * M
+        for s in range(M):
+            _same(graphed.snapshot(s), eager.snapshot(s))
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
+        eager.free()
+        graphed.free()
 
 
 # ------------------------------------------------------------------ memory fit and lifetime

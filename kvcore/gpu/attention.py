@@ -105,6 +105,7 @@ class AttentionPlan:
         if q_dtype not in _INPUT_DTYPES:
             raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
         self.cache = cache
+        self.ctx = cache.ctx
         self.generation = cache.generation
         self.q_dtype = q_dtype
         M, Hkv, Hq, D = cache.slots, spec.num_kv_heads, spec.num_heads, spec.head_dim
@@ -118,7 +119,8 @@ class AttentionPlan:
         self._fn = kernels.function(f"attention_{spec.format}",
                                     f"kv_attn_{spec.format}_d{D}_g{self.gb}", ctx)
         self._fn_merge = kernels.function("attention", "kv_attn_merge", ctx)
-        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
+        with ctx:
+            per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
         self.resident = max(1, per_sm) * ctx.sm_count
         self.blocks = M * Hkv * (self.group // self.gb)
         bound = spec.capacity if max_length is None else check_index("max_length", max_length, spec.capacity + 1)
@@ -140,11 +142,14 @@ class AttentionPlan:
     def workspace_bytes(self) -> int:
         return 0 if self._ws is None else self._ws.nbytes
 
+    @driver.in_context
     def run(self, q, out, layer: int, *, pending: int = 0, stream=None) -> None:
         """out = softmax(scale * q K^T) V per slot and query head, for `layer` (launch only;
         capturable). q: [M, Hq, D] of the plan's q_dtype, C-contiguous; out: [M, Hq, D]
         float32, C-contiguous. pending: 0 or 1 uncommitted positions to include."""
         c = self.cache
+        if self.freed:
+            raise StateError("use of a freed AttentionPlan: make a new plan")
         if c.freed or c.generation != self.generation:
             raise StateError("the plan's GpuKVCache was freed or reallocated: make a new plan")
         layer = check_index("layer", layer, c.spec.num_layers)
@@ -182,8 +187,13 @@ class AttentionPlan:
                 (ns, ctypes.c_int), (D, ctypes.c_int),
             ], stream=stream)
 
+    @property
+    def freed(self) -> bool:
+        return self.generation == -1
+
     def free(self) -> None:
-        """Releases the workspace (idempotent); the plan cannot run afterwards."""
+        """Releases the workspace (idempotent); the plan cannot run afterwards, nor a
+        DecodeGraph that captured it replay."""
         if self._ws is not None:
             self._ws.free()
         self.generation = -1
@@ -198,6 +208,11 @@ def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale:
     """One-off decode attention (plans, allocates `out` when None, runs, keeps no plan).
     Not capturable (it allocates): inside graphs use an AttentionPlan. Returns out, a
     DeviceArray float32 [M, Hq, D] when allocated here."""
+    with cache.ctx:
+        return _decode_attention(q, cache, layer, out, pending, scale, stream)
+
+
+def _decode_attention(q, cache, layer, out, pending, scale, stream):
     st = cache.stream if stream is None else stream
     qa = as_device_array(q, "q", stream=st)
     name = qa.dtype.name
@@ -251,7 +266,8 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
         args += [(a.ptr, None), (dt, ctypes.c_int), (a.strides[0] // isz, ctypes.c_longlong),
                  (a.strides[1] // isz, ctypes.c_longlong), (heads, ctypes.c_int)]
     fn = kernels.function("rope", "kv_rope", cache.ctx)
-    driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
-        (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
-        (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
-    ], stream=st)
+    with cache.ctx:
+        driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
+            (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
+            (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
+        ], stream=st)

@@ -164,10 +164,17 @@ class GpuKVCache:
         self.slots = int(slots)
         self.layout = GpuLayout(spec, self.slots)
         self.ctx = Context.get(device)
+        with self.ctx:
+            self._create(stream)
+
+    def _create(self, stream) -> None:
+        # kernels first: a driver that cannot load them leaves nothing behind
+        self._fn_append = kernels.function("kv_append", "kv_append", self.ctx)
+        self._fn_advance = kernels.function("kv_append", "kv_advance", self.ctx)
         driver.refuse_while_capturing("GpuKVCache()", *(() if stream is None else (stream,)))
         free, _ = self.ctx.mem_get_info()
         if self.layout.total_bytes > free:
-            fit = max_slots_for_memory(spec, free)
+            fit = max_slots_for_memory(self.spec, free)
             raise SpecError(f"GpuKVCache of {self.slots} slots needs {self.layout.total_bytes} bytes, "
                             f"the device has {free} free: at most {fit} slots fit")
         self._own_stream = stream is None
@@ -175,14 +182,8 @@ class GpuKVCache:
             stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
         self.generation = 0
         self._data = DeviceBuffer.alloc(self.layout.data_bytes, ctx=self.ctx)
-        try:
-            self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
-        except BaseException:
-            self._data.free()
-            raise
+        self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
         self._meta.copy_from_host(self._host_meta())
-        self._fn_append = kernels.function("kv_append", "kv_append", self.ctx)
-        self._fn_advance = kernels.function("kv_append", "kv_advance", self.ctx)
 
     @classmethod
     def fit(cls, spec: KVSpec, reserve_bytes: int = 0, *, device: int = 0, stream=None) -> "GpuKVCache":
@@ -302,6 +303,7 @@ class GpuKVCache:
 
     # ------------------------------------------------------------------ launch path
 
+    @driver.in_context
     def append(self, layer: int, k, v, *, slot: int | None = None, stream=None) -> None:
         """Quantizes k and v into `layer` at each slot's current length (no sync; capturable).
 
@@ -350,6 +352,7 @@ class GpuKVCache:
             (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
         ], stream=st)
 
+    @driver.in_context
     def advance(self, *, slot: int | None = None, steps: int = 1, stream=None) -> None:
         """Commits a step (no sync; capturable): slot None: every slot's length += 1;
         slot s: length[s] += steps. Commits nothing while the error flag is set or when a
@@ -371,6 +374,7 @@ class GpuKVCache:
 
     # ------------------------------------------------------------------ sync path
 
+    @driver.in_context
     def _sync(self, what: str) -> None:
         self._alive()
         driver.refuse_while_capturing(f"GpuKVCache.{what}", self.stream)
@@ -396,6 +400,7 @@ class GpuKVCache:
 
     synchronize = check
 
+    @driver.in_context
     def lengths_host(self) -> np.ndarray:
         """A host copy of the lengths, int32[M] (synchronises)."""
         self._sync("lengths_host")
@@ -411,12 +416,14 @@ class GpuKVCache:
         self._meta.copy_from_host(np.array([n], np.int32),
                                   offset=self.layout.meta_offsets["lengths"] + 4 * slot)
 
+    @driver.in_context
     def truncate(self, slot: int, n: int) -> None:
         """Rolls `slot` back to its first n positions (0 <= n <= length)."""
         cur = self.length(slot)
         n = check_index("n", n, cur + 1)
         self._set_length(slot, n)
 
+    @driver.in_context
     def reset(self, slot: int | None = None) -> None:
         """Empties `slot` (every slot when None); codes are left, lengths become 0."""
         if slot is None:
@@ -460,6 +467,7 @@ class GpuKVCache:
         p.Depth = len(layers)
         driver.call("cuMemcpy3DAsync", p, self.stream.handle)
 
+    @driver.in_context
     def snapshot(self, slot: int) -> Snapshot:
         """Positions [0, length) of `slot`, all layers, as the token-major Snapshot the CPU
         cache gives (k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
@@ -499,6 +507,7 @@ class GpuKVCache:
         Checked by kvcore.snapshot.fit_snapshot, as the CPU cache's restore."""
         self.scatter(snapshot, slot, requantize=requantize)
 
+    @driver.in_context
     def scatter(self, src, slot: int, layer: int | None = None, *,
                 requantize: bool = False) -> None:
         """Copies positions [0, n) of `src` into `slot`: every layer, or only `layer`.
@@ -547,6 +556,7 @@ class GpuKVCache:
     def freed(self) -> bool:
         return self._data.freed
 
+    @driver.in_context
     def free(self) -> None:
         """Releases the device memory (and the cache's own stream); bumps `generation`.
         A second call does nothing; any other use afterwards raises StateError."""

@@ -50,6 +50,11 @@ class DecodeGraph:
                  max_length: int | None = None):
         if dtype not in _DTYPES:
             raise DTypeError(f"invalid dtype: expected float32, float16 or bfloat16, got {dtype!r}")
+        self.ctx = cache.ctx
+        with self.ctx:
+            self._build(cache, dtype, rope, theta, style, rotary_dim, scale, max_length)
+
+    def _build(self, cache, dtype, rope, theta, style, rotary_dim, scale, max_length) -> None:
         driver.refuse_while_capturing("DecodeGraph()", cache.stream)
         s = cache.spec
         self.cache = cache
@@ -68,12 +73,8 @@ class DecodeGraph:
         self._buf = DeviceBuffer.zeros(L * self._layer_bytes, ctx=cache.ctx)
         self._shapes = ((M, Hq, D), (M, Hkv, D), (M, Hkv, D), (M, Hq, D))
         self.stream = Stream.create(cache.ctx)
-        self._graph = self._exec = None
-        try:
-            self._capture()
-        except BaseException:
-            self.destroy()
-            raise
+        self._graph = self._exec = None  # finalizers (driver.owned_handle) once captured
+        self._capture()
 
     # ------------------------------------------------------------------ buffers
 
@@ -123,24 +124,33 @@ class DecodeGraph:
             if err == drv.CUresult.CUDA_SUCCESS and graph is not None:
                 drv.cuGraphDestroy(graph)
             raise
-        self._graph = driver.call("cuStreamEndCapture", h)
-        self._exec = driver.call("cuGraphInstantiate", self._graph, 0)
+        graph = driver.call("cuStreamEndCapture", h)
+        self._graph = driver.owned_handle(self, self.ctx, "cuGraphDestroy", graph)
+        exec_ = driver.call("cuGraphInstantiate", graph, 0)
+        self._exec = driver.owned_handle(self, self.ctx, "cuGraphExecDestroy", exec_)
+        self._exec_handle = exec_
 
     def _check_live(self) -> None:
-        if self._exec is None:
+        if self._exec is None or not self._exec.alive:
             raise StateError("use of a destroyed DecodeGraph")
+        if self.plan.freed:
+            raise StateError("the DecodeGraph's AttentionPlan was freed: its graph would write "
+                             "to the freed workspace; capture a new DecodeGraph")
         c = self.cache
         if c.freed or c.generation != self.generation:
             raise StateError(f"the cache changed since the graph was captured (generation "
                              f"{self.generation} -> {c.generation}{', freed' if c.freed else ''}): "
                              f"capture a new DecodeGraph")
 
+    @driver.in_context
     def replay(self, *, stream=None) -> None:
         """Launches the captured step (no sync). StateError when the cache's generation
-        changed since capture."""
+        changed since capture, or the plan was freed."""
         self._check_live()
-        driver.call("cuGraphLaunch", self._exec, driver.stream_handle(self.stream if stream is None else stream))
+        driver.call("cuGraphLaunch", self._exec_handle,
+                    driver.stream_handle(self.stream if stream is None else stream))
 
+    @driver.in_context
     def step_eager(self, *, stream=None) -> None:
         """The same step, launched kernel by kernel (no graph)."""
         self._check_live()
@@ -149,14 +159,13 @@ class DecodeGraph:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    @driver.in_context
     def destroy(self) -> None:
-        """Releases the graph, its buffers, plan and stream (idempotent)."""
-        if self._exec is not None:
-            driver.call("cuGraphExecDestroy", self._exec)
-            self._exec = None
-        if self._graph is not None:
-            driver.call("cuGraphDestroy", self._graph)
-            self._graph = None
+        """Releases the graph, its buffers, plan and stream (idempotent; also done when the
+        DecodeGraph is collected)."""
+        for fin in (self._exec, self._graph):
+            if fin is not None:
+                fin()
         if self.stream._handle is not None:
             self.stream.synchronize()
             self.stream.destroy()

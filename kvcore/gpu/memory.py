@@ -26,8 +26,8 @@ from .driver import Context, call
 
 
 def _free(ctx: Context, ptr: int, nbytes: int) -> None:
-    ctx.activate()
-    call("cuMemFree", driver.cuda().CUdeviceptr(ptr))
+    with ctx:
+        call("cuMemFree", driver.cuda().CUdeviceptr(ptr))
     ctx.live_bytes -= nbytes
 
 
@@ -48,9 +48,9 @@ class DeviceBuffer:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
             raise ShapeError(f"invalid size of device buffer: expected a positive int, got {nbytes!r}")
         ctx = ctx or Context.get()
-        driver.refuse_while_capturing("DeviceBuffer.alloc")
-        ctx.activate()
-        ptr = int(call("cuMemAlloc", int(nbytes)))
+        with ctx:
+            driver.refuse_while_capturing("DeviceBuffer.alloc")
+            ptr = int(call("cuMemAlloc", int(nbytes)))
         ctx.live_bytes += int(nbytes)
         return cls(ctx, ptr, int(nbytes))
 
@@ -81,12 +81,13 @@ class DeviceBuffer:
     def free(self) -> None:
         """Releases the allocation; a second call does nothing."""
         if self._finalizer.alive:
-            driver.refuse_while_capturing("DeviceBuffer.free")
+            with self.ctx:
+                driver.refuse_while_capturing("DeviceBuffer.free")
             self._finalizer()
 
+    @driver.in_context
     def fill(self, byte: int, *, stream=None) -> None:
         """Sets every byte to `byte` (cuMemsetD8; on `stream` when given)."""
-        self.ctx.activate()
         dptr = driver.cuda().CUdeviceptr(self.ptr)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.fill")
@@ -103,12 +104,12 @@ class DeviceBuffer:
             raise ShapeError(f"invalid range of {name}: bytes [{offset}, {offset + arr.nbytes}) "
                              f"outside the buffer's {self.nbytes}")
 
+    @driver.in_context
     def copy_from_host(self, arr: np.ndarray, *, offset: int = 0, stream=None) -> None:
         """Copies the bytes of C-contiguous `arr` to [offset, offset + arr.nbytes)."""
         self._host_range(arr, offset, "arr")
         if arr.nbytes == 0:
             return
-        self.ctx.activate()
         dst = driver.cuda().CUdeviceptr(self.ptr + offset)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.copy_from_host")
@@ -116,6 +117,7 @@ class DeviceBuffer:
         else:
             call("cuMemcpyHtoDAsync", dst, arr.ctypes.data, arr.nbytes, driver.stream_handle(stream))
 
+    @driver.in_context
     def copy_to_host(self, out: np.ndarray, *, offset: int = 0, stream=None) -> np.ndarray:
         """Copies bytes [offset, offset + out.nbytes) into C-contiguous `out`; returns out."""
         self._host_range(out, offset, "out")
@@ -123,7 +125,6 @@ class DeviceBuffer:
             raise ShapeError("invalid out: the array is read-only")
         if out.nbytes == 0:
             return out
-        self.ctx.activate()
         src = driver.cuda().CUdeviceptr(self.ptr + offset)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.copy_to_host")
@@ -201,11 +202,12 @@ class DeviceArray:
             raise ShapeError("invalid layout: to_numpy needs a C-contiguous view")
         out = np.empty(self.shape, self.dtype)
         if out.nbytes:
-            driver.refuse_while_capturing("DeviceArray.to_numpy")
-            self.ctx.activate()
-            call("cuMemcpyDtoH", out.ctypes.data, driver.cuda().CUdeviceptr(self.ptr), out.nbytes)
+            with self.ctx:
+                driver.refuse_while_capturing("DeviceArray.to_numpy")
+                call("cuMemcpyDtoH", out.ctypes.data, driver.cuda().CUdeviceptr(self.ptr), out.nbytes)
         return out
 
+    @driver.in_context
     def copy_from_numpy(self, arr: np.ndarray, *, stream=None) -> None:
         """Writes `arr` (same shape, cast to this dtype) into a C-contiguous view."""
         if not self.is_c_contiguous:
@@ -215,7 +217,6 @@ class DeviceArray:
         src = np.ascontiguousarray(arr, dtype=self.dtype)
         if not src.nbytes:
             return
-        self.ctx.activate()
         dst = driver.cuda().CUdeviceptr(self.ptr)
         if stream is None:
             driver.refuse_while_capturing("DeviceArray.copy_from_numpy")
@@ -276,7 +277,7 @@ def as_device_array(obj, name: str = "array", *, stream=None) -> DeviceArray:
     if cai is not None:
         producer = cai.get("stream")
         if producer is not None and stream is not None and int(producer) != int(driver.stream_handle(stream)):
-            driver.order_after(int(producer), stream)
+            driver.order_after(int(producer), stream, ctx)
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
         return DeviceArray(ctx, int(cai["data"][0]), shape, dtype, owner=obj,

@@ -1,0 +1,260 @@
+"""Host-side rules of the GPU layer that a first run on a real device depends on: which
+driver loads the shipped PTX, contexts pushed and popped at every entry (any thread may
+call), handles released when their owner is collected, replay refused over freed memory,
+and kvcore's synchronous calls refused while any of its streams captures.
+
+The `emulator` fixture restarts the emulated machine with other settings (an older driver,
+two devices); those tests run under the emulator only."""
+import dataclasses
+import gc
+import glob
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvcore import KVSpec
+from kvcore.errors import CudaError, StateError
+from kvcore.gpu._emu import ptx
+
+pytestmark = pytest.mark.gpu
+
+CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda")
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=32, num_heads=4, format="int8")
+
+
+@pytest.fixture
+def emulator():
+    """start(**use_emulator settings): a fresh emulated machine; the session's is restored
+    afterwards. Skips on a real device."""
+    from kvcore import gpu
+    session = gpu._emu.config()
+    if session is None:
+        pytest.skip("the session runs kvcore on a real device")
+
+    def start(**kw):
+        gc.collect()
+        gpu.use_emulator(**kw)
+
+    yield start
+    gc.collect()
+    gpu.use_emulator(**dataclasses.asdict(session))
+
+
+def _leaks_since(serial):
+    from kvcore import gpu
+    from kvcore.gpu._emu import driver as emu
+    gc.collect()
+    cached = {int(c.order_event._handle) for c in gpu.Context._contexts.values()
+              if c.order_event is not None and c.order_event._handle is not None}
+    return [x for x in emu.leaks_since(serial) if x.handle not in cached]
+
+
+def _rows(rng, shape):
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def _step(gpu, cache, rng, *, stream=None):
+    """One append of every layer and an advance; returns the inputs (kept alive)."""
+    xs = [gpu.DeviceBuffer.from_numpy(_rows(rng, (cache.slots, 2, 64))) for _ in range(2)]
+    kv = [x.view((cache.slots, 2, 64), np.float16) for x in xs]
+    for layer in range(SPEC.num_layers):
+        cache.append(layer, kv[0], kv[1], stream=stream)
+    cache.advance(stream=stream)
+    return xs
+
+
+# ------------------------------------------------------------------ 1. PTX ISA
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CUDA_DIR, "*.ptx"))),
+                         ids=os.path.basename)
+def test_shipped_ptx_loads_on_drivers_from_cuda_12_2(path):
+    m = ptx.parse(open(path, "rb").read())
+    assert m.version <= (8, 2), f"{path}: .version {m.version_text} needs a driver newer than R535"
+    assert ptx.first_driver(m.version) <= 12020
+    assert m.target == "sm_80"
+
+
+def test_kernels_load_and_run_on_a_cuda_12_2_driver(emulator, rng):
+    emulator(driver_version=12020)
+    from kvcore import gpu
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    xs = _step(gpu, cache, rng)
+    q = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 4, 64)))
+    gpu.apply_rope(q.view((2, 4, 64), np.float16), cache)
+    out = gpu.decode_attention(q.view((2, 4, 64), np.float16), cache, 0)
+    assert np.isfinite(out.to_numpy()).all() and list(cache.lengths_host()) == [1, 1]
+    out.owner.free()
+    for x in (q, *xs):
+        x.free()
+    cache.free()
+
+
+def test_a_load_failure_names_the_driver_and_leaks_nothing(emulator, tmp_path, monkeypatch):
+    """A module the driver cannot JIT (here: ISA 9.0 on a CUDA 12.2 driver): CudaError with
+    the JIT log and the driver's version, and no stream or memory left behind."""
+    emulator(driver_version=12020)
+    from kvcore import gpu
+    from kvcore.gpu import kernels
+    from kvcore.gpu._emu import driver as emu
+    shipped = kernels.ptx_path("kv_append")
+    newer = tmp_path / "kv_append.ptx"
+    text = open(shipped, "rb").read()
+    newer.write_bytes(text.replace(b".version " + text.split(b".version ")[1].split(b"\n")[0],
+                                   b".version 9.0", 1))
+    monkeypatch.setattr(kernels, "ptx_path", lambda module: str(newer))
+    mark = emu.live_serial()
+    with pytest.raises(CudaError, match=r"(?s)UNSUPPORTED_PTX_VERSION.*the driver is CUDA 12\.2 "
+                                        r"\(12020\).*JIT log:.*Unsupported \.version 9\.0"):
+        gpu.GpuKVCache(SPEC, slots=2)
+    assert _leaks_since(mark) == [] and gpu.live_bytes() == 0
+
+
+# ------------------------------------------------------------------ 3. contexts and threads
+
+def _in_thread(fn):
+    """Runs fn on a new thread (no context current there); re-raises what it raised."""
+    err = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            err.append(e)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+
+
+def _current_context():
+    from kvcore.gpu import driver
+    driver.init()
+    return int(driver.call("cuCtxGetCurrent") or 0)
+
+
+def test_every_entry_works_from_a_worker_thread(rng):
+    """Each public entry, called first thing on a fresh thread (no context current there),
+    runs, and leaves that thread without a current context."""
+    from kvcore import gpu
+    from kvcore.gpu.graph import DecodeGraph
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    graph = DecodeGraph(cache, dtype="float16")
+    plan = gpu.AttentionPlan(cache, q_dtype="float16", num_splits=2)
+    q = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 4, 64)))
+    out = gpu.DeviceBuffer.zeros(2 * 4 * 64 * 4)
+    k = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 2, 64)))
+    kv = k.view((2, 2, 64), np.float16)
+    seen = {}
+    steps = [
+        ("append", lambda: cache.append(0, kv, kv)),
+        ("append", lambda: cache.append(1, kv, kv)),
+        ("advance", lambda: cache.advance()),
+        ("check", lambda: cache.check()),
+        ("length", lambda: seen.setdefault("length", cache.length(1))),
+        ("truncate", lambda: cache.truncate(1, 0)),
+        ("plan.run", lambda: plan.run(q.view((2, 4, 64), np.float16), out.view((2, 4, 64), np.float32), 0)),
+        ("replay", lambda: graph.replay()),
+        ("synchronize", lambda: graph.synchronize()),
+        ("lengths", lambda: seen.setdefault("lengths", list(cache.lengths_host()))),
+        ("to_numpy", lambda: seen.setdefault("out", out.view((2, 4, 64), np.float32).to_numpy())),
+        ("DecodeGraph.destroy", graph.destroy), ("plan.free", plan.free),
+        ("DeviceBuffer.free", q.free), ("DeviceBuffer.free", out.free), ("DeviceBuffer.free", k.free),
+        ("GpuKVCache.free", cache.free),
+    ]
+    for name, fn in steps:
+        def call():
+            fn()
+            seen[name + " current"] = _current_context()
+        _in_thread(call)
+        assert seen[name + " current"] == 0, f"{name} left its context current on the thread"
+    assert seen["length"] == 1 and seen["lengths"] == [2, 1]
+    assert np.isfinite(seen["out"]).all()
+
+
+def test_the_threads_current_context_is_left_as_it_was(rng):
+    """Context.get, every call and the GC finalizers leave the calling thread's current
+    context alone (runtime-API code such as torch's relies on it)."""
+    from kvcore import gpu
+    seen = {}
+
+    def work():
+        seen["before"] = _current_context()
+        gpu.Context.get(0)
+        cache = gpu.GpuKVCache(SPEC, slots=2)
+        xs = _step(gpu, cache, rng)
+        cache.check()
+        seen["after_calls"] = _current_context()
+        del cache, xs
+        gc.collect()  # the finalizers free memory and destroy the stream
+        seen["after_gc"] = _current_context()
+
+    _in_thread(work)
+    assert seen == {"before": 0, "after_calls": 0, "after_gc": 0}
+
+
+# ------------------------------------------------------------------ 8. lifetimes
+
+def test_dropped_cache_and_graph_release_every_handle(emulator, rng):
+    emulator()
+    from kvcore import gpu
+    from kvcore.gpu._emu import driver as emu
+    from kvcore.gpu.graph import DecodeGraph
+    mark = emu.live_serial()
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    graph = DecodeGraph(cache, dtype="float16")
+    graph.replay()
+    assert _leaks_since(mark) != []
+    del graph, cache
+    assert _leaks_since(mark) == [] and gpu.live_bytes() == 0
+
+
+def test_replay_after_the_plan_was_freed_is_refused(rng):
+    from kvcore import gpu
+    from kvcore.gpu.graph import DecodeGraph
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    graph = DecodeGraph(cache, dtype="float16", max_length=SPEC.capacity)
+    assert graph.plan.num_splits > 1 or graph.plan.workspace_bytes == 0
+    graph.plan.free()
+    with pytest.raises(StateError, match="AttentionPlan was freed"):
+        graph.replay()
+    with pytest.raises(StateError, match="AttentionPlan was freed"):
+        graph.step_eager()
+    cache.check()  # nothing ran
+    assert list(cache.lengths_host()) == [0, 0]
+    graph.destroy()
+    cache.free()
+
+
+# ------------------------------------------------------------------ capture seen on any kvcore stream
+
+def test_sync_calls_refused_while_a_non_blocking_stream_captures_globally(rng):
+    """A global-mode capture on a non-blocking stream does not show on the legacy stream;
+    kvcore's allocations and synchronous copies are still refused with StateError, before
+    the driver sees them, and the capture stays valid."""
+    from kvcore import gpu
+    from kvcore.gpu import driver
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    buf = gpu.DeviceBuffer.zeros(64)
+    s = gpu.Stream.create(non_blocking=True)
+    drv = driver.cuda()
+    driver.call("cuCtxPushCurrent", s.ctx.handle)  # raw driver calls need the context current
+    driver.call("cuStreamBeginCapture", s.handle,
+                drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        buf.fill(1, stream=s)
+        for what, call in (("alloc", lambda: gpu.DeviceBuffer.alloc(64)),
+                           ("free", buf.free),
+                           ("copy", lambda: buf.copy_to_host(np.zeros(4, np.uint8))),
+                           ("length", lambda: cache.length(0))):
+            with pytest.raises(StateError, match="while a stream is capturing"):
+                call()
+    finally:
+        graph = driver.call("cuStreamEndCapture", s.handle)  # still valid: no CudaError
+        driver.call("cuGraphDestroy", graph)
+        driver.call("cuCtxPopCurrent")
+    s.destroy()
+    buf.free()
+    cache.free()
