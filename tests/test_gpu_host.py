@@ -258,3 +258,54 @@ def test_sync_calls_refused_while_a_non_blocking_stream_captures_globally(rng):
     s.destroy()
     buf.free()
     cache.free()
+
+
+# ------------------------------------------------------------------ 2. devices
+
+class _Foreign:
+    """A foreign device array: CAI v3 only, or DLPack only (as torch and CuPy export)."""
+
+    def __init__(self, arr, *, cai: bool):
+        self.arr, self.cai = arr, cai
+
+    @property
+    def __cuda_array_interface__(self):
+        if not self.cai:
+            raise AttributeError("__cuda_array_interface__")
+        return self.arr.__cuda_array_interface__
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.arr.__dlpack__()
+
+
+@pytest.mark.parametrize("cai", [True, False], ids=["cai", "dlpack"])
+def test_a_cache_on_device_1_with_foreign_inputs(emulator, rng, cai):
+    emulator(devices=2)
+    from kvcore import gpu
+    from kvcore.errors import ShapeError
+    from kvcore.quant import quantize
+    c0, c1 = gpu.Context.get(0), gpu.Context.get(1)
+    cache = gpu.GpuKVCache(SPEC, slots=2, device=1)
+    x = _rows(rng, (2, 2, 64))
+    on1 = gpu.DeviceBuffer.from_numpy(x, ctx=c1)
+    on0 = gpu.DeviceBuffer.from_numpy(x, ctx=c0)
+    k1 = _Foreign(on1.view((2, 2, 64), np.float16), cai=cai)
+    k0 = _Foreign(on0.view((2, 2, 64), np.float16), cai=cai)
+    with pytest.raises(ShapeError, match="invalid device of k: the array is on device 0, expected device 1"):
+        cache.append(0, k0, k1)
+    cache.append(0, k1, k1)
+    cache.append(1, k1, k1)
+    cache.advance()
+    q = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 4, 64)), ctx=c1)
+    gpu.apply_rope(_Foreign(q.view((2, 4, 64), np.float16), cai=cai), cache)
+    out = gpu.decode_attention(_Foreign(q.view((2, 4, 64), np.float16), cai=cai), cache, 0)
+    assert out.ctx is c1 and np.isfinite(out.to_numpy()).all()
+    cache.check()
+    codes, _ = quantize(x.astype(np.float32), "int8")
+    assert np.array_equal(cache.keys(0).to_numpy()[:, :, 0], codes)
+    for b in (out.owner, q, on0, on1):
+        b.free()
+    cache.free()

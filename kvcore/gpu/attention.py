@@ -76,15 +76,13 @@ def _input_dtype_id(name: str, x: DeviceArray) -> int:
                          f"got {x.dtype}") from None
 
 
-def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...], ctx) -> None:
+def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...]) -> None:
     if x.shape != shape:
         raise ShapeError(f"invalid shape of {name}: expected [{', '.join(map(str, shape))}], "
                          f"got [{', '.join(map(str, x.shape))}]")
     if not x.is_c_contiguous:
         raise ShapeError(f"invalid layout of {name}: expected C-contiguous, got strides "
                          f"{list(x.strides)} bytes")
-    if x.ctx is not ctx:
-        raise ShapeError(f"invalid device of {name}: expected the cache's device {ctx.ordinal}")
 
 
 class AttentionPlan:
@@ -155,10 +153,10 @@ class AttentionPlan:
         layer = check_index("layer", layer, c.spec.num_layers)
         pending = check_index("pending", pending, 2)
         st = c.stream if stream is None else stream
-        q = as_device_array(q, "q", stream=st)
-        out = as_device_array(out, "out", stream=st)
-        _check_array("q", q, self.shape, c.ctx)
-        _check_array("out", out, self.shape, c.ctx)
+        q = as_device_array(q, "q", stream=st, ctx=c.ctx)
+        out = as_device_array(out, "out", stream=st, ctx=c.ctx)
+        _check_array("q", q, self.shape)
+        _check_array("out", out, self.shape)
         if q.dtype.name != self.q_dtype:
             raise DTypeError(f"invalid dtype of q: expected {self.q_dtype} (the plan's q_dtype), got {q.dtype}")
         if out.dtype != np.float32:
@@ -214,7 +212,7 @@ def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale:
 
 def _decode_attention(q, cache, layer, out, pending, scale, stream):
     st = cache.stream if stream is None else stream
-    qa = as_device_array(q, "q", stream=st)
+    qa = as_device_array(q, "q", stream=st, ctx=cache.ctx)
     name = qa.dtype.name
     if name not in _INPUT_DTYPES:
         raise DTypeError(f"invalid dtype of q: expected float32, float16 or bfloat16, got {qa.dtype}")
@@ -254,7 +252,7 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
         if x is None:
             args += [(0, None), (0, ctypes.c_int), (0, ctypes.c_longlong), (0, ctypes.c_longlong), (0, ctypes.c_int)]
             continue
-        a = as_device_array(x, name, stream=st)
+        a = as_device_array(x, name, stream=st, ctx=cache.ctx)
         dt = _input_dtype_id(name, a)
         isz = a.dtype.itemsize
         if a.shape != (cache.slots, heads, s.head_dim):

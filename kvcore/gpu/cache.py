@@ -321,8 +321,8 @@ class GpuKVCache:
         if slot is not None:
             slot = check_index("slot", slot, self.slots)
         st = self.stream if stream is None else stream
-        k = as_device_array(k, "k", stream=st)
-        v = as_device_array(v, "v", stream=st)
+        k = as_device_array(k, "k", stream=st, ctx=self.ctx)
+        v = as_device_array(v, "v", stream=st, ctx=self.ctx)
         rows = self.slots if slot is None else "T"
         expected = [rows, s.num_kv_heads, s.head_dim]
         for name, x in (("k", k), ("v", v)):

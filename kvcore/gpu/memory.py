@@ -255,37 +255,59 @@ def _c_strides(shape, itemsize) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def as_device_array(obj, name: str = "array", *, stream=None) -> DeviceArray:
+def as_device_array(obj, name: str = "array", *, stream=None, ctx: Context | None = None) -> DeviceArray:
     """A DeviceArray view of `obj`: a DeviceArray / DeviceBuffer, anything with
     `__cuda_array_interface__` (CuPy, torch, Numba), or a DLPack producer on a CUDA device
-    (torch bfloat16, JAX). `stream` is the stream the caller will use it on: it waits for
-    the producer's pending work (the CAI "stream" entry, or DLPack's stream argument).
+    (torch bfloat16, JAX). Its device is read from the pointer (cuPointerGetAttribute) or
+    DLPack's device; `ctx` (the context the caller launches in) refuses another device
+    with ShapeError. `stream` is the stream the caller will use it on: it waits for the
+    producer's pending work (the CAI "stream" entry, or DLPack's stream argument).
     No copy is made."""
-    if isinstance(obj, DeviceArray):
-        return obj
     if isinstance(obj, DeviceBuffer):
-        return obj.view((obj.nbytes,), np.uint8)
+        obj = obj.view((obj.nbytes,), np.uint8)
+    if isinstance(obj, DeviceArray):
+        _same_device(name, obj.ctx.ordinal, ctx)
+        return obj
     if isinstance(obj, np.ndarray):
         raise DTypeError(f"invalid type of {name}: expected a device array, got numpy.ndarray "
                          f"(copy it with DeviceBuffer.from_numpy)")
-    ctx = Context.get()
     cai = None
     try:
         cai = obj.__cuda_array_interface__
     except (AttributeError, TypeError):  # torch raises TypeError for bfloat16
         pass
     if cai is not None:
+        ptr = int(cai["data"][0])
+        actx = Context.get(_device_of(ptr, name)) if ptr else (ctx or Context.get())
+        _same_device(name, actx.ordinal, ctx)
         producer = cai.get("stream")
         if producer is not None and stream is not None and int(producer) != int(driver.stream_handle(stream)):
-            driver.order_after(int(producer), stream, ctx)
+            driver.order_after(int(producer), stream, actx)
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
-        return DeviceArray(ctx, int(cai["data"][0]), shape, dtype, owner=obj,
-                           strides=cai.get("strides"))
+        return DeviceArray(actx, ptr, shape, dtype, owner=obj, strides=cai.get("strides"))
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, ctx, stream, name)
     raise DTypeError(f"invalid type of {name}: expected a device array (DeviceArray, "
                      f"__cuda_array_interface__ or DLPack), got {type(obj).__name__}")
+
+
+def _device_of(ptr: int, name: str) -> int:
+    """The ordinal of the device whose memory `ptr` points into (cuPointerGetAttribute)."""
+    drv = driver.cuda()
+    driver.init()
+    err, ordinal = drv.cuPointerGetAttribute(
+        drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    if err != drv.CUresult.CUDA_SUCCESS or int(ordinal) < 0:
+        raise DTypeError(f"invalid {name}: 0x{ptr:x} is not device memory the CUDA driver "
+                         f"knows ({driver._error_text(err) if err else 'no device'})")
+    return int(ordinal)
+
+
+def _same_device(name: str, ordinal: int, ctx: Context | None) -> None:
+    if ctx is not None and ordinal != ctx.ordinal:
+        raise ShapeError(f"invalid device of {name}: the array is on device {ordinal}, "
+                         f"expected device {ctx.ordinal} (where it is used)")
 
 
 # ------------------------------------------------------------------------- DLPack (ctypes)
@@ -392,11 +414,13 @@ def _make_dlpack_capsule(arr: DeviceArray):
     return _capsule_new(addr, _DLTENSOR, _capsule_destructor)
 
 
-def _from_dlpack(obj, ctx: Context, stream, name: str) -> DeviceArray:
+def _from_dlpack(obj, ctx: Context | None, stream, name: str) -> DeviceArray:
     dev_type, dev_id = obj.__dlpack_device__()
-    if int(dev_type) != _KDL_CUDA or int(dev_id) != ctx.ordinal:
-        raise DTypeError(f"invalid device of {name}: expected CUDA device {ctx.ordinal}, "
-                         f"got DLPack device ({int(dev_type)}, {int(dev_id)})")
+    if int(dev_type) != _KDL_CUDA:
+        raise DTypeError(f"invalid device of {name}: expected a CUDA device, got DLPack "
+                         f"device ({int(dev_type)}, {int(dev_id)})")
+    _same_device(name, int(dev_id), ctx)
+    ctx = Context.get(int(dev_id))
     sh = -1 if stream is None else int(driver.stream_handle(stream))
     capsule = obj.__dlpack__(stream=sh if sh != 0 else 1)
     if not _capsule_is_valid(id(capsule), _DLTENSOR):
