@@ -309,3 +309,33 @@ def test_a_cache_on_device_1_with_foreign_inputs(emulator, rng, cai):
     for b in (out.owner, q, on0, on1):
         b.free()
     cache.free()
+
+
+# ------------------------------------------------------------------ 7. synchronous calls wait for every stream
+
+def test_sync_calls_wait_for_work_kvcore_queued_on_other_streams(rng):
+    """append/advance on another stream, and a DecodeGraph replay (on the graph's stream),
+    are seen by the next length()/check()/lengths_host() without synchronising those
+    streams by hand (the emulator runs a queued stream only when something waits on it)."""
+    from kvcore import gpu
+    from kvcore.errors import NonFiniteError
+    from kvcore.gpu.graph import DecodeGraph
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    s = gpu.Stream.create(non_blocking=True)
+    xs = _step(gpu, cache, rng, stream=s)
+    assert cache.length(0) == 1
+    bad = gpu.DeviceBuffer.from_numpy(np.full((2, 2, 64), np.nan, np.float16))
+    cache.append(0, bad.view((2, 2, 64), np.float16), bad.view((2, 2, 64), np.float16), stream=s)
+    with pytest.raises(NonFiniteError):
+        cache.check()
+    graph = DecodeGraph(cache, dtype="float16")
+    graph.replay()
+    assert list(cache.lengths_host()) == [2, 2]
+    cache.truncate(0, 1)  # after the replay finished: the replay's advance cannot overwrite it
+    graph.synchronize()
+    assert list(cache.lengths_host()) == [1, 2]
+    graph.destroy()
+    for x in (*xs, bad):
+        x.free()
+    s.destroy()
+    cache.free()

@@ -184,6 +184,7 @@ class AttentionPlan:
                 (self._ws_o, None), (self._ws_lse, None), (out_ptr, None),
                 (ns, ctypes.c_int), (D, ctypes.c_int),
             ], stream=stream)
+        c.launched_on(stream)
 
     @property
     def freed(self) -> bool:
@@ -269,3 +270,4 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
             (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
             (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
         ], stream=st)
+        cache.launched_on(st)

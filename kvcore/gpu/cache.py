@@ -11,7 +11,9 @@
    position read from the device lengths; `advance` commits. Errors set the device flag
    (capacity: nothing written; a refused row: step not committed).
 3. Sync path (refuses while capturing): `check`/`synchronize`, `length`, `truncate`,
-   `reset`, `scatter`, `snapshot`, `restore`; each turns a set flag into CapacityError,
+   `reset`, `scatter`, `snapshot`, `restore`; each first waits for the cache's stream and
+   for every other stream kvcore launched work of this cache on (append/advance/attention/
+   RoPE with stream=, DecodeGraph replays: an event recorded after each); each turns a set flag into CapacityError,
    NonFiniteError or FormatError (a value past the format's range, as on the CPU) and
    clears it.
 4. `generation` bumps on anything that moves an address (only `free()` here); graphs
@@ -181,6 +183,7 @@ class GpuKVCache:
         self.stream = Stream.create(self.ctx) if stream is None else (
             stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
         self.generation = 0
+        self._pending: dict[int, driver.Event] = {}  # other streams launched on -> event after it
         self._data = DeviceBuffer.alloc(self.layout.data_bytes, ctx=self.ctx)
         self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
         self._meta.copy_from_host(self._host_meta())
@@ -351,6 +354,7 @@ class GpuKVCache:
             (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
         ], stream=st)
+        self.launched_on(st)
 
     @driver.in_context
     def advance(self, *, slot: int | None = None, steps: int = 1, stream=None) -> None:
@@ -371,6 +375,26 @@ class GpuKVCache:
             (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (int(steps), ctypes.c_int),
         ], stream=self.stream if stream is None else stream)
+        self.launched_on(stream)
+
+    def launched_on(self, stream) -> None:
+        """Notes that work on this cache was queued on `stream` (None: the cache's own), so
+        that the synchronous calls wait for it too: an event is recorded there after the
+        work (not while the stream captures: a replay of the graph is noted instead)."""
+        if stream is None:
+            return
+        h = int(driver.stream_handle(stream))
+        if h == self.stream.ptr or driver.is_capturing(stream):
+            return
+        ev = self._pending.get(h)
+        if ev is None:
+            ev = self._pending[h] = driver.Event.create(self.ctx, timing=False)
+        ev.record(stream=stream)
+
+    def _wait_pending(self) -> None:
+        """The host waits for the work noted by launched_on on other streams."""
+        for ev in self._pending.values():
+            ev.synchronize()
 
     # ------------------------------------------------------------------ sync path
 
@@ -378,6 +402,7 @@ class GpuKVCache:
     def _sync(self, what: str) -> None:
         self._alive()
         driver.refuse_while_capturing(f"GpuKVCache.{what}", self.stream)
+        self._wait_pending()
         self.stream.synchronize()
         flag = np.zeros(1, np.int32)
         self._meta.copy_to_host(flag, offset=self.layout.meta_offsets["error"])
@@ -563,7 +588,11 @@ class GpuKVCache:
         if self._data.freed:
             return
         driver.refuse_while_capturing("GpuKVCache.free", self.stream)
+        self._wait_pending()
         self.stream.synchronize()
+        for ev in self._pending.values():
+            ev.destroy()
+        self._pending.clear()
         self._meta.free()
         self._data.free()
         if self._own_stream:

@@ -147,8 +147,9 @@ class DecodeGraph:
         """Launches the captured step (no sync). StateError when the cache's generation
         changed since capture, or the plan was freed."""
         self._check_live()
-        driver.call("cuGraphLaunch", self._exec_handle,
-                    driver.stream_handle(self.stream if stream is None else stream))
+        st = self.stream if stream is None else stream
+        driver.call("cuGraphLaunch", self._exec_handle, driver.stream_handle(st))
+        self.cache.launched_on(st)
 
     @driver.in_context
     def step_eager(self, *, stream=None) -> None:
