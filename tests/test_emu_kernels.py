@@ -317,6 +317,16 @@ def test_attention_against_float64(fmt, D, group, Hkv, lengths, N, nsplit, rng):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("fmt,D", [("int8", 64), ("q8_0", 128), ("q8_0", 256), ("fp8_e4m3", 256), ("bf16", 128)])
+def test_attention_full_slots(fmt, D, rng):
+    """Slots filled to capacity (plus a pending position, clipped): every slot's codes and
+    scales are their own exact-size allocation, so the ASan build (tools/emu_asan.py) sees
+    any read past a full slot."""
+    N = 96 if D < 256 else 48
+    out, ref = run_attention(fmt, D, 2, 2, [N, N - 1], N, 3, rng, extra=1)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
 def test_attention_seed_independent(rng):
     """A race-free kernel gives the same bits whatever the thread order."""
     outs = [run_attention("int8", 64, 4, 1, [100], 128, 2, np.random.default_rng(1), seed=s)[0]
@@ -406,16 +416,10 @@ def test_warp_collectives_exchange_like_the_device(cases, rng):
     assert (out[:, 7] == pred.sum()).all() and (out[:, 8] == int(pred.all())).all()
 
 
-def _prmt(a, b, s):
+def _byte_perm(a, b, s):
+    """CUDA's __byte_perm: nvcc masks the selector with 0x7777 before prmt.b32."""
     v = (int(b) << 32) | int(a)
-    r = 0
-    for n in range(4):
-        sel = (int(s) >> (4 * n)) & 0xF
-        byte = (v >> (8 * (sel & 7))) & 0xFF
-        if sel & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        r |= byte << (8 * n)
-    return r
+    return sum(((v >> (8 * ((int(s) >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
 
 
 def test_intrinsics_round_like_the_device(cases, rng):
@@ -425,14 +429,14 @@ def test_intrinsics_round_like_the_device(cases, rng):
     n = x.size
     a = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
     b = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
-    sel = rng.integers(0, 2 ** 16, n, dtype=np.uint32)
+    sel = rng.integers(0, 2 ** 32, n, dtype=np.uint32)  # high bits and bit 3 of nibbles: ignored
     f2i, perm, h = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.uint16)
     _launch(cases, "intrinsics", (3, 1, 1), (96, 1, 1), x, a, b, sel, f2i, perm, h, n)
     with np.errstate(invalid="ignore"):
         want = np.clip(np.rint(x.astype(np.float64)), -2.0 ** 31, 2.0 ** 31 - 1)
     want = np.where(np.isnan(x), 0, want).astype(np.int64)
     np.testing.assert_array_equal(f2i, want)
-    np.testing.assert_array_equal(perm, [_prmt(*t) for t in zip(a, b, sel)])
+    np.testing.assert_array_equal(perm, [_byte_perm(*t) for t in zip(a, b, sel)])
     with np.errstate(over="ignore"):
         h_want = x.astype(np.float16).view(np.uint16)
     h_want = np.where(np.isnan(x), 0x7FFF, h_want)

@@ -31,6 +31,7 @@ class AsanPlugin:
     """Makes every emulated kernel of the session the ASan build (loaded in the child)."""
 
     def pytest_configure(self, config):
+        os.environ.pop("LD_PRELOAD", None)  # loaded here; children (nvcc, g++) run without it
         from kvcore import gpu
         from kvcore.gpu._emu import kernels
         gpu.use_emulator = functools.partial(gpu.use_emulator, asan=True)

@@ -210,17 +210,13 @@ inline int __float2int_rz(float x) {
     return (int)x;
 }
 
-// prmt.b32 default mode: selector nibble n picks byte (n & 7) of {b, a}; bit 3 replicates
-// the sign bit of the picked byte.
+// __byte_perm as nvcc compiles it: `and.b32 s, s, 0x7777` then prmt.b32 (default mode), so
+// result byte n is byte ((s >> 4n) & 7) of {b, a}: prmt's sign-replicate bit 3 and the
+// selector's high 16 bits never take effect.
 inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
     const uint64_t v = ((uint64_t)b << 32) | a;
     unsigned r = 0;
-    for (int n = 0; n < 4; n++) {
-        const unsigned sel = (s >> (4 * n)) & 0xFu;
-        unsigned byte = (unsigned)(v >> (8 * (sel & 7u))) & 0xFFu;
-        if (sel & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
-        r |= byte << (8 * n);
-    }
+    for (int n = 0; n < 4; n++) r |= ((unsigned)(v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
     return r;
 }
 
