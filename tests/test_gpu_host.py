@@ -339,3 +339,15 @@ def test_sync_calls_wait_for_work_kvcore_queued_on_other_streams(rng):
         x.free()
     s.destroy()
     cache.free()
+
+
+# ------------------------------------------------------------------ 9. slots on gridDim.z
+
+def test_a_plan_over_more_than_65535_slots_is_refused():
+    from kvcore import gpu
+    from kvcore.errors import ShapeError
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, capacity=1, format="int8")
+    cache = gpu.GpuKVCache(spec, slots=65536)
+    with pytest.raises(ShapeError, match="at most 65535 slots .* the cache has 65536"):
+        gpu.AttentionPlan(cache, q_dtype="float32")
+    cache.free()

@@ -34,6 +34,7 @@ THREADS = 128               # threads per block of the split kernel
 TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
 MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions
 MAX_SPLITS = 256
+MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
 _INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _ROPE_STYLES = {"norm": 0, "neox": 1}
 _LOG2E = 1.4426950408889634
@@ -107,6 +108,10 @@ class AttentionPlan:
         self.generation = cache.generation
         self.q_dtype = q_dtype
         M, Hkv, Hq, D = cache.slots, spec.num_kv_heads, spec.num_heads, spec.head_dim
+        if M > MAX_GRID_Z:
+            raise ShapeError(f"GPU decode attention takes at most {MAX_GRID_Z} slots (they are "
+                             f"the grid's z dimension), the cache has {M}: split the batch "
+                             f"over several caches")
         self.shape = (M, Hq, D)
         self.group = spec.group_size
         self.gb = heads_per_block(self.group)

@@ -209,8 +209,10 @@ class GpuKVCache:
         for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
             if region.endswith("scales") and not self.spec.fmt.quantized:
                 continue
-            ptrs = np.array([[base + lay.slot_offset(region, l, s) for s in range(M)]
-                             for l in range(L)], np.uint64)
+            strides = lay.code_strides if region.endswith("codes") else lay.scale_strides
+            ptrs = (np.uint64(base + lay.offsets[region])
+                    + np.arange(L, dtype=np.uint64)[:, None] * np.uint64(strides[0])
+                    + np.arange(M, dtype=np.uint64)[None, :] * np.uint64(strides[1]))
             off = lay.meta_offsets[region]
             out[off:off + ptrs.nbytes] = ptrs.view(np.uint8).ravel()
         return out
