@@ -422,7 +422,13 @@ class _Producer:
     def __dlpack_device__(self):
         return self.arr.__dlpack_device__()
 
-    def __dlpack__(self, *, stream=None, **kwargs):
+    @property
+    def __dlpack__(self):
+        if self.cai:  # CAI only: kvcore prefers DLPack when a producer has both
+            raise AttributeError("__dlpack__")
+        return self._dlpack
+
+    def _dlpack(self, *, stream=None, **kwargs):
         if stream is not None and stream != -1:
             ev = self.gpu.Event.create(timing=False)
             ev.record(stream=self.stream)

@@ -351,3 +351,116 @@ def test_a_plan_over_more_than_65535_slots_is_refused():
     with pytest.raises(ShapeError, match="at most 65535 slots .* the cache has 65536"):
         gpu.AttentionPlan(cache, q_dtype="float32")
     cache.free()
+
+
+# ------------------------------------------------------------------ 4/5/6. streams of foreign inputs and exports
+
+class _Produced:
+    """A foreign array written on its own non-blocking stream (still pending when handed
+    over), exported as torch does: CAI without a stream (v2-like), and DLPack whose
+    `__dlpack__(stream=s)` makes s wait for the producer's work (the DLPack contract)."""
+
+    def __init__(self, gpu, x, *, cai_stream=None):
+        self.gpu, self.host, self.cai_stream = gpu, np.ascontiguousarray(x), cai_stream
+        self.buf = gpu.DeviceBuffer.alloc(self.host.nbytes)
+        self.stream = gpu.Stream.create(non_blocking=True)
+        self.buf.copy_from_host(self.host, stream=self.stream)
+        self.arr = self.buf.view(x.shape, x.dtype)
+
+    @property
+    def __cuda_array_interface__(self):
+        return dict(self.arr.__cuda_array_interface__, stream=self.cai_stream)
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        if stream != -1:
+            d, ctx = self.gpu.driver, self.arr.ctx
+            ev = self.gpu.Event.create(ctx, timing=False)
+            ev.record(stream=self.stream)
+            d.call("cuCtxPushCurrent", ctx.handle)
+            d.call("cuStreamWaitEvent", d.stream_handle(1 if stream is None else stream), ev.handle, 0)
+            d.call("cuCtxPopCurrent")
+            ev.destroy()
+        return self.arr.__dlpack__()
+
+    def free(self):
+        self.stream.synchronize()
+        self.stream.destroy()
+        self.buf.free()
+
+
+def test_inputs_with_cai_and_dlpack_are_taken_through_dlpack(rng):
+    """torch's CAI names no stream; its DLPack orders the consumer. Through CAI the append
+    would read the producer's memory before the copy (NaN poison under the emulator)."""
+    from kvcore import gpu
+    from kvcore.quant import quantize
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    x = _rows(rng, (2, 2, 64))
+    k = _Produced(gpu, x)
+    cache.append(0, k, k)
+    cache.advance(slot=None)
+    cache.check()
+    codes, _ = quantize(x.astype(np.float32), "int8")
+    assert np.array_equal(cache.keys(0).to_numpy()[:, :, 0], codes)
+    k.free()
+    cache.free()
+
+
+class _CaiOnly:
+    def __init__(self, arr, stream):
+        self.__cuda_array_interface__ = dict(arr.__cuda_array_interface__, stream=stream)
+
+
+def test_a_legacy_stream_input_while_capturing_is_a_clear_error(rng):
+    """CAI "stream": 1 (CuPy's default) while the cache's stream captures: StateError
+    before anything is recorded, and the capture stays valid; "stream": 0 is refused."""
+    from kvcore import gpu
+    from kvcore.errors import DTypeError
+    from kvcore.gpu import driver
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    buf = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 2, 64)))
+    arr = buf.view((2, 2, 64), np.float16)
+    with pytest.raises(DTypeError, match="stream 0 is disallowed"):
+        cache.append(0, _CaiOnly(arr, 0), _CaiOnly(arr, 0))
+    drv = driver.cuda()
+    driver.call("cuCtxPushCurrent", cache.ctx.handle)
+    driver.call("cuStreamBeginCapture", cache.stream.handle,
+                drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        with pytest.raises(StateError, match="pending on the legacy default stream.*not part of the capture"):
+            cache.append(0, _CaiOnly(arr, 1), _CaiOnly(arr, 1))
+        cache.append(0, arr, arr)  # the capture goes on
+    finally:
+        graph = driver.call("cuStreamEndCapture", cache.stream.handle)  # valid: no CudaError
+        driver.call("cuGraphDestroy", graph)
+        driver.call("cuCtxPopCurrent")
+    buf.free()
+    cache.free()
+
+
+def test_exports_order_the_consumer_after_the_caches_work(rng):
+    """cache.keys(l).__dlpack__(stream=s) makes s wait for the append still queued on the
+    cache's stream; CAI names the cache's stream."""
+    from kvcore import gpu
+    from kvcore.gpu import driver
+    cache = gpu.GpuKVCache(SPEC, slots=2)
+    keys = cache.keys(0)
+    assert keys.__cuda_array_interface__["stream"] == cache.stream.ptr
+    before = cache.lengths.to_numpy()  # synchronous: nothing queued yet
+    xs = _step(gpu, cache, rng)  # queued on the cache's stream
+    consumer = gpu.Stream.create(non_blocking=True)
+    capsule = cache.lengths.__dlpack__(stream=consumer.ptr)
+    assert capsule is not None
+    out = np.zeros(2, np.int32)
+    with cache.ctx:
+        driver.call("cuMemcpyDtoHAsync", out.ctypes.data, driver.cuda().CUdeviceptr(cache.lengths.ptr),
+                    out.nbytes, consumer.handle)
+    consumer.synchronize()
+    assert list(before) == [0, 0] and list(out) == [1, 1]
+    del capsule
+    consumer.destroy()
+    for x in xs:
+        x.free()
+    cache.free()

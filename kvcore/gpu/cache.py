@@ -247,7 +247,7 @@ class GpuKVCache:
         self._alive()
         layer = check_index("layer", layer, self.spec.num_layers)
         off = self.layout.meta_offsets[region] + layer * self.slots * 8
-        return self._meta.view((self.slots,), np.uint64, offset=off)
+        return self._meta.view((self.slots,), np.uint64, offset=off, producer=self)
 
     def k_ptrs(self, layer: int) -> DeviceArray:
         """Device uint64[M]: the K code base pointer of every slot of `layer`."""
@@ -267,13 +267,14 @@ class GpuKVCache:
     def lengths(self) -> DeviceArray:
         """Device int32[M]: committed positions of every slot (what graphs read)."""
         self._alive()
-        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["lengths"])
+        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["lengths"],
+                               producer=self)
 
     @property
     def error_flag(self) -> DeviceArray:
         """Device int32[1]: bit 1 capacity, bit 2 non-finite input; cleared by check()."""
         self._alive()
-        return self._meta.view((1,), np.int32, offset=self.layout.meta_offsets["error"])
+        return self._meta.view((1,), np.int32, offset=self.layout.meta_offsets["error"], producer=self)
 
     def _region_view(self, region: str, layer) -> DeviceArray:
         self._alive()
@@ -285,7 +286,8 @@ class GpuKVCache:
             if not f.quantized:
                 raise FormatError(f"format {self.spec.format} has no scales")
             shape, dtype, strides = lay.scale_shape[1:], f.scale_dtype, lay.scale_strides
-        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0])
+        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0],
+                               producer=self)
 
     def keys(self, layer: int) -> DeviceArray:
         """K codes of `layer`, every slot, full capacity: [M, Hkv, N, D] code dtype."""
@@ -392,6 +394,17 @@ class GpuKVCache:
         if ev is None:
             ev = self._pending[h] = driver.Event.create(self.ctx, timing=False)
         ev.record(stream=stream)
+
+    @driver.in_context
+    def order_consumer(self, consumer) -> None:
+        """Makes stream `consumer` (a Stream or handle; 1 = legacy, 2 = per-thread) wait
+        for the work queued so far on this cache: its stream and the others kvcore
+        launched on (the exports' `__dlpack__(stream=)` calls it)."""
+        c = driver.stream_handle(consumer)
+        if int(c) != self.stream.ptr:
+            driver.order_after(self.stream.ptr, consumer, self.ctx, "the cache's work")
+        for ev in self._pending.values():
+            driver.call("cuStreamWaitEvent", c, ev.handle, 0)
 
     def _wait_pending(self) -> None:
         """The host waits for the work noted by launched_on on other streams."""

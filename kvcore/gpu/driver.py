@@ -386,14 +386,22 @@ class Event:
         self._handle = None
 
 
-def order_after(producer: int, consumer, ctx: Context) -> None:
+def order_after(producer: int, consumer, ctx: Context, what: str = "an input") -> None:
     """Makes `consumer` wait for the work queued so far on stream handle `producer`
     (1 = legacy default stream, 2 = per-thread default), via an event recorded there; both
-    streams of context `ctx`."""
+    streams of context `ctx`. While `consumer` captures, a producer outside that capture
+    (the default streams, a stream not capturing) cannot become a dependency of the graph:
+    StateError before anything is recorded (the driver would invalidate the capture)."""
     if ctx.order_event is None:
         ctx.order_event = Event.create(ctx, timing=False)
     ev = ctx.order_event.handle
     with ctx:
+        if is_capturing(consumer) and (producer in (1, 2) or not is_capturing(producer)):
+            name = {1: "the legacy default stream", 2: "the per-thread default stream"}.get(
+                producer, f"stream 0x{producer:x}")
+            raise StateError(f"{what} is pending on {name}, which is not part of the capture "
+                             f"on the stream it is used on: a graph cannot wait for it; "
+                             f"synchronise it before capturing")
         call("cuEventRecord", ev, cuda().CUstream(producer))
         call("cuStreamWaitEvent", stream_handle(consumer), ev, 0)
 

@@ -133,15 +133,17 @@ class DeviceBuffer:
             call("cuMemcpyDtoHAsync", out.ctypes.data, src, out.nbytes, driver.stream_handle(stream))
         return out
 
-    def view(self, shape, dtype, *, offset: int = 0) -> "DeviceArray":
-        """A C-contiguous typed view [shape] dtype starting `offset` bytes in."""
+    def view(self, shape, dtype, *, offset: int = 0, producer=None) -> "DeviceArray":
+        """A C-contiguous typed view [shape] dtype starting `offset` bytes in; `producer`
+        as in DeviceArray."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if offset < 0 or offset % dtype.itemsize or offset + nbytes > self.nbytes:
             raise ShapeError(f"invalid view {list(shape)} {dtype} at byte {offset} of a "
                              f"{self.nbytes}-byte buffer")
-        return DeviceArray(self.ctx, lambda: self.ptr + offset, shape, dtype, owner=self)
+        return DeviceArray(self.ctx, lambda: self.ptr + offset, shape, dtype, owner=self,
+                           producer=producer)
 
     # a DeviceBuffer is its own uint8 [nbytes] array
     @property
@@ -166,8 +168,11 @@ class DeviceArray:
     when made by DeviceBuffer.view). Keeps `owner` (a DeviceBuffer or a foreign array)
     alive; a view of a freed DeviceBuffer raises StateError on use."""
 
-    def __init__(self, ctx: Context, ptr, shape, dtype, *, owner=None, strides=None):
+    def __init__(self, ctx: Context, ptr, shape, dtype, *, owner=None, strides=None, producer=None):
         self.ctx = ctx
+        # what queues work on this memory (a GpuKVCache): its `stream` and
+        # `order_consumer(stream)`, used by the exports to order a consumer after that work
+        self.producer = producer
         self._ptr = ptr if callable(ptr) else (lambda p=int(ptr): p)
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
@@ -229,15 +234,24 @@ class DeviceArray:
         typestr = self.dtype.str
         if self.dtype.kind == "V" or typestr[1] not in "iufb":  # ml_dtypes: export raw bits
             typestr = f"|u{self.dtype.itemsize}" if self.dtype.itemsize == 1 else f"<u{self.dtype.itemsize}"
+        # CAI v3: "stream" is where the producer's work is pending (the consumer syncs with
+        # it); None when kvcore queued none (a plain buffer)
+        stream = None if self.producer is None else self.producer.stream.ptr
         return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False),
                 "strides": None if self.is_c_contiguous else self.strides,
-                "version": 3, "stream": None}
+                "version": 3, "stream": stream}
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """A "dltensor" capsule. kvcore queues no work of its own on any stream, so there is
-        nothing to order against `stream`; the caller orders its own launches."""
+        """A "dltensor" capsule. `stream` (DLPack's rule for CUDA: None = the legacy default
+        stream, 1 legacy, 2 per-thread, any other a stream handle, -1 no ordering) waits
+        for the work kvcore queued on this memory (a GpuKVCache's) via events."""
         if copy:
             raise BufferError("kvcore DeviceArray exports without copying only (copy=True)")
+        if stream == 0:
+            raise BufferError("DLPack stream 0 is ambiguous: pass 1 (legacy default stream), "
+                              "2 (per-thread default stream) or a stream handle")
+        if self.producer is not None and stream != -1:
+            self.producer.order_consumer(1 if stream is None else int(stream))
         return _make_dlpack_capsule(self)
 
     def __dlpack_device__(self):
@@ -271,23 +285,28 @@ def as_device_array(obj, name: str = "array", *, stream=None, ctx: Context | Non
     if isinstance(obj, np.ndarray):
         raise DTypeError(f"invalid type of {name}: expected a device array, got numpy.ndarray "
                          f"(copy it with DeviceBuffer.from_numpy)")
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        # preferred: the producer orders `stream` after its own work (torch's CAI names
+        # no stream at all)
+        return _from_dlpack(obj, ctx, stream, name)
     cai = None
     try:
         cai = obj.__cuda_array_interface__
-    except (AttributeError, TypeError):  # torch raises TypeError for bfloat16
-        pass
+    except (AttributeError, TypeError, RuntimeError):  # torch: TypeError for bfloat16,
+        pass                                          # RuntimeError with requires_grad
     if cai is not None:
         ptr = int(cai["data"][0])
         actx = Context.get(_device_of(ptr, name)) if ptr else (ctx or Context.get())
         _same_device(name, actx.ordinal, ctx)
-        producer = cai.get("stream")
+        producer = cai.get("stream")  # CAI v3: absent/None = no sync needed; 0 disallowed
+        if producer is not None and int(producer) == 0:
+            raise DTypeError(f"invalid __cuda_array_interface__ of {name}: stream 0 is "
+                             f"disallowed (1 = legacy default stream, 2 = per-thread)")
         if producer is not None and stream is not None and int(producer) != int(driver.stream_handle(stream)):
-            driver.order_after(int(producer), stream, actx)
+            driver.order_after(int(producer), stream, actx, name)
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
         return DeviceArray(actx, ptr, shape, dtype, owner=obj, strides=cai.get("strides"))
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, ctx, stream, name)
     raise DTypeError(f"invalid type of {name}: expected a device array (DeviceArray, "
                      f"__cuda_array_interface__ or DLPack), got {type(obj).__name__}")
 
