@@ -546,14 +546,14 @@ def test_launch_checks_against_the_entry(machine):
     meta = int(ok(d.cuMemAlloc(64)))
     ok(d.cuMemsetD8(meta, 0, 64))
     c_int, ptr = ctypes.c_int, ctypes.c_void_p
-    good = ((meta, meta + 32, 4, 8, -1, 1), (ptr, ptr, c_int, c_int, c_int, c_int))
+    good = ((meta, meta + 16, 0, 4, 8, -1, 1), (ptr, ptr, ptr, c_int, c_int, c_int, c_int))
 
     def launch(params, grid=(1, 1, 1), block=(32, 1, 1), shmem=0, stream=0):
         return d.cuLaunchKernel(fn, *grid, *block, shmem, stream, params, 0)
 
-    fails(launch((good[0][:5], good[1][:5])), R.CUDA_ERROR_INVALID_VALUE, "5 parameters given, the .entry takes 6")
-    fails(launch((good[0], good[1][:2] + (ctypes.c_longlong,) + good[1][3:])),
-          R.CUDA_ERROR_INVALID_VALUE, "parameter 2 is 8 bytes, the .entry declares 4")
+    fails(launch((good[0][:6], good[1][:6])), R.CUDA_ERROR_INVALID_VALUE, "6 parameters given, the .entry takes 7")
+    fails(launch((good[0], good[1][:3] + (ctypes.c_longlong,) + good[1][4:])),
+          R.CUDA_ERROR_INVALID_VALUE, "parameter 3 is 8 bytes, the .entry declares 4")
     fails(launch(((meta + 64,) + good[0][1:], good[1])), R.CUDA_ERROR_INVALID_VALUE,
           "pointer parameter 0")
     fails(launch(good, block=(1025, 1, 1)), R.CUDA_ERROR_INVALID_VALUE, "more than 1024 threads")
@@ -588,7 +588,7 @@ def test_a_kernel_fault_is_sticky_and_named(machine, monkeypatch):
                                   "two places (cuda/kv_append.cu:321)")
     monkeypatch.setattr(impl, "launch", fault)
     meta = int(ok(d.cuMemAlloc(64)))
-    params = ((meta, meta + 32, 4, 8, -1, 1), (ctypes.c_void_p,) * 2 + (ctypes.c_int,) * 4)
+    params = ((meta, meta + 32, 0, 4, 8, -1, 1), (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 4)
     ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, 0, params, 0))  # queued, not run
     fails(d.cuCtxSynchronize(), R.CUDA_ERROR_ILLEGAL_INSTRUCTION, "cuda/kv_append.cu:321")
     fails(d.cuMemAlloc(8), R.CUDA_ERROR_ILLEGAL_INSTRUCTION, "sticky")

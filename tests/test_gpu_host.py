@@ -464,3 +464,52 @@ def test_exports_order_the_consumer_after_the_caches_work(rng):
     for x in xs:
         x.free()
     cache.free()
+
+
+# ------------------------------------------------------------------ 10. per-slot status
+
+def test_one_bad_slot_does_not_stop_the_batch(rng):
+    """A NaN row in slot 1 and a full slot 2: their steps are not committed, slot 0's is;
+    the next check names both slots and why, and clears them."""
+    from kvcore import gpu
+    from kvcore.errors import NonFiniteError
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=2, num_heads=4, format="int8")
+    cache = gpu.GpuKVCache(spec, slots=3)
+    y = gpu.DeviceBuffer.from_numpy(_rows(rng, (2, 2, 64)))
+    cache.append(0, y.view((2, 2, 64), np.float16), y.view((2, 2, 64), np.float16), slot=2)
+    cache.advance(slot=2, steps=2)  # slot 2 is full
+    x = _rows(rng, (3, 2, 64))
+    x[1, 1, 5] = np.nan
+    xb = gpu.DeviceBuffer.from_numpy(x)
+    xv = xb.view((3, 2, 64), np.float16)
+    cache.append(0, xv, xv)
+    cache.advance()
+    with pytest.raises(NonFiniteError, match=r"2 slot\(s\) \(slot 1: non-finite input \(NaN or inf\); "
+                                             r"slot 2: capacity 2 reached\)"):
+        cache.check()
+    assert list(cache.lengths_host()) == [1, 0, 2]
+    cache.check()  # cleared
+    for b in (y, xb):
+        b.free()
+    cache.free()
+
+
+def test_a_graph_replays_with_another_set_of_active_slots(rng):
+    """Idle slots of a DecodeGraph are neither appended to nor committed."""
+    from kvcore import gpu
+    from kvcore.gpu.graph import DecodeGraph
+    cache = gpu.GpuKVCache(SPEC, slots=3)
+    graph = DecodeGraph(cache, dtype="float16")
+    for layer in range(SPEC.num_layers):
+        graph.k(layer).copy_from_numpy(_rows(rng, (3, 2, 64)))
+        graph.v(layer).copy_from_numpy(_rows(rng, (3, 2, 64)))
+    graph.active.copy_from_numpy(np.array([1, 0, 1], np.int32))
+    for _ in range(3):
+        graph.replay()
+    graph.synchronize()
+    graph.active.copy_from_numpy(np.array([0, 1, 0], np.int32))
+    graph.replay()
+    cache.check()
+    assert list(cache.lengths_host()) == [3, 1, 3]
+    graph.destroy()
+    cache.free()

@@ -6,16 +6,17 @@
        scales [L][M][Hkv][N][S]  scale dtype     (S = 0: the scale regions are empty)
    and one small metadata allocation: per layer the M slot base pointers of K codes, V codes,
    K scales, V scales (uint64 [L][M] each; 0 for formats without scales), the lengths
-   int32[M] and the error flag int32. Addresses never change while the cache lives.
+   int32[M] and the per-slot status int32[M]. Addresses never change while the cache lives.
 2. Launch path (graph-capturable, no sync): `append` quantizes on the device at the write
-   position read from the device lengths; `advance` commits. Errors set the device flag
-   (capacity: nothing written; a refused row: step not committed).
+   position read from the device lengths; `advance` commits. Errors set the slot's device
+   status (capacity: nothing written to that slot; a refused row: that slot's step not
+   committed); the other slots go on. `active` (device int32[M]) leaves slots alone.
 3. Sync path (refuses while capturing): `check`/`synchronize`, `length`, `truncate`,
    `reset`, `scatter`, `snapshot`, `restore`; each first waits for the cache's stream and
    for every other stream kvcore launched work of this cache on (append/advance/attention/
-   RoPE with stream=, DecodeGraph replays: an event recorded after each); each turns a set flag into CapacityError,
-   NonFiniteError or FormatError (a value past the format's range, as on the CPU) and
-   clears it.
+   RoPE with stream=, DecodeGraph replays: an event recorded after each); each turns a
+   set status into NonFiniteError, FormatError (a value past the format's range, as on
+   the CPU) or CapacityError naming the slots, and clears it.
 4. `generation` bumps on anything that moves an address (only `free()` here); graphs
    compare it before replay.
 """
@@ -38,7 +39,9 @@ from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 ALIGN = 256
-ERR_CAPACITY, ERR_NONFINITE, ERR_RANGE = 1, 2, 4  # bits of the device error flag (cuda/common.cuh)
+ERR_CAPACITY, ERR_NONFINITE, ERR_RANGE = 1, 2, 4  # bits of a slot's device status (cuda/common.cuh)
+_REASONS = ((ERR_NONFINITE, "non-finite input (NaN or inf)"), (ERR_RANGE, "a value out of range of format {fmt}"),
+            (ERR_CAPACITY, "capacity {cap} reached"))
 _APPEND_WARPS = 8                   # warps per block of kv_append (one warp per head row)
 
 
@@ -100,16 +103,16 @@ class GpuLayout:
         return 2 * _align(self.code_region_bytes) + 2 * _align(self.scale_region_bytes)
 
     # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
-    # then lengths int32[M], then the error flag int32
+    # then lengths int32[M], then the status int32[M] (error bits per slot)
     @property
     def meta_offsets(self) -> dict[str, int]:
         table = self.spec.num_layers * self.slots * 8
         return {"k_codes": 0, "v_codes": table, "k_scales": 2 * table, "v_scales": 3 * table,
-                "lengths": 4 * table, "error": 4 * table + 4 * self.slots}
+                "lengths": 4 * table, "status": 4 * table + 4 * self.slots}
 
     @property
     def meta_bytes(self) -> int:
-        return self.meta_offsets["error"] + 4
+        return self.meta_offsets["status"] + 4 * self.slots
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +157,7 @@ class GpuKVCache:
       keys(layer), values(layer)             [M, Hkv, N, D] code dtype
       key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
       k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
-      lengths                                int32[M];  error_flag  int32[1]
+      lengths                                int32[M];  status  int32[M] (error bits per slot)
     """
 
     def __init__(self, spec: KVSpec, slots: int = 1, *, device: int = 0, stream=None):
@@ -271,10 +274,12 @@ class GpuKVCache:
                                producer=self)
 
     @property
-    def error_flag(self) -> DeviceArray:
-        """Device int32[1]: bit 1 capacity, bit 2 non-finite input; cleared by check()."""
+    def status(self) -> DeviceArray:
+        """Device int32[M]: per slot, bit 1 capacity, bit 2 non-finite input, bit 4 out of
+        the format's range; a slot with a bit set is not committed; cleared by check()."""
         self._alive()
-        return self._meta.view((1,), np.int32, offset=self.layout.meta_offsets["error"], producer=self)
+        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["status"],
+                               producer=self)
 
     def _region_view(self, region: str, layer) -> DeviceArray:
         self._alive()
@@ -311,7 +316,7 @@ class GpuKVCache:
     # ------------------------------------------------------------------ launch path
 
     @driver.in_context
-    def append(self, layer: int, k, v, *, slot: int | None = None, stream=None) -> None:
+    def append(self, layer: int, k, v, *, slot: int | None = None, active=None, stream=None) -> None:
         """Quantizes k and v into `layer` at each slot's current length (no sync; capturable).
 
         k, v: device arrays (DeviceArray, CuPy, torch, anything with
@@ -319,8 +324,11 @@ class GpuKVCache:
         and dtype, last axis contiguous, other strides free:
           slot None: [M, Hkv, D], one position for every slot;
           slot s:    [T, Hkv, D], T positions for slot s.
-        Runs on `stream` (default: the cache's). Past capacity nothing is written and the
-        error flag is set; a non-finite row sets it too (the step will not commit).
+        active (slot None only): a device int32[M], 0 for a slot to leave alone (neither
+        written nor committed by advance(active=)); None: every slot. Graphs replay with
+        another set by rewriting it. Runs on `stream` (default: the cache's). A slot past
+        capacity gets nothing written and its status bit set; a non-finite or out-of-range
+        row sets its slot's bit too; that slot's step will not commit, the others' will.
         """
         self._alive()
         s = self.spec
@@ -353,7 +361,8 @@ class GpuKVCache:
             (base + lay.slot_offset("v_codes", layer, 0), None),
             (base + lay.slot_offset("k_scales", layer, 0) if s.fmt.quantized else 0, None),
             (base + lay.slot_offset("v_scales", layer, 0) if s.fmt.quantized else 0, None),
-            (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["error"], None),
+            (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["status"], None),
+            (self._active_ptr(active, slot), None),
             (s.fmt.id, ctypes.c_int), (self.slots, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
             (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
@@ -361,10 +370,10 @@ class GpuKVCache:
         self.launched_on(st)
 
     @driver.in_context
-    def advance(self, *, slot: int | None = None, steps: int = 1, stream=None) -> None:
-        """Commits a step (no sync; capturable): slot None: every slot's length += 1;
-        slot s: length[s] += steps. Commits nothing while the error flag is set or when a
-        slot would pass capacity (then sets the flag)."""
+    def advance(self, *, slot: int | None = None, steps: int = 1, active=None, stream=None) -> None:
+        """Commits a step (no sync; capturable): slot None: every (active) slot's length
+        += 1; slot s: length[s] += steps. A slot whose status is set is not committed; one
+        that would pass capacity neither (its capacity bit is set); the others are."""
         self._alive()
         if slot is None:
             if steps != 1:
@@ -375,11 +384,23 @@ class GpuKVCache:
                 raise ShapeError(f"invalid steps: expected 1 <= steps <= {self.spec.capacity}, got {steps!r}")
         meta, off = self._meta.ptr, self.layout.meta_offsets
         driver.launch(self._fn_advance, (1, 1, 1), (min(1024, _round32(self.slots)), 1, 1), [
-            (meta + off["lengths"], None), (meta + off["error"], None),
-            (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
+            (meta + off["lengths"], None), (meta + off["status"], None),
+            (self._active_ptr(active, slot), None), (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (int(steps), ctypes.c_int),
         ], stream=self.stream if stream is None else stream)
         self.launched_on(stream)
+
+    def _active_ptr(self, active, slot) -> int:
+        """The device address of `active` (int32[M] on the cache's device), or 0 for None."""
+        if active is None:
+            return 0
+        if slot is not None:
+            raise ShapeError("invalid active: it selects slots of a step of every slot (slot=None)")
+        a = as_device_array(active, "active", ctx=self.ctx)
+        if a.shape != (self.slots,) or a.dtype != np.int32 or not a.is_c_contiguous:
+            raise ShapeError(f"invalid active: expected a contiguous int32 [{self.slots}], got "
+                             f"{a.dtype} {list(a.shape)}")
+        return a.ptr
 
     def launched_on(self, stream) -> None:
         """Notes that work on this cache was queued on `stream` (None: the cache's own), so
@@ -419,23 +440,29 @@ class GpuKVCache:
         driver.refuse_while_capturing(f"GpuKVCache.{what}", self.stream)
         self._wait_pending()
         self.stream.synchronize()
-        flag = np.zeros(1, np.int32)
-        self._meta.copy_to_host(flag, offset=self.layout.meta_offsets["error"])
-        if flag[0]:
-            self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.layout.meta_offsets["error"])
-            if flag[0] & ERR_NONFINITE:
-                raise NonFiniteError("a GPU append got non-finite input (NaN or inf); that step "
-                                     "was not committed")
-            if flag[0] & ERR_RANGE:
-                raise FormatError(f"a GPU append got a value out of range of format "
-                                  f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}"
-                                  f"); that step was not committed")
-            raise CapacityError(f"a GPU append or advance would pass capacity {self.spec.capacity}; "
-                                f"that step was not written or committed")
+        off = self.layout.meta_offsets["status"]
+        status = self._meta.copy_to_host(np.zeros(self.slots, np.int32), offset=off)
+        bad = np.flatnonzero(status)
+        if not bad.size:
+            return
+        self._meta.copy_from_host(np.zeros(self.slots, np.int32), offset=off)
+        names = {"fmt": self.spec.format, "cap": self.spec.capacity}
+        why = "; ".join(f"slot {int(m)}: " + ", ".join(text.format(**names) for bit, text in _REASONS
+                                                       if status[m] & bit)
+                        for m in bad[:16]) + ("; ..." if bad.size > 16 else "")
+        every = int(np.bitwise_or.reduce(status))
+        detail = (f"GPU append/advance refused {bad.size} slot(s) ({why}); their step was not "
+                  f"committed, the other slots' was")
+        if every & ERR_NONFINITE:
+            raise NonFiniteError(detail)
+        if every & ERR_RANGE:
+            raise FormatError(f"{detail} (|x| >= {input_limit(self.spec.fmt.id)})")
+        raise CapacityError(f"{detail}: a step would pass capacity {self.spec.capacity}")
 
     def check(self) -> None:
-        """Synchronises the cache's stream; raises CapacityError / NonFiniteError /
-        FormatError (and clears the flag) when a launch since the last check failed."""
+        """Synchronises the cache's stream(s); raises NonFiniteError / FormatError /
+        CapacityError naming the slot(s) and why (and clears their status) when a launch
+        since the last check refused a slot."""
         self._sync("check")
 
     synchronize = check

@@ -12,8 +12,10 @@
 3. `replay()` refuses (StateError) once the cache's `generation` changed or it was freed:
    the graph holds raw addresses. `step_eager()` launches the same sequence without the
    graph (for comparisons and benchmarks).
-4. Errors of the append (capacity, non-finite input) land in the cache's device flag;
-   `cache.check()` turns them into exceptions at the caller's next synchronisation.
+4. Errors of the append (capacity, non-finite input) land in the cache's per-slot status
+   (that slot's step is not committed, the others' are); `cache.check()` turns them into
+   exceptions naming the slots at the caller's next synchronisation. `active` (int32[M])
+   selects the slots a replay appends to and commits.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class DecodeGraph:
         self._offsets = (0, _align(q_bytes), _align(q_bytes) + _align(kv_bytes),
                          _align(q_bytes) + 2 * _align(kv_bytes))
         self._buf = DeviceBuffer.zeros(L * self._layer_bytes, ctx=cache.ctx)
+        self._active = DeviceBuffer.from_numpy(np.ones(M, np.int32), ctx=cache.ctx)
         self._shapes = ((M, Hq, D), (M, Hkv, D), (M, Hkv, D), (M, Hq, D))
         self.stream = Stream.create(cache.ctx)
         self._graph = self._exec = None  # finalizers (driver.owned_handle) once captured
@@ -97,6 +100,14 @@ class DecodeGraph:
     def v(self, layer: int) -> DeviceArray:
         return self._view(2, layer)
 
+    @property
+    def active(self) -> DeviceArray:
+        """Device int32[M]: 1 for a slot the step appends to and commits, 0 for an idle slot
+        (left alone); all 1 at first. Rewrite it between replays (after synchronize())."""
+        if self._buf.freed:
+            raise StateError("use of a destroyed DecodeGraph")
+        return self._active.view((self.cache.slots,), np.int32)
+
     def out(self, layer: int) -> DeviceArray:
         """The attention output of `layer`: [M, Hq, D] float32."""
         return self._view(3, layer)
@@ -109,9 +120,9 @@ class DecodeGraph:
             q, k, v, out = (self._view(i, layer) for i in range(4))
             if self._rope is not None:
                 apply_rope(q, c, k=k, stream=stream, **self._rope)
-            c.append(layer, k, v, stream=stream)
+            c.append(layer, k, v, active=self.active, stream=stream)
             self.plan.run(q, out, layer, pending=1, stream=stream)
-        c.advance(stream=stream)
+        c.advance(active=self.active, stream=stream)
 
     def _capture(self) -> None:
         drv = driver.cuda()
@@ -172,6 +183,7 @@ class DecodeGraph:
             self.stream.destroy()
         self.plan.free()
         self._buf.free()
+        self._active.free()
 
 
 def _align(n: int) -> int:
