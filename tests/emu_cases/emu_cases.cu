@@ -120,3 +120,12 @@ extern "C" __global__ void shared_overrun(float* out, int i) {
     const float* p = s;
     out[threadIdx.x] = p[i];  // site: shared overrun
 }
+
+// The device FP8 encoders of common.cuh over n floats (tools/fp8_device_exhaustive.py).
+extern "C" __global__ void encode_fp8(const float* x, unsigned char* e4m3, unsigned char* e5m2, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        e4m3[i] = kv_f32_to_e4m3(x[i]);
+        e5m2[i] = kv_f32_to_e5m2(x[i]);
+    }
+}
