@@ -1,41 +1,66 @@
-"""decode_attention and apply_rope: validation and output allocation around the
-kernels of _attention.pyx (docs/attention.md describes the kernel)."""
+"""decode_attention, merge_attention and apply_rope: validation and output allocation
+around the kernels of _attention.pyx (docs/attention.md describes the kernel)."""
 from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import numpy as np
 
 from . import _attention
 from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
 from .cache import KVCache
-from .errors import DTypeError, FormatError, NonFiniteError, ShapeError, StateError
+from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
+                     ShapeError, StateError)
+from .pool import KVPool, _counts
 
 ROPE_STYLES = ("neox", "norm")
 
 
-def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float | None = None,
-                     causal: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-    """Attention of new tokens' queries over one layer of a cache, read in its own format.
+def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
+                     seqs: Sequence[int] | None = None,
+                     counts: Sequence[int] | np.ndarray | None = None,
+                     scale: float | None = None, causal: bool = True,
+                     out: np.ndarray | None = None,
+                     return_lse: bool = False) -> "np.ndarray | tuple[np.ndarray, np.ndarray]":
+    """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
+    KVPool, read in the storage's own format.
 
-    q: float32, shape [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides.
-    The layer's committed plus pending positions, n of them, are attended; with causal,
-    token t sees positions [0, n - T + t] (the T new tokens are the last T positions).
-    scale: defaults to 1 / sqrt(D). out: float32 of q's shape, C-contiguous, written and
-    returned (may be q itself); allocated when None.
-    Returns float32 of q's shape.
+    KVCache: q float32 [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides;
+    the layer's n = length + pending(layer) positions are attended.
+    KVPool: seqs (B sequence ids, each once); q float32 [B, Hq, D] (one new token per
+    sequence) or, with counts (B ints >= 0), [sum counts, Hq, D]: rows [c_b, c_b +
+    counts[b]) (c_b the sum of the counts before b) are sequence b's tokens; sequence b
+    attends its n_b = length + pending(layer) positions, read through its pages.
+    Causal: token t of T new tokens sees positions [0, n - T + t] (the new tokens are the
+    last T positions: chunked prefill, speculative verification); causal=False: all n.
+    scale: a finite positive float32 (defaults to 1 / sqrt(D)). out: float32 of q's
+    shape, C-contiguous, outside the storage, written and returned (may be q itself);
+    allocated when None.
+    Returns out, or (out, lse) with return_lse: lse float32 of q's shape without D, the
+    natural-log log-sum-exp of each row's scaled scores (merge_attention's input).
+    Raises RangeError (out untouched) when scale * q, a score or the weighted sum of V
+    would pass the float32 range. A pool sequence's rows equal, bit for bit, this call on
+    a KVCache holding the same positions with the same thread count (docs/attention.md).
     """
+    if isinstance(cache, KVPool):
+        with cache._guard("decode_attention"):
+            return _pool_attention(q, cache, layer, seqs, counts, scale, causal, out,
+                                   return_lse)
     if not isinstance(cache, KVCache):
-        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__}")
+        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__} "
+                         f"(or a KVPool with seqs)")
+    if seqs is not None or counts is not None:
+        raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
+    with cache._guard("decode_attention"):
+        return _attend(q, cache, layer, scale, causal, out, return_lse)
+
+
+def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    check_ndarray("q", q)
-    check_dtype("q", q, [np.float32])
-    if q.ndim == 2:
-        check_shape("q", q, [spec.num_heads, spec.head_dim])
-    else:
-        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+    _check_q(q, spec)
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -44,20 +69,195 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
     if causal and T > n:
         raise StateError(f"causal attention of T={T} new tokens needs at least {T} positions, "
                          f"layer {layer} holds {n}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(spec.head_dim)
-    elif not math.isfinite(scale):
-        raise NonFiniteError(f"scale must be finite, got {scale}")
-    if out is None:
-        out = np.empty(q.shape, np.float32)
+    _check_rows(T, spec)
+    scale = _check_scale(scale, spec.head_dim)
+    out = _out(out, q, cache._storage)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
+    arrays = cache._layer_arrays(layer)
+    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
+                               bool(causal), out.reshape(q3.shape),
+                               None if lse is None else lse.reshape(q3.shape[:2]))
+    if status != _attention.ATTEND_OK:
+        _raise_non_finite(q)
+        raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
+    return (out, lse) if return_lse else out
+
+
+def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse):
+    spec = pool.spec
+    layer = check_index("layer", layer, spec.num_layers)
+    if seqs is None:
+        raise StateError("decode_attention on a KVPool needs seqs: the sequence ids")
+    seqs = list(seqs)
+    B = len(seqs)
+    if len(set(seqs)) != B:
+        raise StateError(f"decode_attention names a sequence twice: {seqs}")
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
+    if counts is None:
+        check_shape("q", q, [B, spec.num_heads, spec.head_dim])
+        count_list = [1] * B
     else:
-        check_out("out", out, q.shape, [np.float32])
-    k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
-    if not _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
-                             spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape)):
-        bad = np.argwhere(~np.isfinite(q))[0]   # the kernel checks q as it reads it
-        raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
+        count_list = _counts(counts, B)
+        check_shape("q", q, [sum(count_list), spec.num_heads, spec.head_dim])
+    table = pool._table
+    lengths = []
+    for s, t in zip(seqs, count_list):
+        seq = table.get(s)
+        n = seq.length + seq.pending[layer]
+        if t and n == 0:
+            raise StateError(f"decode_attention on an empty sequence: sequence {s} holds 0 "
+                             f"positions in layer {layer}")
+        if causal and t > n:
+            raise StateError(f"causal attention of T={t} new tokens needs at least {t} "
+                             f"positions, sequence {s} holds {n} in layer {layer}")
+        _check_rows(t, spec)
+        lengths.append(n)
+    width = max([pool.pages_for(n) for n in lengths] + [1])
+    tables = np.zeros((B, width), np.int32)
+    for b, s in enumerate(seqs):
+        pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
+        tables[b, :len(pages)] = pages
+    scale = _check_scale(scale, spec.head_dim)
+    out = _out(out, q, pool._storage)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
+    arrays = pool._layer_arrays(layer)
+    q = np.ascontiguousarray(q)
+    status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
+                                     np.array(lengths, np.int64),
+                                     np.array(count_list, np.int64), scale, bool(causal),
+                                     out, lse)
+    if status != _attention.ATTEND_OK:
+        _raise_non_finite(q)
+        at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
+        for b, (s, t, n) in enumerate(zip(seqs, count_list, lengths)):
+            if t and _attention.attend_paged(
+                    q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
+                    np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
+                    np.empty((t, spec.num_heads, spec.head_dim), np.float32)
+                    ) != _attention.ATTEND_OK:
+                raise _overflow_error(q[at:at + t], spec.fmt, pool._gather(s, layer, pending=True),
+                                      n, scale, causal, layer, f"sequence {s}, ")
+            at += t
+        raise AssertionError("the batch overflowed, but no sequence alone does")
+    return (out, lse) if return_lse else out
+
+
+def _check_q(q, spec) -> None:
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
+    if q.ndim == 2:
+        check_shape("q", q, [spec.num_heads, spec.head_dim])
+    else:
+        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+
+
+def _check_rows(T: int, spec) -> None:
+    rows = T * spec.group_size
+    if rows > _attention.ROWS_MAX:
+        raise RangeError(f"decode_attention: T x Hq/Hkv = {T} x {spec.group_size} = {rows} "
+                         f"query rows per kv head, more than the kernel counts "
+                         f"({_attention.ROWS_MAX})")
+
+
+def _out(out, q, storage) -> np.ndarray:
+    if out is None:
+        return np.empty(q.shape, np.float32)
+    check_out("out", out, q.shape, [np.float32])
+    if np.shares_memory(out, storage):
+        raise ShapeError("out overlaps the cache's storage")
     return out
+
+
+def _raise_non_finite(q) -> None:
+    """Raises NonFiniteError naming q's first non-finite value, if it has one (the kernel
+    checks q as it reads it)."""
+    if not np.isfinite(q).all():
+        bad = np.argwhere(~np.isfinite(q))[0]
+        raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    """The softmax scale as the float32 the kernel uses: finite and positive."""
+    if scale is None:
+        return float(np.float32(1.0 / math.sqrt(head_dim)))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of scale: expected float, got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except OverflowError:   # an int past the float range: finite, but too large
+        value = math.inf
+    if isinstance(scale, (float, np.floating)) and not math.isfinite(value):
+        raise NonFiniteError(f"scale must be finite, got {scale}")
+    with np.errstate(over="ignore"):
+        s32 = np.float32(value)
+    if not (math.isfinite(s32) and s32 > 0):
+        raise RangeError(f"scale must be a finite positive float32, got {scale!r} "
+                         f"(as float32: {s32!s}; float32 holds up to 3.4028235e+38)")
+    return float(s32)
+
+
+def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: int,
+                    where: str = "") -> RangeError:
+    """The error of an attention call whose float32 computation overflowed, with the
+    numbers: the largest |scale * q.k| over the visible positions and the largest |V|,
+    computed in float64 (the cold path of a refused call)."""
+    from .quant import dequantize
+    k_codes, v_codes, k_scales, v_scales = (None if a is None else a[:n] for a in arrays)
+    k = dequantize(k_codes, k_scales, fmt).astype(np.float64)     # [n, Hkv, D]
+    v = dequantize(v_codes, v_scales, fmt)
+    T, Hq, D = q3.shape
+    Hkv = k.shape[1]
+    qg = q3.astype(np.float64).reshape(T, Hkv, Hq // Hkv, D) * scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.abs(np.einsum("thgd,nhd->thgn", qg, k))
+    if causal:
+        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]   # [T, n]
+        scores = np.where(visible[:, None, None, :], scores, 0.0)
+    with np.errstate(over="ignore"):
+        qmax = float(np.abs(q3).max()) * scale
+    return RangeError(
+        f"decode_attention of {where}layer {layer} overflows float32: the scores scale * q.k reach "
+        f"{float(np.nanmax(scores)):.4g} (|scale * q| up to {qmax:.4g}, |V| up to "
+        f"{float(np.abs(v).max()):.4g} over {n} positions); float32 holds up to 3.4028235e+38")
+
+
+def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
+                    lse2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merges two attention results over disjoint sets of positions into the result over
+    their union (FlashInfer's merge_state; cascade attention over a shared prefix).
+
+    o1, o2: float32 [..., Hq, D]; lse1, lse2: float32 [..., Hq], natural-log
+    log-sum-exp of each row's scores (decode_attention(..., return_lse=True)); -inf
+    marks a row that saw no position (its o is ignored). Returns (o, lse) new arrays:
+    o = (e^(lse1 - m) o1 + e^(lse2 - m) o2) / (e^(lse1 - m) + e^(lse2 - m)),
+    lse = m + log(e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2), in float32; a
+    row that neither side saw gets o = 0, lse = -inf.
+    """
+    for name, x in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
+        check_ndarray(name, x)
+        check_dtype(name, x, [np.float32])
+    if o1.ndim < 2:
+        raise ShapeError(f"invalid shape of o1: expected [..., Hq, D], got {list(o1.shape)}")
+    check_shape("o2", o2, list(o1.shape))
+    check_shape("lse1", lse1, list(o1.shape[:-1]))
+    check_shape("lse2", lse2, list(o1.shape[:-1]))
+    for name, x in (("lse1", lse1), ("lse2", lse2)):
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise NonFiniteError(f"{name} holds NaN or +inf")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.maximum(lse1, lse2)
+        seen = np.isfinite(m)
+        m0 = np.where(seen, m, np.float32(0))
+        w1 = np.exp(lse1 - m0)
+        w2 = np.exp(lse2 - m0)
+        den = w1 + w2
+        part1 = np.where((w1 > 0)[..., None], w1[..., None] * o1, np.float32(0))
+        part2 = np.where((w2 > 0)[..., None], w2[..., None] * o2, np.float32(0))
+        o = np.where(seen[..., None], (part1 + part2) / np.where(seen, den, 1)[..., None],
+                     np.float32(0)).astype(np.float32)
+        lse = np.where(seen, m0 + np.log(den), -np.inf).astype(np.float32)
+    return o, lse
 
 
 def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,
@@ -65,10 +265,11 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     """Rotary position embedding, in place.
 
     x: float32, shape [T, H, D] with positions an int array [T], or [H, D] with one int
-    position; any strides, writable. style "neox" rotates the pairs (i, i + R/2) (split
-    halves), "norm" the pairs (2i, 2i + 1) (adjacent), R = rotary_dim (default D, even,
-    <= D); dims past R are left alone. Pair i turns by position * theta^(-2i/R), the
-    angle computed in float64. Returns x.
+    position; any strides, writable, finite. positions: 0 <= p < 2**63. style "neox"
+    rotates the pairs (i, i + R/2) (split halves), "norm" the pairs (2i, 2i + 1)
+    (adjacent), R = rotary_dim (default D, even, <= D); dims past R are left alone. Pair i
+    turns by position * theta^(-2i/R) (theta a finite positive number), the angle
+    computed in float64. Returns x. A refused call leaves x untouched.
     """
     check_ndarray("x", x)
     check_dtype("x", x, [np.float32])
@@ -83,8 +284,9 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     R = D if rotary_dim is None else rotary_dim
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
-    if not (isinstance(theta, (int, float, np.floating)) and math.isfinite(theta) and theta > 0):
-        raise ShapeError(f"theta must be a finite positive number, got {theta!r}")
+    theta = _check_theta(theta)
+    if isinstance(positions, np.ndarray):
+        check_ndarray("positions", positions)   # refuses masked arrays
     pos = np.asarray(positions)
     if pos.dtype.kind not in "iu":
         raise DTypeError(f"invalid dtype of positions: expected an integer type, got {pos.dtype}")
@@ -95,9 +297,32 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
                              f"got {pos.size}")
         x3 = x[np.newaxis]
     check_shape("positions", pos.reshape(-1) if x.ndim == 2 else pos, [x3.shape[0]])
+    if pos.size and (pos.min() < 0 or pos.max() > _INT64_MAX):
+        bad = pos.reshape(-1)[(pos.reshape(-1) < 0) | (pos.reshape(-1) > _INT64_MAX)][0]
+        raise OutOfRangeError(f"position {int(bad)} out of range: expected 0 <= position < 2**63")
+    finite = np.isfinite(x)
+    if not finite.all():
+        idx = np.unravel_index(int(np.argmin(finite)), x.shape)
+        where = ", ".join(str(int(i)) for i in idx)
+        raise NonFiniteError(f"non-finite value in x: x[{where}] = {x[idx]!s}")
     _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64),
-                    _inv_freq(float(theta), int(R)), style == "neox")
+                    _inv_freq(theta, int(R)), style == "neox")
     return x
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _check_theta(theta) -> float:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of theta: expected float, got {type(theta).__name__}")
+    try:
+        value = float(theta)
+    except OverflowError:   # an int past the float range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise RangeError(f"theta must be a finite positive number, got {theta!r}")
+    return value
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,7 @@
 """KVCache: the CPU key/value cache of one sequence.
 
-Storage is one allocation of exactly `spec.memory_bytes` bytes (fresh anonymous pages:
-zero-filled, page-aligned, so every region is 64-byte aligned), in four regions:
+Storage is one allocation of exactly `spec.memory_bytes` bytes (`_storage.Storage` with
+rows = capacity: the one-sequence case of a KVPool's pages, one page of N rows in order):
 
     [K scales][V scales][K codes][V codes]
     codes:  [L][N][Hkv][D]  the format's code dtype  (token-major: a step is one block)
@@ -12,15 +12,14 @@ from the storage; the checked writes are `_cache.RowWriter`'s.
 """
 from __future__ import annotations
 
-import mmap
-from math import prod
-
 import numpy as np
 
 from . import _cache
+from ._guard import CallGuard
+from ._pages import _count_groups
+from ._storage import Storage as _Storage
 from ._validate import check_index, check_out
 from .errors import OutOfRangeError, ShapeError, SpecError, StateError
-from .formats import view_dtype
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
@@ -62,73 +61,28 @@ class _Cells:
         self.pending = [0] * len(self.pending)
 
 
-def _count_groups(counts: list[int]) -> str:
-    """'layers 0-2 hold 1; layers 3-31 hold 0': layers grouped by their count."""
-    groups: dict[int, list[int]] = {}
-    for layer, c in enumerate(counts):
-        groups.setdefault(c, []).append(layer)
-    return "; ".join(f"layers {_ranges(ls)} hold {c}" if len(ls) > 1 else f"layer {ls[0]} holds {c}"
-                     for c, ls in groups.items())
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (xs sorted)."""
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
-
-
-def _zeroed_pages(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] on fresh anonymous pages: zero-filled, page-aligned, private to
-    this process (copied on write across fork), returned to the OS when freed."""
-    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
-    try:
-        pages = mmap.mmap(-1, nbytes, **flags)
-    except OSError as e:
-        raise MemoryError(f"cannot allocate the cache's {nbytes} bytes: {e.strerror}") from e
-    return np.frombuffer(pages, dtype=np.uint8)
-
-
 class KVCache:
     """The key/value cache of one sequence on the CPU, in any format of kvcore.FORMATS.
 
     Positions are appended per layer (`append`, pending) and committed for every layer at
     once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
+    One call at a time: a call that finds another thread inside the cache raises
+    StateError and changes nothing (docs/design.md, Threads).
     """
 
     def __init__(self, spec: KVSpec):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVCache needs a KVSpec, got {type(spec).__name__}")
         self._spec = spec
-        fmt = spec.fmt
-        L, N, H, D = spec.num_layers, spec.capacity, spec.num_kv_heads, spec.head_dim
-        S = fmt.scales_per_row(D)
-        regions = [("k_scales", (L, N, H, S), fmt.scale_dtype),
-                   ("v_scales", (L, N, H, S), fmt.scale_dtype)] if S else []
-        regions += [("k_codes", (L, N, H, D), fmt.code_dtype),
-                    ("v_codes", (L, N, H, D), fmt.code_dtype)]
-        self._storage = _zeroed_pages(spec.memory_bytes)
-        self._regions: dict[str, np.ndarray] = {}
-        self._offsets: dict[str, int] = {}
-        offset = 0
-        for name, shape, dtype in regions:
-            nbytes = prod(shape) * dtype.itemsize
-            self._regions[name] = self._storage[offset:offset + nbytes].view(dtype).reshape(shape)
-            self._offsets[name] = offset
-            offset += nbytes
-        r = self._regions
-        self._writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
-                                        r.get("k_scales"), r.get("v_scales"))
-        self._read_only = {}
-        for name, arr in r.items():
-            view = arr.view(view_dtype(fmt)) if name.endswith("codes") else arr.view()
-            view.flags.writeable = False
-            self._read_only[name] = view
-        self._num_layers = L
-        self._cells = _Cells(L)
+        store = _Storage(spec, spec.capacity)   # one page of `capacity` rows, in order
+        self._store = store
+        self._storage = store.array
+        self._regions = store.regions
+        self._writer = store.writer
+        self._read_only = store.read_only
+        self._num_layers = spec.num_layers
+        self._cells = _Cells(spec.num_layers)
+        self._guard = CallGuard("KVCache")   # one call at a time (docs/design.md, Threads)
 
     # -- writing -------------------------------------------------------------------
 
@@ -142,27 +96,41 @@ class KVCache:
         FormatError for a value past the format's range: f16 |x| >= 65520, bf16 past
         its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing.
         """
-        if layer.__class__ is not int or not 0 <= layer < self._num_layers:
-            layer = check_index("layer", layer, self._num_layers)
-        # the hot path of a decode step: _Cells.end / _Cells.add written out inline
-        cells = self._cells
-        pending = cells.pending
-        pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+        guard = self._guard   # the hot path of a decode step: the guard inlined (_guard.py)
+        if not guard.acquire(False):
+            guard.refuse("append")
+        try:
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            # _Cells.end / _Cells.add written out inline
+            cells = self._cells
+            pending = cells.pending
+            pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+        finally:
+            guard.release()
 
     def advance(self) -> int:
         """Commits the pending positions of every layer and returns how many. Every layer
         must hold the same number (StateError names the layers that differ); with none
         pending anywhere it is a no-op that returns 0."""
-        return self._cells.commit()
+        guard = self._guard   # once per decode step: inlined as in append
+        if not guard.acquire(False):
+            guard.refuse("advance")
+        try:
+            return self._cells.commit()
+        finally:
+            guard.release()
 
     def truncate(self, n: int) -> None:
         """Keeps the first n committed positions (0 <= n <= length) and drops every pending
         one. Storage is not cleared: positions past n are simply no longer held."""
-        self._cells.truncate(n)
+        with self._guard("truncate"):
+            self._cells.truncate(n)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
-        self._cells.truncate(0)
+        with self._guard("reset"):
+            self._cells.truncate(0)
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -171,15 +139,18 @@ class KVCache:
         `length`; pending positions are never included): codes [L, n, Hkv, D] and scales
         [L, n, Hkv, S] plus the spec (docs/snapshots.md). OutOfRangeError unless
         0 <= n <= length."""
-        return take_snapshot(self, n)
+        with self._guard("snapshot"):
+            return take_snapshot(self, n)
 
     def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> None:
         """Replaces the content with a snapshot: positions [0, snapshot.length) of every
         layer, length = snapshot.length, nothing pending. Refuses (SnapshotError, cache
         untouched) another num_layers, num_kv_heads or head_dim, a snapshot longer than
         the capacity, values the format never stores, and another format unless
-        requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache)."""
-        restore_snapshot(self, snapshot, requantize=requantize)
+        requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache).
+        A snapshot whose arrays lie in this cache's own storage is copied first."""
+        with self._guard("restore"):
+            restore_snapshot(self, snapshot, requantize=requantize)
 
     # -- state ---------------------------------------------------------------------
 
@@ -229,28 +200,29 @@ class KVCache:
         new array, or out (float32 of that shape, C-contiguous, writable)."""
         if which not in ("k", "v"):
             raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
-        layer, n = self._held(layer, pending)
-        codes = self._regions[f"{which}_codes"][layer, :n]
-        scales = self._regions.get(f"{which}_scales")
-        if out is None:
-            out = np.empty(codes.shape, dtype=np.float32)
-        else:
-            check_out("out", out, codes.shape, [np.float32])
-            if np.shares_memory(out, self._storage):
-                raise ShapeError("out overlaps the cache's storage")
-        _cache.decode_rows(self._spec.fmt.id, codes,
-                           None if scales is None else scales[layer, :n], out)
+        with self._guard("dequantize"):
+            layer, n = self._held(layer, pending)
+            codes = self._regions[f"{which}_codes"][layer, :n]
+            scales = self._regions.get(f"{which}_scales")
+            if out is None:
+                out = np.empty(codes.shape, dtype=np.float32)
+            else:
+                check_out("out", out, codes.shape, [np.float32])
+                self._check_outside("out", out)
+            _cache.decode_rows(self._spec.fmt.id, codes,
+                               None if scales is None else scales[layer, :n], out)
         return out
+
+    def _check_outside(self, name: str, arr: np.ndarray) -> None:
+        """Raises ShapeError when arr (an output array) overlaps the storage."""
+        if np.shares_memory(arr, self._storage):
+            raise ShapeError(f"{name} overlaps the cache's storage")
 
     def _layer_arrays(self, layer: int):
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable full-capacity
         views, codes [N, Hkv, D] in the raw code dtype, scales [N, Hkv, S] or None.
         Positions [0, length + pending(layer)) are valid. Internal (docs/design.md)."""
-        layer = check_index("layer", layer, self._num_layers)
-        r = self._regions
-        return (r["k_codes"][layer], r["v_codes"][layer],
-                r["k_scales"][layer] if "k_scales" in r else None,
-                r["v_scales"][layer] if "v_scales" in r else None)
+        return self._store.layer_arrays(check_index("layer", layer, self._num_layers))
 
     # -- layout and memory ---------------------------------------------------------
 
@@ -258,14 +230,12 @@ class KVCache:
     def layout(self) -> dict:
         """The storage, region by region in address order: byte offset, byte count,
         shape and dtype. Codes [L, N, Hkv, D], scales [L, N, Hkv, S] (token-major)."""
-        return {name: {"offset": self._offsets[name], "nbytes": arr.nbytes,
-                       "shape": arr.shape, "dtype": str(arr.dtype)}
-                for name, arr in self._regions.items()}
+        return self._store.layout
 
     @property
     def strides(self) -> dict[str, tuple[int, ...]]:
         """Byte strides of each region over (layer, position, head, element)."""
-        return {name: arr.strides for name, arr in self._regions.items()}
+        return self._store.strides
 
     @property
     def memory_bytes(self) -> int:
