@@ -12,6 +12,7 @@ from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
 from .attention import apply_rope, decode_attention
+from .rope import rope_frequencies
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,6 @@ __all__ = [
     "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "Snapshot", "load_snapshot", "decode_attention", "apply_rope", "__version__",
+    "Snapshot", "load_snapshot", "decode_attention", "apply_rope", "rope_frequencies",
+    "__version__",
 ]

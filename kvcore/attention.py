@@ -61,7 +61,8 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
 
 
 def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,
-               style: str = "neox", rotary_dim: int | None = None) -> np.ndarray:
+               style: str = "neox", rotary_dim: int | None = None,
+               inv_freq: np.ndarray | None = None, attention_factor: float = 1.0) -> np.ndarray:
     """Rotary position embedding, in place.
 
     x: float32, shape [T, H, D] with positions an int array [T], or [H, D] with one int
@@ -69,6 +70,11 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     halves), "norm" the pairs (2i, 2i + 1) (adjacent), R = rotary_dim (default D, even,
     <= D); dims past R are left alone. Pair i turns by position * theta^(-2i/R), the
     angle computed in float64. Returns x.
+    inv_freq: float64 [R/2], finite, >= 0: a model's own table (Llama 3, linear, dynamic
+    NTK, YaRN, LongRoPE scaling: kvcore.rope_frequencies) used instead of theta; pair i
+    turns by position * inv_freq[i] and R defaults to 2 * len(inv_freq).
+    attention_factor: a finite positive number the R rotated dims are multiplied by, as
+    transformers multiplies cos and sin (YaRN, LongRoPE).
     """
     check_ndarray("x", x)
     check_dtype("x", x, [np.float32])
@@ -80,7 +86,7 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     if style not in ROPE_STYLES:
         raise FormatError(f"unknown rope style {style!r}: expected 'neox' or 'norm'")
     D = x.shape[-1]
-    R = D if rotary_dim is None else rotary_dim
+    R = rotary_dim if rotary_dim is not None else D if inv_freq is None else 2 * _len(inv_freq)
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
     if not (isinstance(theta, (int, float, np.floating)) and math.isfinite(theta) and theta > 0):
@@ -95,9 +101,28 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
                              f"got {pos.size}")
         x3 = x[np.newaxis]
     check_shape("positions", pos.reshape(-1) if x.ndim == 2 else pos, [x3.shape[0]])
-    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64),
-                    _inv_freq(float(theta), int(R)), style == "neox")
+    table = _inv_freq(float(theta), int(R)) if inv_freq is None else _check_inv_freq(inv_freq, R)
+    if not (isinstance(attention_factor, (int, float, np.floating)) and
+            math.isfinite(attention_factor) and attention_factor > 0):
+        raise ShapeError(f"attention_factor must be a finite positive number, got {attention_factor!r}")
+    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64), table,
+                    style == "neox")
+    if attention_factor != 1:
+        x3[..., :R] *= np.float32(attention_factor)
     return x
+
+
+def _len(inv_freq) -> int:
+    return inv_freq.shape[0] if isinstance(inv_freq, np.ndarray) and inv_freq.ndim == 1 else 0
+
+
+def _check_inv_freq(inv_freq: np.ndarray, rotary_dim: int) -> np.ndarray:
+    check_ndarray("inv_freq", inv_freq)
+    check_dtype("inv_freq", inv_freq, [np.float64])
+    check_shape("inv_freq", inv_freq, [rotary_dim // 2])
+    if not (np.isfinite(inv_freq).all() and (inv_freq >= 0).all()):
+        raise NonFiniteError("inv_freq must be finite and >= 0")
+    return np.ascontiguousarray(inv_freq)
 
 
 @functools.lru_cache(maxsize=64)
