@@ -66,7 +66,8 @@ def _reference_cache(model, fmt):
 
 def _generate(model, impl, cache, ids=None, **kw):
     model.set_attn_implementation(impl)
-    out = model.generate(_prompt() if ids is None else ids, past_key_values=cache,
+    ids = _prompt() if ids is None else ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                          max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=0, **kw)
     return out.sequences, torch.stack(out.logits)
@@ -289,3 +290,19 @@ def test_import_kvcore_does_not_import_transformers():
     code = "import sys, kvcore; print('transformers' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_readme_example_prints_what_it_says():
+    import contextlib
+    import io
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        code = re.search(r"## In Hugging Face transformers\n.*?```python\n(.*?)```", f.read(),
+                         re.S).group(1)
+    expected = [m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s*#(.*)$", code, re.M)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md transformers example", "exec"), {})
+    assert out.getvalue().splitlines() == expected and expected
