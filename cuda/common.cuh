@@ -13,7 +13,8 @@
 //      q8_0      per 32 values: d = amax / 127 (f32), id = d ? 1 / d : 0,
 //                q = round-half-away(x * id), scale stored as f16(d) (RNE)
 //    A finite input |x| >= kv_input_limit(fmt) is refused (f16 and bf16: it would round
-//    to inf; q8_0: its f16 block scale would), as NaN and inf are by every format.
+//    to inf; q8_0: its f16 block scale would; int8: 127 * s would), as NaN and inf are
+//    by every format.
 //    Decoding: x = code * scale (f32 multiply); q8_0 x = q * f32(f16 scale).
 // 4. Codes are passed around as their raw bits: f16/bf16 as uint16, fp8 as uint8.
 #pragma once
@@ -34,10 +35,12 @@
 #define KV_E5M2_MAX 57344.0f
 // The smallest |x| each format refuses (kvcore._quant.input_limit): f16 65520 and bf16
 // 0x7f7f8000 round (to even) to inf; q8_0's f16 block scale max|x| / 127 would be inf
-// from 8321040 (0x4afdf020) on.
+// from 8321040 (0x4afdf020) on; an int8 row of float32 max (0x7f7fffff) would decode
+// to inf (127 * (max|x| / 127) rounds past it).
 #define KV_F16_LIMIT 65520.0f
 #define KV_BF16_LIMIT_BITS 0x7f7f8000
 #define KV_Q8_0_LIMIT 8321040.0f
+#define KV_INT8_LIMIT_BITS 0x7f7fffff
 
 // Bits of the device error flag (one int32 per cache; see docs/gpu.md).
 #define KV_ERR_CAPACITY 1
@@ -178,6 +181,7 @@ __device__ __forceinline__ float kv_input_limit(int fmt) {
     if (fmt == KV_F16) return KV_F16_LIMIT;
     if (fmt == KV_BF16) return __int_as_float(KV_BF16_LIMIT_BITS);
     if (fmt == KV_Q8_0) return KV_Q8_0_LIMIT;
+    if (fmt == KV_INT8) return __int_as_float(KV_INT8_LIMIT_BITS);
     return __int_as_float(0x7f800000);
 }
 

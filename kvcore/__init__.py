@@ -3,8 +3,8 @@
 Public API; everything else lives behind a leading underscore.
 """
 from .errors import (CapacityError, CudaError, DTypeError, FormatError, KVCacheError,
-                     NonFiniteError, OutOfRangeError, ShapeError, SnapshotError, SpecError,
-                     StateError)
+                     NonFiniteError, OutOfRangeError, RangeError, ShapeError, SnapshotError,
+                     SpecError, StateError)
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
-    "NonFiniteError", "OutOfRangeError", "ShapeError", "SnapshotError", "SpecError",
+    "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
     "Snapshot", "load_snapshot", "decode_attention", "apply_rope", "rope_frequencies",

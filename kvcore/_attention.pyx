@@ -29,7 +29,9 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
-6. The splits are merged with a log-sum-exp reduction into out [T, Hq, D].
+6. The splits are merged with a log-sum-exp reduction into the workspace, then copied to
+   out [T, Hq, D] only when every value is finite: a score or a weighted sum of V past
+   float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
@@ -239,9 +241,10 @@ cdef extern from *:
         return v[0];
     }
 
-    /* exp(x) for KV_W lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0. */
+    /* exp(x) for KV_W lanes, x <= 88 (Cephes expf); lanes below -87.3 (and -inf) give 0,
+       NaN lanes (a score that overflowed float32) stay NaN, so that the result shows it. */
     KV_INLINE kv_vf kv_exp(kv_vf x) {
-        kv_vi keep = x >= kv_splat(-87.3f);
+        kv_vi keep = ~(x < kv_splat(-87.3f));
         x = (kv_vf)((kv_vi)x & keep);   /* dropped lanes compute exp(0), then masked */
         kv_vf t = kv_fma(x, kv_splat(1.44269504088896341f), kv_splat(12582912.0f));
         kv_vf n = t - kv_splat(12582912.0f);   /* round to nearest */
@@ -533,7 +536,8 @@ cdef extern from *:
     }
 
     /* J->q [hkv][r][dp] = scale * q [t][hkv * g][d] (zero-padded); J->last [r]. Returns 0
-       when q holds a non-finite value (x * 0 is NaN only for those), else 1. */
+       when scale * q holds a non-finite value (x * 0 is NaN only for those: q non-finite,
+       or scale * q past float32), else 1. */
     static int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) {
         const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
         kv_vf zv = kv_splat(0.0f);
@@ -544,11 +548,11 @@ cdef extern from *:
                 float* dst = J->q + ((size_t)h * R + r) * dp;
                 int i = 0;
                 for (; i + KV_W <= d; i += KV_W) {
-                    kv_vf x = kv_loadf(src + i);
+                    kv_vf x = kv_loadf(src + i) * kv_splat(scale);
                     zv = zv + x * kv_splat(0.0f);
-                    kv_storef(dst + i, x * kv_splat(scale));
+                    kv_storef(dst + i, x);
                 }
-                for (; i < d; i++) { z = z + src[i] * 0.0f; dst[i] = src[i] * scale; }
+                for (; i < d; i++) { dst[i] = src[i] * scale; z = z + dst[i] * 0.0f; }
                 for (; i < dp; i++) dst[i] = 0.0f;
             }
         for (int r = 0; r < R; r++) J->last[r] = causal ? n - J->t + r / G : n - 1;
@@ -557,7 +561,7 @@ cdef extern from *:
     }
 
     /* out [t][hkv * g][d] = the nsplit split states at w (kv_split_floats each) merged by
-       log-sum-exp and normalised. out may be the q that kv_prepare read. */
+       log-sum-exp and normalised. out may be J->q (kv_prepare's copy, no longer read). */
     static void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) {
         const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
         const size_t rows = (size_t)H * R, stride = kv_split_floats(J);
@@ -590,6 +594,17 @@ cdef extern from *:
             }
         }
     }
+
+    /* 1 when x [n] holds no NaN or inf. */
+    static int kv_all_finite(const float* x, size_t n) {
+        uint32_t bad = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            bad |= (u & 0x7F800000u) == 0x7F800000u;
+        }
+        return !bad;
+    }
     """
     ctypedef struct kv_job:
         const char* kc
@@ -606,6 +621,7 @@ cdef extern from *:
     int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) noexcept nogil
     void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
     void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) noexcept nogil
+    int kv_all_finite(const float* x, size_t n) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -619,21 +635,39 @@ cdef const char* _data(cnp.ndarray a, str name) except NULL:
     return <const char*>cnp.PyArray_DATA(a)
 
 
+ROWS_MAX = 2**31 - 1
+"""The most query rows per kv head (T x Hq / Hkv) one call takes: the kernel counts them in
+a C int."""
+
+cdef enum:
+    _OK = 0
+    _BAD_Q = 1
+    _OVERFLOW = 2
+
+ATTEND_OK, ATTEND_BAD_Q, ATTEND_OVERFLOW = _OK, _BAD_Q, _OVERFLOW
+
+
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
-           Py_ssize_t n, float scale, bint causal, cnp.ndarray out):
-    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n); returns True,
-    or False (out untouched) when q holds a non-finite value.
+           Py_ssize_t n, float scale, bint causal, cnp.ndarray out) -> int:
+    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n). Returns
+    ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
+    ATTEND_OVERFLOW when a score or the weighted sum of V overflowed float32 (the result
+    is made in the workspace and copied to out only when every value is finite).
 
     IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
     k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
-    1 <= n <= N, and T <= n when causal. OUT out float32 [T, Hq, D] C-contiguous (may be
-    q itself). The caller (attention.py) validates shapes and dtypes; this only reads.
+    1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
+    C-contiguous (may be q itself). The caller (attention.py) validates shapes and dtypes;
+    this only reads.
     """
     cdef kv_job J
+    cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
+    if rows > ROWS_MAX:
+        raise ValueError(f"attend: {rows} rows per kv head exceed a C int")
     cdef int T = <int>q.shape[0], D = <int>q.shape[2], Hkv = <int>k_codes.shape[1]
-    cdef int threads = num_threads(), nsplit, sp, finite
+    cdef int threads = num_threads(), nsplit, sp, status
     cdef Py_ssize_t chunk
-    cdef size_t split_floats
+    cdef size_t split_floats, nout = <size_t>q.shape[0] * q.shape[1] * q.shape[2]
     cdef void* buf = NULL
     cdef float* work
     cdef const float* qp = <const float*>_data(q, "q")
@@ -666,16 +700,20 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
         raise MemoryError("decode attention: workspace allocation failed")
     work = kv_job_place(&J, <float*>buf)
     with nogil:
-        finite = kv_prepare(&J, qp, scale, n, causal)
-        if finite and nsplit == 1:
+        status = _OK if kv_prepare(&J, qp, scale, n, causal) else _BAD_Q
+        if status == _OK and nsplit == 1:
             kv_split(&J, 0, n, work)
-        elif finite:
+        elif status == _OK:
             for sp in prange(nsplit, num_threads=nsplit, schedule="static"):
                 kv_split(&J, sp * chunk, min(n, (sp + 1) * chunk), work + sp * split_floats)
-        if finite:
-            kv_merge(&J, nsplit, work, op)
+        if status == _OK:
+            kv_merge(&J, nsplit, work, J.q)   # J.q holds hkv * r * dp >= T * Hq * D floats
+            if kv_all_finite(J.q, nout):
+                memcpy(op, J.q, nout * sizeof(float))
+            else:
+                status = _OVERFLOW
         free(buf)
-    return finite != 0
+    return status
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,

@@ -34,6 +34,7 @@ from kvcore._quant cimport decode_row, encode_row, input_limit_bits
 from kvcore._parallel cimport threads_for
 
 import numpy as np
+from numpy.ma import MaskedArray as _MaskedArray
 
 from .errors import CapacityError
 from ._validate import check_dtype, check_ndarray, check_shape, check_values, float_input_dtypes
@@ -147,6 +148,8 @@ cdef int _kind(object x):
     """IN_* of a numpy array we take, or -1."""
     if not cnp.PyArray_Check(x):
         return -1
+    if not cnp.PyArray_CheckExact(x) and isinstance(x, _MaskedArray):
+        return -1   # refused by check_ndarray: the data under the mask is anything
     cdef cnp.ndarray a = <cnp.ndarray>x
     if not cnp.PyArray_ISNOTSWAPPED(a):
         return -1

@@ -8,8 +8,9 @@ from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil
 # The smallest |x| (float32 bits) a format refuses: past it the value, or q8_0's float16
-# block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT);
-# inf for the formats with scales per row and f32. NaN and inf are refused by every format.
+# block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT), or
+# an int8 row would decode to infinity (127 * (x / 127) overflows from FLT_MAX on); inf
+# for fp8 and f32. NaN and inf are refused by every format.
 cdef uint32_t input_limit_bits(int fmt) noexcept nogil
 cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t d, float* out) noexcept nogil
 

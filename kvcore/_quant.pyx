@@ -275,6 +275,28 @@ cdef enum:
     BF16_LIMIT_BITS = 0x7f7f8000    # the midpoint past bfloat16's largest finite value
 
 
+cdef float _CODE_MAX[7]             # int8 / fp8: the largest code value, 127, 448, 57344
+_CODE_MAX[:] = [0, 0, 0, 127, 448, 57344, 0]
+cdef uint32_t _SCALED_LIMIT_BITS[7]  # int8 / fp8: set at import by _find_scaled_limits
+
+
+cdef void _find_scaled_limits() noexcept nogil:
+    # The smallest |x| whose row would not decode finite: its scale s = x / M (M the
+    # largest code value) decodes as M * s, which overflows float32 for int8 from
+    # FLT_MAX on (M = 127 is no power of two); fp8's M * (x / M) stays finite (inf: none).
+    cdef int fmt
+    cdef float m, a
+    for fmt in range(INT8, FP8_E5M2 + 1):
+        m = _CODE_MAX[fmt]
+        a = _as_f32(F32_INF - 1)
+        while _as_u32(m * (a / m)) == F32_INF:
+            a = nextafterf(a, 0)
+        _SCALED_LIMIT_BITS[fmt] = F32_INF if a == _as_f32(F32_INF - 1) else _as_u32(a) + 1
+
+
+_find_scaled_limits()
+
+
 cdef uint32_t input_limit_bits(int fmt) noexcept nogil:
     if fmt == F16:
         return F16_LIMIT_BITS
@@ -282,12 +304,22 @@ cdef uint32_t input_limit_bits(int fmt) noexcept nogil:
         return BF16_LIMIT_BITS
     if fmt == Q8_0:
         return _Q8_0_LIMIT_BITS
+    if INT8 <= fmt <= FP8_E5M2:
+        return _SCALED_LIMIT_BITS[fmt]
     return F32_INF
 
 
 def input_limit(int fmt) -> float:
     """The smallest |x| format `fmt` refuses (inf: only NaN and inf are refused)."""
     return _as_f32(input_limit_bits(fmt))
+
+
+def max_scale(int fmt) -> float:
+    """The largest row scale the int8 / fp8 encoder produces (from the largest |x| below
+    input_limit); a larger one would not decode finite. inf for the other formats."""
+    if not INT8 <= fmt <= FP8_E5M2:
+        return _as_f32(F32_INF)
+    return _as_f32(input_limit_bits(fmt) - 1) / _CODE_MAX[fmt]   # below inf: FLT_MAX
 
 
 cdef inline void _encode_int8(const float* x, Py_ssize_t d, float amax,

@@ -21,9 +21,14 @@ def _fmt_shape(shape: Iterable) -> str:
 
 
 def check_ndarray(name: str, x: object) -> np.ndarray:
-    """Returns x when it is a numpy array; raises DTypeError naming what it is otherwise."""
+    """Returns x when it is a numpy array; raises DTypeError naming what it is otherwise.
+    Masked arrays are refused: kernels read the data under the mask (NaN, inf, anything),
+    so the caller fills or drops the masked values first (`x.filled(...)`)."""
     if not isinstance(x, np.ndarray):
         raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got {type(x).__name__}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got MaskedArray "
+                         f"(masked arrays are not taken: fill them first, x.filled(value))")
     return x
 
 
@@ -79,7 +84,8 @@ def float_input_dtypes() -> list[np.dtype]:
 # Why a finite value at or past a format's input limit is refused (kvcore._quant.input_limit).
 _LIMIT_REASON = {"f16": "it would round to float16 infinity",
                  "bf16": "it would round to bfloat16 infinity",
-                 "q8_0": "its float16 block scale max|x|/127 would overflow"}
+                 "q8_0": "its float16 block scale max|x|/127 would overflow",
+                 "int8": "its decoded value 127 * (max|x|/127) would overflow float32"}
 
 
 def check_values(name: str, x: np.ndarray, fmt) -> None:

@@ -10,7 +10,8 @@ import numpy as np
 from . import _attention
 from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
 from .cache import KVCache
-from .errors import DTypeError, FormatError, NonFiniteError, ShapeError, StateError
+from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
+                     ShapeError, StateError)
 
 ROPE_STYLES = ("neox", "norm")
 
@@ -22,12 +23,19 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
     q: float32, shape [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides.
     The layer's committed plus pending positions, n of them, are attended; with causal,
     token t sees positions [0, n - T + t] (the T new tokens are the last T positions).
-    scale: defaults to 1 / sqrt(D). out: float32 of q's shape, C-contiguous, written and
-    returned (may be q itself); allocated when None.
-    Returns float32 of q's shape.
+    scale: a finite positive float32 (defaults to 1 / sqrt(D)). out: float32 of q's
+    shape, C-contiguous, outside the cache's storage, written and returned (may be q
+    itself); allocated when None.
+    Returns float32 of q's shape. Raises RangeError (out untouched) when scale * q, a
+    score or the weighted sum of V would pass the float32 range.
     """
     if not isinstance(cache, KVCache):
         raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__}")
+    with cache._guard("decode_attention"):
+        return _attend(q, cache, layer, scale, causal, out)
+
+
+def _attend(q, cache: KVCache, layer, scale, causal, out) -> np.ndarray:
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
     check_ndarray("q", q)
@@ -44,20 +52,70 @@ def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float 
     if causal and T > n:
         raise StateError(f"causal attention of T={T} new tokens needs at least {T} positions, "
                          f"layer {layer} holds {n}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(spec.head_dim)
-    elif not math.isfinite(scale):
-        raise NonFiniteError(f"scale must be finite, got {scale}")
+    rows = T * spec.group_size
+    if rows > _attention.ROWS_MAX:
+        raise RangeError(f"decode_attention: T x Hq/Hkv = {T} x {spec.group_size} = {rows} "
+                         f"query rows per kv head, more than the kernel counts "
+                         f"({_attention.ROWS_MAX})")
+    scale = _check_scale(scale, spec.head_dim)
     if out is None:
         out = np.empty(q.shape, np.float32)
     else:
         check_out("out", out, q.shape, [np.float32])
-    k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
-    if not _attention.attend(np.ascontiguousarray(q3), k_codes, v_codes, k_scales, v_scales,
-                             spec.fmt.id, n, float(scale), bool(causal), out.reshape(q3.shape)):
-        bad = np.argwhere(~np.isfinite(q))[0]   # the kernel checks q as it reads it
+        cache._check_outside("out", out)
+    arrays = cache._layer_arrays(layer)
+    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
+                               bool(causal), out.reshape(q3.shape))
+    if status == _attention.ATTEND_OK:
+        return out
+    if not np.isfinite(q).all():   # the kernel checks q as it reads it
+        bad = np.argwhere(~np.isfinite(q))[0]
         raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
-    return out
+    raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    """The softmax scale as the float32 the kernel uses: finite and positive."""
+    if scale is None:
+        return float(np.float32(1.0 / math.sqrt(head_dim)))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of scale: expected float, got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except OverflowError:   # an int past the float range: finite, but too large
+        value = math.inf
+    if isinstance(scale, (float, np.floating)) and not math.isfinite(value):
+        raise NonFiniteError(f"scale must be finite, got {scale}")
+    with np.errstate(over="ignore"):
+        s32 = np.float32(value)
+    if not (math.isfinite(s32) and s32 > 0):
+        raise RangeError(f"scale must be a finite positive float32, got {scale!r} "
+                         f"(as float32: {s32!s}; float32 holds up to 3.4028235e+38)")
+    return float(s32)
+
+
+def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: int) -> RangeError:
+    """The error of an attention call whose float32 computation overflowed, with the
+    numbers: the largest |scale * q.k| over the visible positions and the largest |V|,
+    computed in float64 (the cold path of a refused call)."""
+    from .quant import dequantize
+    k_codes, v_codes, k_scales, v_scales = (None if a is None else a[:n] for a in arrays)
+    k = dequantize(k_codes, k_scales, fmt).astype(np.float64)     # [n, Hkv, D]
+    v = dequantize(v_codes, v_scales, fmt)
+    T, Hq, D = q3.shape
+    Hkv = k.shape[1]
+    qg = q3.astype(np.float64).reshape(T, Hkv, Hq // Hkv, D) * scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.abs(np.einsum("thgd,nhd->thgn", qg, k))
+    if causal:
+        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]   # [T, n]
+        scores = np.where(visible[:, None, None, :], scores, 0.0)
+    with np.errstate(over="ignore"):
+        qmax = float(np.abs(q3).max()) * scale
+    return RangeError(
+        f"decode_attention of layer {layer} overflows float32: the scores scale * q.k reach "
+        f"{float(np.nanmax(scores)):.4g} (|scale * q| up to {qmax:.4g}, |V| up to "
+        f"{float(np.abs(v).max()):.4g} over {n} positions); float32 holds up to 3.4028235e+38")
 
 
 def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,
@@ -66,10 +124,11 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     """Rotary position embedding, in place.
 
     x: float32, shape [T, H, D] with positions an int array [T], or [H, D] with one int
-    position; any strides, writable. style "neox" rotates the pairs (i, i + R/2) (split
-    halves), "norm" the pairs (2i, 2i + 1) (adjacent), R = rotary_dim (default D, even,
-    <= D); dims past R are left alone. Pair i turns by position * theta^(-2i/R), the
-    angle computed in float64. Returns x.
+    position; any strides, writable, finite. positions: 0 <= p < 2**63. style "neox"
+    rotates the pairs (i, i + R/2) (split halves), "norm" the pairs (2i, 2i + 1)
+    (adjacent), R = rotary_dim (default D, even, <= D); dims past R are left alone. Pair i
+    turns by position * theta^(-2i/R) (theta a finite positive number), the angle
+    computed in float64. Returns x. A refused call leaves x untouched.
     inv_freq: float64 [R/2], finite, >= 0: a model's own table (Llama 3, linear, dynamic
     NTK, YaRN, LongRoPE scaling: kvcore.rope_frequencies) used instead of theta; pair i
     turns by position * inv_freq[i] and R defaults to 2 * len(inv_freq).
@@ -89,8 +148,9 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     R = rotary_dim if rotary_dim is not None else D if inv_freq is None else 2 * _len(inv_freq)
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
-    if not (isinstance(theta, (int, float, np.floating)) and math.isfinite(theta) and theta > 0):
-        raise ShapeError(f"theta must be a finite positive number, got {theta!r}")
+    theta = _check_theta(theta)
+    if isinstance(positions, np.ndarray):
+        check_ndarray("positions", positions)   # refuses masked arrays
     pos = np.asarray(positions)
     if pos.dtype.kind not in "iu":
         raise DTypeError(f"invalid dtype of positions: expected an integer type, got {pos.dtype}")
@@ -101,10 +161,16 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
                              f"got {pos.size}")
         x3 = x[np.newaxis]
     check_shape("positions", pos.reshape(-1) if x.ndim == 2 else pos, [x3.shape[0]])
-    table = _inv_freq(float(theta), int(R)) if inv_freq is None else _check_inv_freq(inv_freq, R)
-    if not (isinstance(attention_factor, (int, float, np.floating)) and
-            math.isfinite(attention_factor) and attention_factor > 0):
-        raise ShapeError(f"attention_factor must be a finite positive number, got {attention_factor!r}")
+    if pos.size and (pos.min() < 0 or pos.max() > _INT64_MAX):
+        bad = pos.reshape(-1)[(pos.reshape(-1) < 0) | (pos.reshape(-1) > _INT64_MAX)][0]
+        raise OutOfRangeError(f"position {int(bad)} out of range: expected 0 <= position < 2**63")
+    finite = np.isfinite(x)
+    if not finite.all():
+        idx = np.unravel_index(int(np.argmin(finite)), x.shape)
+        where = ", ".join(str(int(i)) for i in idx)
+        raise NonFiniteError(f"non-finite value in x: x[{where}] = {x[idx]!s}")
+    table = _inv_freq(theta, int(R)) if inv_freq is None else _check_inv_freq(inv_freq, R)
+    _check_attention_factor(attention_factor, x3[..., :R])
     _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64), table,
                     style == "neox")
     if attention_factor != 1:
@@ -123,6 +189,37 @@ def _check_inv_freq(inv_freq: np.ndarray, rotary_dim: int) -> np.ndarray:
     if not (np.isfinite(inv_freq).all() and (inv_freq >= 0).all()):
         raise NonFiniteError("inv_freq must be finite and >= 0")
     return np.ascontiguousarray(inv_freq)
+
+
+def _check_attention_factor(factor, rotated: np.ndarray) -> None:
+    """A finite positive number that keeps the rotated dims (|pair| <= sqrt(2) max|x|)
+    inside float32."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of attention_factor: expected float, got "
+                         f"{type(factor).__name__}")
+    if not (math.isfinite(factor) and factor > 0):
+        raise RangeError(f"attention_factor must be a finite positive number, got {factor!r}")
+    if factor <= 1 or not rotated.size:
+        return
+    top = float(np.abs(rotated).max())
+    if math.sqrt(2) * top * factor > float(np.finfo(np.float32).max):
+        raise RangeError(f"attention_factor {factor!r} times |x| up to {top:.4g} passes the "
+                         f"float32 range (3.4028235e+38)")
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _check_theta(theta) -> float:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of theta: expected float, got {type(theta).__name__}")
+    try:
+        value = float(theta)
+    except OverflowError:   # an int past the float range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise RangeError(f"theta must be a finite positive number, got {theta!r}")
+    return value
 
 
 @functools.lru_cache(maxsize=64)

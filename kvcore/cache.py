@@ -18,6 +18,7 @@ from math import prod
 import numpy as np
 
 from . import _cache
+from ._guard import CallGuard
 from ._validate import check_index, check_out
 from .errors import OutOfRangeError, ShapeError, SpecError, StateError
 from .formats import view_dtype
@@ -97,6 +98,8 @@ class KVCache:
 
     Positions are appended per layer (`append`, pending) and committed for every layer at
     once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
+    One call at a time: a call that finds another thread inside the cache raises
+    StateError and changes nothing (docs/design.md, Threads).
     """
 
     def __init__(self, spec: KVSpec):
@@ -122,13 +125,16 @@ class KVCache:
         r = self._regions
         self._writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
                                         r.get("k_scales"), r.get("v_scales"))
-        self._read_only = {}
-        for name, arr in r.items():
-            view = arr.view(view_dtype(fmt)) if name.endswith("codes") else arr.view()
-            view.flags.writeable = False
-            self._read_only[name] = view
+        # Views handed out come from an array over a read-only buffer of the same pages,
+        # so that no view (nor any view of a view) can be made writable again.
+        frozen = np.frombuffer(memoryview(self._storage).toreadonly(), np.uint8)
+        self._read_only = {
+            name: frozen[self._offsets[name]:self._offsets[name] + arr.nbytes]
+            .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
+            for name, arr in r.items()}
         self._num_layers = L
         self._cells = _Cells(L)
+        self._guard = CallGuard("KVCache")   # one call at a time (docs/design.md, Threads)
 
     # -- writing -------------------------------------------------------------------
 
@@ -142,27 +148,41 @@ class KVCache:
         FormatError for a value past the format's range: f16 |x| >= 65520, bf16 past
         its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing.
         """
-        if layer.__class__ is not int or not 0 <= layer < self._num_layers:
-            layer = check_index("layer", layer, self._num_layers)
-        # the hot path of a decode step: _Cells.end / _Cells.add written out inline
-        cells = self._cells
-        pending = cells.pending
-        pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+        guard = self._guard   # the hot path of a decode step: the guard inlined (_guard.py)
+        if not guard.acquire(False):
+            guard.refuse("append")
+        try:
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            # _Cells.end / _Cells.add written out inline
+            cells = self._cells
+            pending = cells.pending
+            pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+        finally:
+            guard.release()
 
     def advance(self) -> int:
         """Commits the pending positions of every layer and returns how many. Every layer
         must hold the same number (StateError names the layers that differ); with none
         pending anywhere it is a no-op that returns 0."""
-        return self._cells.commit()
+        guard = self._guard   # once per decode step: inlined as in append
+        if not guard.acquire(False):
+            guard.refuse("advance")
+        try:
+            return self._cells.commit()
+        finally:
+            guard.release()
 
     def truncate(self, n: int) -> None:
         """Keeps the first n committed positions (0 <= n <= length) and drops every pending
         one. Storage is not cleared: positions past n are simply no longer held."""
-        self._cells.truncate(n)
+        with self._guard("truncate"):
+            self._cells.truncate(n)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
-        self._cells.truncate(0)
+        with self._guard("reset"):
+            self._cells.truncate(0)
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -171,15 +191,18 @@ class KVCache:
         `length`; pending positions are never included): codes [L, n, Hkv, D] and scales
         [L, n, Hkv, S] plus the spec (docs/snapshots.md). OutOfRangeError unless
         0 <= n <= length."""
-        return take_snapshot(self, n)
+        with self._guard("snapshot"):
+            return take_snapshot(self, n)
 
     def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> None:
         """Replaces the content with a snapshot: positions [0, snapshot.length) of every
         layer, length = snapshot.length, nothing pending. Refuses (SnapshotError, cache
         untouched) another num_layers, num_kv_heads or head_dim, a snapshot longer than
         the capacity, values the format never stores, and another format unless
-        requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache)."""
-        restore_snapshot(self, snapshot, requantize=requantize)
+        requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache).
+        A snapshot whose arrays lie in this cache's own storage is copied first."""
+        with self._guard("restore"):
+            restore_snapshot(self, snapshot, requantize=requantize)
 
     # -- state ---------------------------------------------------------------------
 
@@ -229,18 +252,23 @@ class KVCache:
         new array, or out (float32 of that shape, C-contiguous, writable)."""
         if which not in ("k", "v"):
             raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
-        layer, n = self._held(layer, pending)
-        codes = self._regions[f"{which}_codes"][layer, :n]
-        scales = self._regions.get(f"{which}_scales")
-        if out is None:
-            out = np.empty(codes.shape, dtype=np.float32)
-        else:
-            check_out("out", out, codes.shape, [np.float32])
-            if np.shares_memory(out, self._storage):
-                raise ShapeError("out overlaps the cache's storage")
-        _cache.decode_rows(self._spec.fmt.id, codes,
-                           None if scales is None else scales[layer, :n], out)
+        with self._guard("dequantize"):
+            layer, n = self._held(layer, pending)
+            codes = self._regions[f"{which}_codes"][layer, :n]
+            scales = self._regions.get(f"{which}_scales")
+            if out is None:
+                out = np.empty(codes.shape, dtype=np.float32)
+            else:
+                check_out("out", out, codes.shape, [np.float32])
+                self._check_outside("out", out)
+            _cache.decode_rows(self._spec.fmt.id, codes,
+                               None if scales is None else scales[layer, :n], out)
         return out
+
+    def _check_outside(self, name: str, arr: np.ndarray) -> None:
+        """Raises ShapeError when arr (an output array) overlaps the storage."""
+        if np.shares_memory(arr, self._storage):
+            raise ShapeError(f"{name} overlaps the cache's storage")
 
     def _layer_arrays(self, layer: int):
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable full-capacity

@@ -37,9 +37,14 @@ class OutOfRangeError(KVCacheError, IndexError):
     """A layer, slot or position index is outside its range."""
 
 
+class RangeError(KVCacheError, ValueError):
+    """A number outside what the call takes or can compute with: a thread count, a softmax
+    scale or RoPE theta, sizes past a C int, attention scores past the float32 range."""
+
+
 class StateError(KVCacheError, RuntimeError):
-    """The call does not fit the cache's state: unequal pending steps, a freed buffer,
-    a capturing stream, a stale CUDA graph."""
+    """The call does not fit the cache's state: unequal pending steps, a cache in use by
+    another thread, a freed buffer, a capturing stream, a stale CUDA graph."""
 
 
 class SnapshotError(KVCacheError, ValueError):
@@ -52,6 +57,6 @@ class CudaError(KVCacheError, RuntimeError):
 
 __all__ = [
     "KVCacheError", "SpecError", "FormatError", "ShapeError", "DTypeError",
-    "NonFiniteError", "CapacityError", "OutOfRangeError", "StateError",
+    "NonFiniteError", "CapacityError", "OutOfRangeError", "RangeError", "StateError",
     "SnapshotError", "CudaError",
 ]

@@ -90,14 +90,27 @@ QUANTIZED_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)
 
 
 def get_format(fmt: "str | Format") -> Format:
-    """Looks a format up by name; raises FormatError naming the known ones."""
+    """The format of kvcore.FORMATS a name or a Format stands for: a Format object must
+    equal a table entry in every field, and the table's own instance is returned (the
+    kernels trust its fields). Raises FormatError naming the known ones otherwise."""
     if isinstance(fmt, Format):
-        return fmt
+        known = FORMATS.get(fmt.name) if isinstance(fmt.name, str) else None
+        if known is None or _fields(fmt) != _fields(known):
+            raise FormatError(f"{fmt!r} is not a format of kvcore.FORMATS: expected one of "
+                              f"{', '.join(FORMATS)} with the table's fields")
+        return known
     try:
         return FORMATS[fmt]
     except (KeyError, TypeError):
         raise FormatError(
             f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}") from None
+
+
+def _fields(f: Format) -> tuple:
+    """Every field of f, compared with exact types (a dtype-like object that claims
+    equality with anything does not pass)."""
+    return tuple((type(v), v.str if isinstance(v, np.dtype) else v)
+                 for v in (f.name, f.id, f.code_dtype, f.scale_dtype, f.block))
 
 
 def view_dtype(fmt: "str | Format") -> np.dtype:

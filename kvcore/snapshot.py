@@ -7,16 +7,17 @@ Files are safetensors files (docs/snapshots.md gives the layout and the checks):
 
 `Snapshot.save` writes a temporary file beside the target, fsyncs it and renames it
 into place; `load_snapshot` validates the header against the file's size before it
-maps anything, memory-maps the tensors read-only and checks their digests (XXH3-128 by
-default, SHA-256 on request).
+reads any data, reads the tensors into private memory and checks their digests over the
+bytes read (XXH3-128 by default, SHA-256 on request): nothing done to the file after
+load reaches the snapshot.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import secrets
@@ -30,6 +31,8 @@ import xxhash
 
 from .errors import (DTypeError, FormatError, KVCacheError, OutOfRangeError,
                      SnapshotError, SpecError)
+from ._quant import max_scale
+from ._validate import check_ndarray
 from .formats import get_format
 from .spec import KVSpec
 
@@ -48,6 +51,7 @@ _SPEC_KEYS = ("num_layers", "num_kv_heads", "head_dim", "capacity", "num_heads")
 _UINT = re.compile(r"0|[1-9][0-9]{0,18}")
 _PARALLEL_HASH_BYTES = 1 << 20  # below this, hashing on worker threads costs more than it saves
 _WRITE_CHUNK = 32 << 20  # save writes, starts write-back and hashes in pieces of this size
+_READ_CHUNK = 1 << 20  # load reads and hashes in pieces of this size (hashed while cached)
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +71,12 @@ class Snapshot:
     v_scales: np.ndarray | None = None
 
     def __post_init__(self):
+        if not isinstance(self.spec, KVSpec):
+            raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(self.spec).__name__}")
+        if isinstance(self.length, bool) or not isinstance(self.length, (int, np.integer)):
+            raise DTypeError(f"invalid type of length: expected int, got "
+                             f"{type(self.length).__name__}")
+        object.__setattr__(self, "length", int(self.length))
         s, f = self.spec, self.spec.fmt
         if not 0 <= self.length <= s.capacity:
             raise SnapshotError(
@@ -128,6 +138,7 @@ class Snapshot:
 def _check_part(name: str, arr, shape, dtype) -> None:
     if not isinstance(arr, np.ndarray):
         raise SnapshotError(f"snapshot {name} must be a numpy array, got {type(arr).__name__}")
+    check_ndarray(f"snapshot {name}", arr)   # refuses masked arrays
     if arr.shape != shape or arr.dtype != dtype:
         raise SnapshotError(f"snapshot {name}: expected {list(shape)} {dtype}, "
                             f"got {list(arr.shape)} {arr.dtype}")
@@ -165,6 +176,11 @@ def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = Fal
     (see `fit_snapshot`) before a byte of the cache is written. Positions past the new
     length are not cleared (as after truncate)."""
     snap = fit_snapshot(cache.spec, snap, requantize=requantize)
+    if any(a is not None and np.may_share_memory(a, cache._storage)
+           for a in (snap.k_codes, snap.v_codes, snap.k_scales, snap.v_scales)):
+        snap = dataclasses.replace(snap, **{name: getattr(snap, name).copy()
+                                            for name in _PART_NAMES
+                                            if getattr(snap, name) is not None})
     n = snap.length
     for layer in range(cache.spec.num_layers):
         for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
@@ -182,7 +198,8 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> S
     Refuses (SnapshotError) a snapshot of another num_layers, num_kv_heads or head_dim,
     one longer than spec.capacity, one of another format unless requantize=True, and one
     holding a value its format's encoder never produces (NaN/inf float codes, FP8 NaN
-    codes, int8/q8_0 code -128, negative or non-finite scales). num_heads and capacity
+    codes, int8/q8_0 code -128, negative or non-finite scales, int8/fp8 scales past
+    _quant.max_scale, which would not decode finite). num_heads and capacity
     may differ: they do not change what a position stores. With requantize=True a
     snapshot of another format is decoded to float32 and re-encoded with
     kvcore.quantize, layer by layer, into a new Snapshot of spec's format (SnapshotError
@@ -230,6 +247,7 @@ def _check_values(snap: Snapshot) -> None:
     """Raises SnapshotError naming the first impossible code or scale (layer by layer, so
     the temporaries stay one layer's size)."""
     fmt = snap.spec.fmt
+    top = max_scale(fmt.id)  # inf for q8_0: every finite float16 scale decodes finite
     for name in _PART_NAMES:
         arr = getattr(snap, name)
         if arr is None:
@@ -237,7 +255,7 @@ def _check_values(snap: Snapshot) -> None:
         for layer in range(snap.spec.num_layers):
             part = arr[layer]
             bad = (_bad_codes(part, fmt) if name.endswith("codes")
-                   else ~(np.isfinite(part) & (part >= 0)))
+                   else ~(np.isfinite(part) & (part >= 0) & (part <= top)))
             if bad.any():
                 idx = np.unravel_index(int(np.argmax(bad)), part.shape)
                 where = ", ".join(str(int(i)) for i in (layer, *idx))
@@ -391,35 +409,59 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _digest(algo: str, arr: np.ndarray) -> str:
-    h = _DIGESTS[algo]()
-    h.update(_bytes_of(arr))
-    return h.hexdigest()
+def _read_hashed(f, views: list[memoryview], starts: list[int],
+                 algo: str | None) -> list[str | None]:
+    """Fills each view with the file's bytes from its start offset and returns each
+    view's hex digest (None when algo is None), hashed over the bytes just read into it,
+    _READ_CHUNK at a time (while they are in the CPU's cache). Large reads run a worker
+    thread per view (os.preadv and the hashes release the GIL). SnapshotError when the
+    file ends early (it shrank since its size was checked)."""
+
+    def one(view: memoryview, pos: int) -> str | None:
+        h = _DIGESTS[algo]() if algo else None
+        for begin in range(0, view.nbytes, _READ_CHUNK):
+            piece = view[begin:begin + _READ_CHUNK]
+            _pread_into(f, piece, pos + begin)
+            if h is not None:
+                h.update(piece)
+        return h.hexdigest() if h is not None else None
+
+    if sum(v.nbytes for v in views) < _PARALLEL_HASH_BYTES or not hasattr(os, "preadv"):
+        return [one(v, pos) for v, pos in zip(views, starts)]
+    with ThreadPoolExecutor(max_workers=len(views)) as pool:
+        return list(pool.map(one, views, starts))
 
 
-def _digests(algo: str, arrays: list[np.ndarray]) -> list[str]:
-    """Hex digests of each array's bytes; large arrays hash on worker threads, one per
-    array, in parallel."""
-    if sum(a.nbytes for a in arrays) < _PARALLEL_HASH_BYTES:
-        return [_digest(algo, a) for a in arrays]
-    with ThreadPoolExecutor(max_workers=len(arrays)) as pool:
-        return list(pool.map(lambda a: _digest(algo, a), arrays))
+def _pread_into(f, view: memoryview, offset: int) -> None:
+    """Fills view with the file's bytes from offset (os.preadv where there is one: no
+    shared file position, so threads may read at once)."""
+    while view.nbytes:
+        if hasattr(os, "preadv"):
+            n = os.preadv(f.fileno(), [view], offset)
+        else:
+            f.seek(offset)
+            n = f.readinto(view)
+        if not n:
+            raise SnapshotError(f"snapshot file {f.name!r} ended at byte {offset} while "
+                                f"loading (it shrank since load began)")
+        view, offset = view[n:], offset + n
 
 
 def load_snapshot(path: str | os.PathLike, *, verify: bool | str = True) -> Snapshot:
-    """Reads a snapshot file written by `Snapshot.save`.
+    """Reads a snapshot file written by `Snapshot.save` into memory of its own.
 
-    The tensors are read-only numpy arrays over a read-only memory map of the file (no
-    copy). Everything is checked before a tensor is made: the header length against the
+    Everything is checked before a byte of data is read: the header length against the
     file size, the metadata (file version, format, spec, its own SHA-256), each tensor's
-    dtype, shape and byte range, and that the tensors tile the data exactly. Then every
-    tensor's bytes are checked against the digest in the header: verify=True (the
-    default) checks XXH3-128 (corruption: flipped bytes, lost writes; about 15 GB/s per
-    core), verify="sha256" the SHA-256 (what any tool can recompute; about 1.2 GB/s per
-    core), verify=False skips that pass over the data. Version 1 files carry only SHA-256,
-    so verify=True checks that. Any defect raises SnapshotError naming it. Do not truncate
-    the file in place while the snapshot lives (the mapping would fault); `save` replaces
-    files by rename, which is safe.
+    dtype, shape and byte range, and that the tensors tile the data exactly. The data is
+    then read into private memory (no mapping of the file stays behind: what happens to
+    the file after load cannot reach the snapshot) and every tensor's bytes, as read, are
+    checked against the digest in the header: verify=True (the default) checks XXH3-128
+    (corruption: flipped bytes, lost writes; about 15 GB/s per core), verify="sha256" the
+    SHA-256 (what any tool can recompute; about 1.2 GB/s per core), verify=False skips
+    the digests. Version 1 files carry only SHA-256, so verify=True checks that. Any defect
+    raises SnapshotError naming it. The tensors are read-only numpy arrays (their base is
+    a read-only buffer: they cannot be made writable), so a restore writes exactly the
+    bytes that were verified.
     """
     if verify not in (True, False, "sha256"):
         raise SnapshotError(f"verify must be True, False or 'sha256', got {verify!r}")
@@ -441,28 +483,23 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool | str = True) -> Snap
             spec, length, meta, offsets = _parse_header(raw, size - 8 - header_len)
         except SnapshotError as e:
             raise SnapshotError(f"snapshot file {path!r}: {e}") from None
-        if verify and hasattr(mmap, "MAP_POPULATE"):  # the digests read every page: map all now
-            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                               prot=mmap.PROT_READ)
-        else:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if len(mapped) != size:
-        raise SnapshotError(f"snapshot file {path!r} changed size while loading: "
-                            f"{size} -> {len(mapped)} bytes")
-    data_start = 8 + header_len
-    arrays = {
-        name: np.frombuffer(mapped, dtype, count=math.prod(shape),
-                            offset=data_start + offsets[name]).reshape(shape)
-        for name, shape, dtype in _layout(spec, length)
-    }
-    if verify:
-        algo = "xxh3_128" if verify is True and "xxh3_128_k_codes" in meta else "sha256"
-        names = list(arrays)
-        for name, digest in zip(names, _digests(algo, [arrays[n] for n in names])):
-            if digest != meta[f"{algo}_{name}"]:
-                raise SnapshotError(
-                    f"snapshot file {path!r}: the bytes of {name} do not match their {algo} "
-                    f"(header {meta[f'{algo}_{name}']}, data {digest}): corrupt data")
+        layout = _layout(spec, length)
+        data = np.empty(size - 8 - header_len, np.uint8)
+        views = [memoryview(data[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize])
+                 for name, shape, dtype in layout]
+        algo = None
+        if verify:
+            algo = "xxh3_128" if verify is True and "xxh3_128_k_codes" in meta else "sha256"
+        digests = _read_hashed(f, views, [8 + header_len + offsets[name] for name, _, _ in layout],
+                               algo)
+    for (name, _, _), digest in zip(layout, digests):
+        if algo and digest != meta[f"{algo}_{name}"]:
+            raise SnapshotError(
+                f"snapshot file {path!r}: the bytes of {name} do not match their {algo} "
+                f"(header {meta[f'{algo}_{name}']}, data {digest}): corrupt data")
+    frozen = np.frombuffer(memoryview(data).toreadonly(), np.uint8)
+    arrays = {name: frozen[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize]
+              .view(dtype).reshape(shape) for name, shape, dtype in layout}
     return Snapshot(spec, length, **arrays)
 
 

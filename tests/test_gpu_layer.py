@@ -123,6 +123,7 @@ def test_device_constants_match_python():
     assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == limit["q8_0"]
     assert np.float32(d["KV_F16_LIMIT"].rstrip("f")) == limit["f16"]
     assert np.uint32(int(d["KV_BF16_LIMIT_BITS"], 16)).view(np.float32) == limit["bf16"]
+    assert np.uint32(int(d["KV_INT8_LIMIT_BITS"], 16)).view(np.float32) == limit["int8"]
 
 
 def test_ptx_is_found():

@@ -146,8 +146,10 @@ def test_bad_tables_refused(rng):
         kvcore.apply_rope(x, np.arange(2), inv_freq=np.ones(4), rotary_dim=4)
     with pytest.raises(kvcore.NonFiniteError, match="inv_freq"):
         kvcore.apply_rope(x, np.arange(2), inv_freq=np.array([1.0, math.nan, 0.5, 0.1]))
-    with pytest.raises(kvcore.ShapeError, match="attention_factor"):
+    with pytest.raises(kvcore.RangeError, match="attention_factor"):
         kvcore.apply_rope(x, np.arange(2), inv_freq=np.ones(4), attention_factor=0.0)
+    with pytest.raises(kvcore.RangeError, match="float32 range"):
+        kvcore.apply_rope(x, np.arange(2), inv_freq=np.ones(4), attention_factor=1e39)
     assert np.array_equal(x, before)
     with pytest.raises(kvcore.FormatError, match="unknown rope_type"):
         kvcore.rope_frequencies({"rope_type": "ntk-by-parts", "rope_theta": 1e4}, 64)

@@ -229,10 +229,12 @@ def test_save_load_round_trip(fmt, length, rng, tmp_path):
         arr = getattr(loaded, name)
         if arr is not None and arr.size:
             assert not arr.flags.writeable
+            with pytest.raises(ValueError):   # its base is a read-only buffer
+                arr.flags.writeable = True
             base = arr
             while isinstance(base, np.ndarray):
                 base = base.base
-            assert isinstance(base.obj, mmap.mmap)  # memory-mapped, not copied
+            assert not isinstance(base.obj, mmap.mmap)  # private memory, no map of the file
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0"])

@@ -1,6 +1,8 @@
 """Nothing is lost: a hypothesis state machine drives a KVCache of each format with random
-sequences of append, advance, truncate, reset, snapshot (through a file too) and restore,
-good calls and bad ones of every kind, against a plain numpy model of the cache.
+sequences of append, advance, truncate, reset, snapshot (through a file too, which is then
+truncated or rewritten under the loaded snapshot) and restore (also of a snapshot built
+from the cache's own views), good calls and bad ones of every kind, against a plain numpy
+model of the cache.
 
 After every step the views (committed and pending), lengths and dequantized values equal
 the model's; after every refused call the storage is byte-identical to before. The model
@@ -23,7 +25,7 @@ import kvcore
 from kvcore import FORMATS, KVCache, KVSpec, Snapshot, load_snapshot
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
-from kvcore._quant import input_limit
+from kvcore._quant import input_limit, max_scale
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -153,8 +155,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1),
           fault=st.sampled_from(["layer", "layer type", "heads", "head_dim", "ndim",
-                                 "k/v shapes", "float64", "int32", "list", "nan", "inf",
-                                 "-inf", "range", "full"]))
+                                 "k/v shapes", "float64", "int32", "list", "masked", "nan",
+                                 "inf", "-inf", "range", "full"]))
     def append_bad(self, layer, seed, fault):
         rng = np.random.default_rng(seed)
         room = N - self.model.length - self.model.pending[layer]
@@ -166,6 +168,7 @@ class CacheMachine(RuleBasedStateMachine):
         error = {"layer": OutOfRangeError, "layer type": DTypeError, "heads": ShapeError,
                  "head_dim": ShapeError, "ndim": ShapeError, "k/v shapes": ShapeError,
                  "float64": DTypeError, "int32": DTypeError, "list": DTypeError,
+                 "masked": DTypeError,
                  "nan": NonFiniteError, "inf": NonFiniteError, "-inf": NonFiniteError,
                  "range": FormatError, "full": CapacityError}[fault]
         if fault == "layer":
@@ -184,6 +187,10 @@ class CacheMachine(RuleBasedStateMachine):
             k = k.astype(fault)
         elif fault == "list":
             v = v.tolist()
+        elif fault == "masked":  # finite data, NaN under the mask: refused, never read
+            v = np.ma.masked_array(v, mask=np.zeros(v.shape, bool))
+            if t:
+                v.data.flat[0], v.mask.flat[0] = np.nan, True
         elif fault in ("nan", "inf", "-inf"):
             target = k if rng.integers(2) else v
             target[tuple(rng.integers(s) for s in target.shape)] = float(fault)
@@ -221,8 +228,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------ snapshot, restore
 
-    @rule(target=snapshots, n=st.integers(0, N), through_file=st.booleans())
-    def snapshot(self, n, through_file):
+    @rule(target=snapshots, n=st.integers(0, N), through_file=st.booleans(),
+          afterwards=st.sampled_from(["keep", "truncate", "rewrite"]))
+    def snapshot(self, n, through_file, afterwards):
         m = self.model
         if n > m.length:
             self.refused(OutOfRangeError, self.cache.snapshot, n)
@@ -233,6 +241,13 @@ class CacheMachine(RuleBasedStateMachine):
             path = os.path.join(self.tmp.name, f"{self.files}.safetensors")
             snap.save(path)
             snap = load_snapshot(path)
+            if afterwards == "truncate":  # the loaded snapshot holds its own verified bytes
+                os.truncate(path, 8)
+            elif afterwards == "rewrite":
+                with open(path, "r+b") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(0)
+                    f.write(b"\x7f" * size)
         expected = ({w: m.codes[w][:, :n].copy() for w in "kv"},
                     {w: m.scales[w][:, :n].copy() for w in "kv"} if m.S else None,
                     {w: m.floats[w][:, :n].copy() for w in "kv"})
@@ -249,6 +264,21 @@ class CacheMachine(RuleBasedStateMachine):
                 m.write(layer, 0, w, codes[w][layer],
                         None if scales is None else scales[w][layer], floats[w][layer])
         m.set_length(n)
+
+    @rule(swap=st.booleans())
+    def restore_own_views(self, swap):
+        """A snapshot made of views of the cache's own storage (every region at full
+        capacity, as `layout` describes it) restores like a copy, K and V swapped too."""
+        c, m = self.cache, self.model
+        parts = {name: c._storage[r["offset"]:r["offset"] + r["nbytes"]]
+                 .view(r["dtype"]).reshape(r["shape"]) for name, r in c.layout.items()}
+        if swap:
+            parts = {("v" if name[0] == "k" else "k") + name[1:]: a for name, a in parts.items()}
+        c.restore(Snapshot(self.spec, N, **parts))
+        if swap:
+            for store in (m.codes, m.floats) + ((m.scales,) if m.S else ()):
+                store["k"], store["v"] = store["v"].copy(), store["k"].copy()
+        m.set_length(N)
 
     @rule(other=st.sampled_from(list(FORMATS)), n=st.integers(0, N),
           seed=st.integers(0, 2**32 - 1))
@@ -272,7 +302,7 @@ class CacheMachine(RuleBasedStateMachine):
         m.set_length(n)
 
     @rule(fault=st.sampled_from(["num_layers", "num_kv_heads", "head_dim", "format",
-                                 "too long", "impossible value"]),
+                                 "too long", "impossible value", "scale past the encoder's"]),
           n=st.integers(0, N))
     def restore_bad(self, fault, n):
         spec = self.spec
@@ -297,6 +327,11 @@ class CacheMachine(RuleBasedStateMachine):
                 return
             name, value = IMPOSSIBLE[self.FORMAT]
             parts[name][-1, n - 1, -1, -1] = value
+        if fault == "scale past the encoder's":   # finite, but would not decode finite
+            top = max_scale(f.id)
+            if n == 0 or not np.isfinite(top):
+                return
+            parts["v_scales"][0, 0, 0, 0] = np.nextafter(np.float32(top), np.float32(np.inf))
         self.refused(SnapshotError, self.cache.restore, Snapshot(spec, n, **parts))
 
     # -------------------------------------------------------------- invariant

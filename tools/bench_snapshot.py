@@ -6,10 +6,11 @@ tofile/fromfile, in the same run, in a temporary directory.
 
 save = header + data + SHA-256 and XXH3-128 digests (hashed on a worker thread while
 writing) + fsync + rename; its like-for-like peer is tofile + fsync (tofile alone only
-reaches the page cache and survives no crash). load (verify=True) checks every byte of the
-memory-mapped file against its XXH3-128, load verify="sha256" against its SHA-256; load
-without verify only maps it, so it is timed together with restoring into a KVCache
-(every byte read once). The load peer is fromfile (every byte read once).
+reaches the page cache and survives no crash). load reads the file into private memory
+(a worker thread per tensor, each hashing what it just read): verify=True checks every
+byte against its XXH3-128, verify="sha256" against its SHA-256; load without verify only
+reads, and is timed together with restoring into a KVCache. The load peer is fromfile
+(every byte read once, into memory of its own).
 """
 from __future__ import annotations
 
