@@ -8,10 +8,11 @@ from .errors import (CapacityError, CudaError, DTypeError, FormatError, KVCacheE
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
+from .pool import KVPool
 from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
-from .attention import apply_rope, decode_attention
+from .attention import apply_rope, decode_attention, merge_attention
 from .rope import rope_frequencies
 
 __version__ = "0.1.0"
@@ -20,7 +21,8 @@ __all__ = [
     "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
     "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
+    "KVPool",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "Snapshot", "load_snapshot", "decode_attention", "apply_rope", "rope_frequencies",
-    "__version__",
+    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope",
+    "rope_frequencies", "__version__",
 ]

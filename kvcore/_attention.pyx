@@ -6,14 +6,20 @@
    C-contiguous; n positions are valid. Query token t sees positions [0, n - T + t]
    (causal) or [0, n). Query head i reads K/V head i // G (G = Hq / Hkv); the R = T * G
    query rows of a group are scaled and zero-padded to Dp (D rounded up to 16).
+   `attend_paged` does the same for many sequences of a KVPool in one call: one job per
+   sequence, position p of a job in storage row table[p / ps] * ps + p % ps. A KVCache
+   is the one-job case with the table [0] and ps = N: one code path.
 2. Splits: each thread takes a contiguous range of positions over every kv head (equal
    ranges, multiples of 16), so it streams through the token-major storage in address
    order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
-   once per group. The next tile's codes are prefetched a few lines at a time between
-   the current tile's score blocks, so the prefetches overlap the arithmetic; a split's
-   first tile is prefetched in one burst.
+   once per group. Tiles are 64 logical positions whatever the pages (a tile looks up
+   the row of each position, `kv_tile`), so the result never depends on where a row is
+   stored. The next tile's codes (its runs of consecutive rows) are prefetched a few
+   lines at a time between the current tile's score blocks, so the prefetches overlap
+   the arithmetic; a split's first tile is prefetched in one burst. The (job, split)
+   items of a call share the threads (`_run`).
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
    dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
@@ -29,13 +35,15 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
-6. The splits are merged with a log-sum-exp reduction into the workspace, then copied to
-   out [T, Hq, D] only when every value is finite: a score or a weighted sum of V past
-   float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
+6. The splits are merged with a log-sum-exp reduction into the workspace (and, when
+   asked, each row's log-sum-exp M + log L, natural log, into lse), then copied to out
+   [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
+   V past float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
-from libc.stdint cimport int64_t
+from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport calloc
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from cython.parallel cimport prange
@@ -261,22 +269,49 @@ cdef extern from *:
         return (kv_vf)((kv_vi)(y * (kv_vf)e) & keep);
     }
 
-    /* One attention call (attend fills it). */
+    /* The attention of one sequence's new tokens (attend fills one per sequence). */
     typedef struct {
-        const char *kc, *vc;     /* codes of position 0, head 0 */
-        const char *ks, *vs;     /* scales of position 0, head 0 (NULL without scales) */
-        ptrdiff_t cs, ch;        /* code bytes between positions (all heads), between heads */
-        ptrdiff_t ss, sh;        /* scale bytes between positions, between heads */
+        const char *kc, *vc;     /* codes of storage row 0, head 0 */
+        const char *ks, *vs;     /* scales of storage row 0, head 0 (NULL without scales) */
+        ptrdiff_t cs, ch;        /* code bytes between rows (all heads), between heads */
+        ptrdiff_t ss, sh;        /* scale bytes between rows, between heads */
         int fmt, d, dp, s;       /* format id, head dim, d rounded up to 16, scales per row */
         int hkv, g, t, r;        /* kv heads, group size, new tokens, rows per group (t * g) */
+        const int32_t* table;    /* page of each page_size positions: position p is storage */
+        int64_t ps;              /*   row table[p / ps] * ps + p % ps */
+        int64_t n;               /* positions attended */
+        int64_t chunk;           /* positions per split (a multiple of 16) */
+        int nsplit;              /* splits: [sp * chunk, min(n, (sp + 1) * chunk)) */
+        const float* qin;        /* IN [t][hkv * g][d] */
+        float* out;              /* OUT [t][hkv * g][d] (may be qin) */
+        float* lse;              /* OUT [t][hkv * g] log-sum-exp (base e) or NULL */
+        float* w;                /* nsplit split states (kv_split_floats each) */
         float* q;                /* [hkv][r][dp] scaled queries, zero-padded (kv_prepare) */
         int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
     } kv_job;
 
+    /* Storage rows of a tile's np positions [j0, j0 + np): ph[j] (ph[j] = ph[np - 1] past
+       np), and the tile as runs of consecutive rows: run i starts at row rs[i], rl[i] rows. */
+    typedef struct { int64_t ph[KV_P]; int64_t rs[KV_P]; int rl[KV_P]; int nr, np; } kv_tile;
+
+    KV_INLINE void kv_tile_rows(const kv_job* J, int64_t j0, int np, kv_tile* T) {
+        int64_t pg = j0 / J->ps, off = j0 % J->ps, base = (int64_t)J->table[pg] * J->ps;
+        T->nr = 0;
+        T->np = np;
+        for (int j = 0; j < np; j++) {
+            T->ph[j] = base + off;
+            if (j > 0 && T->ph[j] == T->ph[j - 1] + 1) T->rl[T->nr - 1]++;
+            else { T->rs[T->nr] = T->ph[j]; T->rl[T->nr] = 1; T->nr++; }
+            if (++off == J->ps && j + 1 < np) { off = 0; pg++; base = (int64_t)J->table[pg] * J->ps; }
+        }
+        for (int j = np; j < KV_P; j++) T->ph[j] = T->ph[np - 1];
+    }
+
     /* One kv head's rows within a tile. */
     typedef struct {
-        const char* c;           /* codes of the tile's first position */
-        ptrdiff_t cs;            /* code bytes between positions */
+        const char* c;           /* codes of storage row 0 of this head */
+        ptrdiff_t cs;            /* code bytes between rows */
+        const int64_t* ph;       /* [KV_P] storage rows of the tile's positions */
         const float* bs;         /* q8_0: block scales of the tile's first position (float32) */
         int bss;                 /* floats between positions of bs */
         int d;
@@ -300,13 +335,21 @@ cdef extern from *:
         return buf + kv_job_floats(J);
     }
 
-    /* A stream of prefetches over the next tile's K and V codes, issued a few lines at a
-       time between the score blocks of the current tile. */
-    typedef struct { const char *k, *v; size_t left, step; } kv_pf;
+    /* A stream of prefetches over the next tile's K and V codes (its runs of rows),
+       issued a few lines at a time between the score blocks of the current tile. */
+    typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
-        for (size_t o = 0; o < b; o += 64) { __builtin_prefetch(f->k + o, 0, 3); __builtin_prefetch(f->v + o, 0, 3); }
-        f->k += b; f->v += b; f->left -= b;
+        f->left -= b;
+        while (b) {
+            const size_t run = (size_t)f->t->rl[f->run] * f->cs - f->off;
+            const size_t n = b < run ? b : run;
+            const size_t at = (size_t)f->t->rs[f->run] * f->cs + f->off;
+            for (size_t o = 0; o < n; o += 64) { __builtin_prefetch(f->k + at + o, 0, 3); __builtin_prefetch(f->v + at + o, 0, 3); }
+            b -= n;
+            f->off += n;
+            if (n == run) { f->run++; f->off = 0; }
+        }
     }
 
     /* acc[r][p] += q[r][i .. i + KV_W) . K row p [i .. i + KV_W), RB rows x KV_PB K rows. */
@@ -337,7 +380,7 @@ cdef extern from *:
             for (int p = 0; p < KV_PB; p++) {
                 int pos = j + KV_LEAF_LANE[b * KV_PB + p];
                 pos = pos < np ? pos : np - 1;
-                row[p] = k.c + pos * k.cs;
+                row[p] = k.c + k.ph[pos] * k.cs;
                 bs[p] = fmt == KV_Q8_0 ? k.bs + (size_t)pos * k.bss : NULL;
                 for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
             }
@@ -378,7 +421,7 @@ cdef extern from *:
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
         for (int j = 0; j < np; j++) {
-            const char* row = v.c + j * v.cs;
+            const char* row = v.c + v.ph[j] * v.cs;
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
                 x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d);
@@ -461,27 +504,30 @@ cdef extern from *:
         }
     }
 
-    /* The tile's scales as float32 in out: int8/FP8 row scales of positions [j0, j0 + np)
+    /* The tile's scales as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
-    KV_INLINE void kv_tile_scales(const int fmt, const kv_job* J, const char* sc, int64_t j0, int np, float* out) {
+    KV_INLINE void kv_tile_scales(const int fmt, const kv_job* J, const char* sc, const kv_tile* T, float* out) {
         if (fmt == KV_Q8_0) {
-            kv_halves(sc + j0 * J->ss, np * J->hkv * J->s, out);
+            const int per = J->hkv * J->s;   /* scales of one position, contiguous */
+            for (int i = 0, j = 0; i < T->nr; j += T->rl[i], i++)
+                kv_halves(sc + T->rs[i] * J->ss, T->rl[i] * per, out + (size_t)j * per);
         } else if (KV_ROW_SCALED(fmt)) {
             const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
             const ptrdiff_t ss = J->ss, sh = J->sh;
+            const int np = T->np;
             for (int h = 0; h < J->hkv; h++) {
-                const char* p = sc + j0 * ss + h * sh;
+                const char* p = sc + h * sh;
                 float* o = out + (size_t)h * KV_P;
-                for (int j = 0; j < np; j++) { float x; memcpy(&x, p + j * ss, 4); o[j] = x * f; }
+                for (int j = 0; j < np; j++) { float x; memcpy(&x, p + T->ph[j] * ss, 4); o[j] = x * f; }
                 for (int j = np; j < KV_P; j++) o[j] = 0.0f;
             }
         }
     }
 
     KV_INLINE kv_rows kv_head_rows(const int fmt, const kv_job* J, const char* c, const float* sc,
-                                   int64_t j0, int h) {
-        kv_rows x = {c + j0 * J->cs + h * J->ch, J->cs, fmt == KV_Q8_0 ? sc + (size_t)h * J->s : NULL,
+                                   const kv_tile* T, int h) {
+        kv_rows x = {c + h * J->ch, J->cs, T->ph, fmt == KV_Q8_0 ? sc + (size_t)h * J->s : NULL,
                      J->hkv * J->s, J->d};
         return x;
     }
@@ -500,29 +546,39 @@ cdef extern from *:
         for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
         memset(l, 0, rows * KV_W * sizeof(float));
         memset(acc, 0, rows * dp * sizeof(float));
+        /* Tiles of KV_P positions from p0 (the same tiles whatever the pages: the result
+           never depends on where a position is stored); cur, then the next tile's rows. */
+        kv_tile tiles[2];
+        kv_tile *cur = &tiles[0], *nxt = &tiles[1];
+        kv_tile_rows(J, p0, (int)(p1 - p0 < KV_P ? p1 - p0 : KV_P), cur);
         /* the first tile, which no earlier tile prefetched: one burst, into L2 */
-        const size_t first = (size_t)(p1 - p0 < KV_P ? p1 - p0 : KV_P) * J->cs;
-        for (size_t o = 0; o < first; o += 64) {
-            __builtin_prefetch(J->kc + p0 * J->cs + o, 0, 1);
-            __builtin_prefetch(J->vc + p0 * J->cs + o, 0, 1);
+        for (int i = 0; i < cur->nr; i++) {
+            const char* k = J->kc + cur->rs[i] * J->cs;
+            const char* v = J->vc + cur->rs[i] * J->cs;
+            for (size_t o = 0; o < (size_t)cur->rl[i] * J->cs; o += 64) {
+                __builtin_prefetch(k + o, 0, 1);
+                __builtin_prefetch(v + o, 0, 1);
+            }
         }
         for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
-            const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
+            const int np = cur->np;
             const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
             const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((R + KV_RB - 1) / KV_RB);
-            kv_pf pf = {J->kc + (j0 + KV_P) * J->cs, J->vc + (j0 + KV_P) * J->cs,
+            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)(next - j0 - KV_P), nxt);
+            kv_pf pf = {J->kc, J->vc, nxt, J->cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
-            kv_tile_scales(fmt, J, J->ks, j0, np, ksc);
-            kv_tile_scales(fmt, J, J->vs, j0, np, vsc);
+            kv_tile_scales(fmt, J, J->ks, cur, ksc);
+            kv_tile_scales(fmt, J, J->vs, cur, vsc);
             for (int h = 0; h < H; h++) {
-                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, j0, h), v = kv_head_rows(fmt, J, J->vc, vsc, j0, h);
+                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, cur, h), v = kv_head_rows(fmt, J, J->vc, vsc, cur, h);
                 float* ah = acc + (size_t)h * R * dp;
                 kv_scores(fmt, R, k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
                 kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
                 kv_values(fmt, R, v, np, s, ah, dp);
             }
+            kv_tile* swap = cur; cur = nxt; nxt = swap;
         }
     }
 
@@ -535,11 +591,13 @@ cdef extern from *:
         }
     }
 
-    /* J->q [hkv][r][dp] = scale * q [t][hkv * g][d] (zero-padded); J->last [r]. Returns 0
-       when scale * q holds a non-finite value (x * 0 is NaN only for those: q non-finite,
-       or scale * q past float32), else 1. */
-    static int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) {
+    /* J->q [hkv][r][dp] = scale * J->qin [t][hkv * g][d] (zero-padded); J->last [r].
+       Returns 0 when scale * q holds a non-finite value (x * 0 is NaN only for those: q
+       non-finite, or scale * q past float32), else 1. */
+    static int kv_prepare(kv_job* J, float scale, int causal) {
         const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
+        const float* q = J->qin;
+        const int64_t n = J->n;
         kv_vf zv = kv_splat(0.0f);
         float z = 0.0f;
         for (int h = 0; h < H; h++)
@@ -560,10 +618,13 @@ cdef extern from *:
         return z == 0.0f;
     }
 
-    /* out [t][hkv * g][d] = the nsplit split states at w (kv_split_floats each) merged by
-       log-sum-exp and normalised. out may be J->q (kv_prepare's copy, no longer read). */
-    static void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) {
-        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
+    /* out [t][hkv * g][d] = the J->nsplit split states at J->w (kv_split_floats each)
+       merged by log-sum-exp and normalised; J->lse [t][hkv * g] = M + log(sum of the
+       weights e^(s - M)) over the scores s (scaled, base e) when not NULL. out may be
+       J->q (kv_prepare's copy, no longer read). */
+    static void kv_merge(const kv_job* J, float* out) {
+        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp, nsplit = J->nsplit;
+        const float* w = J->w;
         const size_t rows = (size_t)H * R, stride = kv_split_floats(J);
         const size_t lo = KV_ROUND16(rows), ao = lo + rows * KV_W;   /* offsets of l, acc */
         float c[nsplit];
@@ -579,6 +640,7 @@ cdef extern from *:
                 den += c[sp] * sum;
             }
             for (int sp = 0; sp < nsplit; sp++) c[sp] /= den;
+            if (J->lse) J->lse[(size_t)(r / G) * H * G + (size_t)h * G + r % G] = top + logf(den);
             float* o = out + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
             const float* a = w + ao + hr * dp;
             int i = 0;
@@ -613,14 +675,21 @@ cdef extern from *:
         const char* vs
         ptrdiff_t cs, ch, ss, sh
         int fmt, d, dp, s, hkv, g, t, r
+        const int32_t* table
+        int64_t ps, n, chunk
+        int nsplit
+        const float* qin
+        float* out
+        float* lse
+        float* w
         float* q
         int64_t* last
     size_t kv_split_floats(const kv_job* J) noexcept nogil
     size_t kv_job_floats(const kv_job* J) noexcept nogil
     float* kv_job_place(kv_job* J, float* buf) noexcept nogil
-    int kv_prepare(kv_job* J, const float* q, float scale, int64_t n, int causal) noexcept nogil
+    int kv_prepare(kv_job* J, float scale, int causal) noexcept nogil
     void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
-    void kv_merge(const kv_job* J, int nsplit, const float* w, float* out) noexcept nogil
+    void kv_merge(const kv_job* J, float* out) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
@@ -636,7 +705,7 @@ cdef const char* _data(cnp.ndarray a, str name) except NULL:
 
 
 ROWS_MAX = 2**31 - 1
-"""The most query rows per kv head (T x Hq / Hkv) one call takes: the kernel counts them in
+"""The most query rows per kv head (T x Hq / Hkv) one job takes: the kernel counts them in
 a C int."""
 
 cdef enum:
@@ -646,32 +715,12 @@ cdef enum:
 
 ATTEND_OK, ATTEND_BAD_Q, ATTEND_OVERFLOW = _OK, _BAD_Q, _OVERFLOW
 
+cdef int32_t _page_zero = 0   # the page table of a KVCache: one page of N rows
 
-def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
-           Py_ssize_t n, float scale, bint causal, cnp.ndarray out) -> int:
-    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n). Returns
-    ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
-    ATTEND_OVERFLOW when a score or the weighted sum of V overflowed float32 (the result
-    is made in the workspace and copied to out only when every value is finite).
 
-    IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
-    k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
-    1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
-    C-contiguous (may be q itself). The caller (attention.py) validates shapes and dtypes;
-    this only reads.
-    """
-    cdef kv_job J
-    cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
-    if rows > ROWS_MAX:
-        raise ValueError(f"attend: {rows} rows per kv head exceed a C int")
-    cdef int T = <int>q.shape[0], D = <int>q.shape[2], Hkv = <int>k_codes.shape[1]
-    cdef int threads = num_threads(), nsplit, sp, status
-    cdef Py_ssize_t chunk
-    cdef size_t split_floats, nout = <size_t>q.shape[0] * q.shape[1] * q.shape[2]
-    cdef void* buf = NULL
-    cdef float* work
-    cdef const float* qp = <const float*>_data(q, "q")
-    cdef float* op = <float*>_data(out, "out")
+cdef int _layer_job(kv_job* J, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
+                    int fmt, int hq) except -1:
+    """The fields of J that every sequence of one layer shares."""
     J.kc = _data(k_codes, "k_codes")
     J.vc = _data(v_codes, "v_codes")
     J.cs = k_codes.strides[0]
@@ -685,35 +734,173 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
         J.sh = (<cnp.ndarray>k_scales).strides[1]
         J.s = <int>(<cnp.ndarray>k_scales).shape[2]
     J.fmt = fmt
-    J.d = D
-    J.dp = (D + 15) // 16 * 16
-    J.hkv = Hkv
-    J.g = <int>(q.shape[1] // Hkv)
+    J.d = <int>k_codes.shape[2]
+    J.dp = (J.d + 15) // 16 * 16
+    J.hkv = <int>k_codes.shape[1]
+    J.g = hq // J.hkv
+    return 0
+
+
+cdef void _seq_job(kv_job* J, int T, int64_t n, int threads) noexcept nogil:
+    """J's split of n positions: equal splits (multiples of 16), one per thread, MIN_SPLIT
+    positions at least: the same for a sequence wherever its positions are stored."""
     J.t = T
     J.r = T * J.g
-    # equal splits of the positions (multiples of 16), one per thread, MIN_SPLIT at least
-    nsplit = <int>max(1, min(threads, n // MIN_SPLIT))
-    chunk = ((n + nsplit - 1) // nsplit + 15) // 16 * 16
-    nsplit = <int>((n + chunk - 1) // chunk)
-    split_floats = kv_split_floats(&J)
-    if posix_memalign(&buf, 64, (kv_job_floats(&J) + nsplit * split_floats) * sizeof(float)):
+    J.n = n
+    J.nsplit = <int>max(1, min(threads, n // MIN_SPLIT))
+    J.chunk = ((n + J.nsplit - 1) // J.nsplit + 15) // 16 * 16
+    J.nsplit = <int>((n + J.chunk - 1) // J.chunk)
+
+
+cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
+    """Runs the jobs (fields set but q, last, w): one workspace, every job's q prepared
+    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every split
+    of every job on up to `threads` threads, then each job's splits merged into its
+    workspace, copied to its out when every job's result is finite (else _OVERFLOW,
+    nothing written but lse); returns _OK."""
+    cdef size_t total = 0
+    cdef int b, it, sp, nitems = 0, bad = 0, nt, status = _OK
+    cdef void* buf = NULL
+    cdef float* place
+    for b in range(nj):
+        total += kv_job_floats(&jobs[b]) + jobs[b].nsplit * kv_split_floats(&jobs[b])
+        nitems += jobs[b].nsplit
+    cdef int* items = <int*>malloc(2 * max(nitems, 1) * sizeof(int))   # (job, split)
+    if items == NULL or posix_memalign(&buf, 64, (total if total else 1) * sizeof(float)):
+        free(items)
         raise MemoryError("decode attention: workspace allocation failed")
-    work = kv_job_place(&J, <float*>buf)
+    place = <float*>buf
+    it = 0
+    for b in range(nj):
+        place = kv_job_place(&jobs[b], place)
+        jobs[b].w = place
+        place += jobs[b].nsplit * kv_split_floats(&jobs[b])
+        for sp in range(jobs[b].nsplit):
+            items[2 * it] = b
+            items[2 * it + 1] = sp
+            it += 1
+    nt = min(threads, nitems)
     with nogil:
-        status = _OK if kv_prepare(&J, qp, scale, n, causal) else _BAD_Q
-        if status == _OK and nsplit == 1:
-            kv_split(&J, 0, n, work)
-        elif status == _OK:
-            for sp in prange(nsplit, num_threads=nsplit, schedule="static"):
-                kv_split(&J, sp * chunk, min(n, (sp + 1) * chunk), work + sp * split_floats)
-        if status == _OK:
-            kv_merge(&J, nsplit, work, J.q)   # J.q holds hkv * r * dp >= T * Hq * D floats
-            if kv_all_finite(J.q, nout):
-                memcpy(op, J.q, nout * sizeof(float))
+        if nj > 1 and nt > 1:
+            for b in prange(nj, num_threads=nt, schedule="static"):
+                bad += 1 - kv_prepare(&jobs[b], scale, causal)
+        else:
+            for b in range(nj):
+                bad += 1 - kv_prepare(&jobs[b], scale, causal)
+        if bad == 0:
+            if nt <= 1:
+                for it in range(nitems):
+                    _split_item(jobs, items, it)
+            elif nj == 1:   # equal splits of one sequence: one per thread
+                for it in prange(nitems, num_threads=nt, schedule="static"):
+                    _split_item(jobs, items, it)
+            else:           # splits of unequal sequences: taken as threads come free
+                for it in prange(nitems, num_threads=nt, schedule="dynamic"):
+                    _split_item(jobs, items, it)
+            # each job merged into its own q buffer (hkv * r * dp >= t * Hq * D floats),
+            # copied to out only when the whole call is finite
+            if nj > 1 and nt > 1:
+                for b in prange(nj, num_threads=nt, schedule="static"):
+                    kv_merge(&jobs[b], jobs[b].q)
+                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
+            else:
+                for b in range(nj):
+                    kv_merge(&jobs[b], jobs[b].q)
+                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
+            if bad == 0:
+                for b in range(nj):
+                    memcpy(jobs[b].out, jobs[b].q, _out_floats(&jobs[b]) * sizeof(float))
             else:
                 status = _OVERFLOW
+        else:
+            status = _BAD_Q
         free(buf)
+        free(items)
     return status
+
+
+cdef inline size_t _out_floats(const kv_job* J) noexcept nogil:
+    """Floats of a job's output rows: t * Hq * D."""
+    return <size_t>J.t * J.hkv * J.g * J.d
+
+
+cdef inline void _split_item(kv_job* jobs, const int* items, int it) noexcept nogil:
+    cdef kv_job* J = &jobs[items[2 * it]]
+    cdef int64_t sp = items[2 * it + 1]
+    kv_split(J, sp * J.chunk, min(J.n, (sp + 1) * J.chunk), J.w + sp * kv_split_floats(J))
+
+
+def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
+           Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None):
+    """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n) of a
+    KVCache's layer (storage row p holds position p: one page of N rows). Returns
+    ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
+    ATTEND_OVERFLOW when a score or the weighted sum of V overflowed float32 (the result
+    is made in the workspace and copied to out only when every value is finite).
+
+    IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
+    k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
+    1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
+    C-contiguous (may be q itself); lse float32 [T, Hq] C-contiguous or None. The caller
+    (attention.py) validates shapes and dtypes; this only reads.
+    """
+    cdef kv_job J
+    cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
+    if rows > ROWS_MAX:
+        raise ValueError(f"attend: {rows} rows per kv head exceed a C int")
+    _layer_job(&J, k_codes, v_codes, k_scales, v_scales, fmt, <int>q.shape[1])
+    J.table = &_page_zero
+    J.ps = k_codes.shape[0]
+    J.qin = <const float*>_data(q, "q")
+    J.out = <float*>_data(out, "out")
+    J.lse = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
+    _seq_job(&J, <int>q.shape[0], n, num_threads())
+    return _run(&J, 1, scale, causal, num_threads())
+
+
+def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
+                 int fmt, Py_ssize_t page_size, const int32_t[:, ::1] tables,
+                 const int64_t[::1] lengths, const int64_t[::1] counts, float scale,
+                 bint causal, cnp.ndarray out, lse=None):
+    """Attention of B sequences' new tokens, each over its own positions, in one call;
+    returns ATTEND_OK, ATTEND_BAD_Q or ATTEND_OVERFLOW (out untouched), as `attend`.
+
+    Sequence b has counts[b] query tokens (rows [c_b, c_b + counts[b]) of q, c_b the sum
+    of the counts before it) and attends its positions [0, lengths[b]), position p in
+    storage row tables[b, p // page_size] * page_size + p % page_size. Each sequence is
+    split as `attend` splits a KVCache of the same positions, so its output is the same
+    bits. IN q float32 [sum counts, Hq, D]; k_codes, v_codes [P * page_size, Hkv, D],
+    scales [P * page_size, Hkv, S] or None; tables int32 [B, M] (M * page_size >= every
+    length, entries < P); lengths, counts int64 [B] (counts[b] <= lengths[b] when causal,
+    lengths[b] >= 1 when counts[b] >= 1, counts[b] * Hq / Hkv <= ROWS_MAX). OUT out as q
+    (may be q); lse float32
+    [sum counts, Hq] or None. Checked by the caller (pool.py / attention.py).
+    """
+    cdef Py_ssize_t B = lengths.shape[0], b, row = 0
+    cdef int nj = 0, hq = <int>q.shape[1], d = <int>q.shape[2], threads = num_threads()
+    cdef kv_job base
+    cdef const float* qp = <const float*>_data(q, "q")
+    cdef float* op = <float*>_data(out, "out")
+    cdef float* lp = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
+    _layer_job(&base, k_codes, v_codes, k_scales, v_scales, fmt, hq)
+    cdef kv_job* jobs = <kv_job*>calloc(max(B, 1), sizeof(kv_job))
+    if jobs == NULL:
+        raise MemoryError("decode attention: job allocation failed")
+    try:
+        for b in range(B):
+            if counts[b] > 0:
+                jobs[nj] = base
+                jobs[nj].table = &tables[b, 0]
+                jobs[nj].ps = page_size
+                jobs[nj].qin = qp + row * hq * d
+                jobs[nj].out = op + row * hq * d
+                jobs[nj].lse = NULL if lp == NULL else lp + row * hq
+                _seq_job(&jobs[nj], <int>counts[b], lengths[b], threads)
+                nj += 1
+            row += counts[b]
+        return _run(jobs, nj, scale, causal, threads)
+    finally:
+        free(jobs)
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,

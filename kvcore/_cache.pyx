@@ -1,9 +1,12 @@
 # cython: language_level=3
-"""CPU cache kernels: checked, atomic row writes into a KVCache's storage.
+"""CPU cache kernels: checked, atomic row writes into a KVCache's or a KVPool's storage.
 
-1. `RowWriter` holds the base addresses of one cache's four regions (codes [L][N][Hkv][D],
-   scales [L][N][Hkv][S]) and its sizes; `KVCache` (cache.py) owns the storage array and
-   the bookkeeping (lengths, pending positions) and tells `write` where to write.
+1. `RowWriter` holds the base addresses of one storage's four regions (codes
+   [L][N][Hkv][D], scales [L][N][Hkv][S], N rows) and its sizes; `_storage.Storage` owns
+   the array, `KVCache` / `KVPool` the bookkeeping, and they tell `write` where to write:
+   rows [pos, pos + T) (a KVCache), or a list of T rows (a pool's pages, several
+   sequences in one call), after copying whole pages first when asked (copy-on-write,
+   only once the input has passed every check).
 2. `RowWriter.write(layer, pos, k, v)` checks everything before it writes a byte: k and v
    are numpy arrays of float32, float16 or ml_dtypes bfloat16 in native byte order, of
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
@@ -24,7 +27,7 @@
 5. `decode_rows` is the reverse (codes + scales -> float32), for `KVCache.dequantize`.
 6. `build_info` reports how the kernels were compiled (`python -m kvcore info`).
 """
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.string cimport memcpy
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cython.parallel cimport parallel, prange, threadid
@@ -137,8 +140,9 @@ cdef struct Job:
     Py_ssize_t s2[2]
     int kind[2]
     bint direct[2]           # rows are aligned and unit-stride: read in place
-    char* codes[2]           # OUT: codes of row (pos, head 0) of the layer, K and V
-    char* scales[2]          # OUT: scales of the same row (NULL when S = 0)
+    char* codes[2]           # OUT: codes of row (pos, head 0) of the layer, K and V (with
+    char* scales[2]          #   `rows`: of row 0); scales of the same row (NULL when S = 0)
+    const int64_t* rows      # [T]: the storage row of input t, or NULL: rows pos + t
     Py_ssize_t code_row      # bytes of one row's codes / scales
     Py_ssize_t scale_row
     bint stream              # codes go to storage with non-temporal stores (_encode_one)
@@ -224,7 +228,8 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
     cdef int w = 1 if r >= j.T * j.H else 0
     cdef const char* p = _row_src(j, r, w)
     cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
-    cdef char* scales = j.scales[w] + q * j.scale_row if j.scales[w] != NULL else NULL
+    cdef Py_ssize_t o = q if j.rows == NULL else j.rows[q // j.H] * j.H + q % j.H
+    cdef char* scales = j.scales[w] + o * j.scale_row if j.scales[w] != NULL else NULL
     cdef float* buf = <float*>(work + 4 * d)
     cdef char* codes = work + 8 * d
     if not j.direct[w]:
@@ -235,7 +240,7 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
             for i in range(d):
                 memcpy(work + 2 * i, p + i * s, 2)
         p = work
-    cdef char* dst = j.codes[w] + q * j.code_row
+    cdef char* dst = j.codes[w] + o * j.code_row
     if j.kind[w] != IN_F32:
         decode_row(j.kind[w], p, NULL, d, buf)
         p = <const char*>buf
@@ -298,7 +303,7 @@ cdef class RowWriter:
     cdef uint32_t _limit
     cdef char* _work           # D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
     cdef Py_ssize_t* _fresh    # [L]: positions from here on were never written (see write)
-    cdef Py_ssize_t _N, _H, _D, _code_row, _scale_row
+    cdef Py_ssize_t _L, _N, _H, _D, _code_row, _scale_row
 
     def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
         """fmt: the formats.Format; k_codes, v_codes: [L, N, Hkv, D] C-contiguous, the format's code dtype;
@@ -311,7 +316,8 @@ cdef class RowWriter:
         self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
         if self._work == NULL or self._fresh == NULL:
             raise MemoryError(f"a row buffer of {k_codes.shape[3] * WORK_PER_VALUE} bytes")
-        self._N, self._H, self._D = k_codes.shape[1], k_codes.shape[2], k_codes.shape[3]
+        self._L, self._N = k_codes.shape[0], k_codes.shape[1]
+        self._H, self._D = k_codes.shape[2], k_codes.shape[3]
         self._codes[0] = cnp.PyArray_BYTES(k_codes)
         self._codes[1] = cnp.PyArray_BYTES(v_codes)
         self._code_row = self._D * k_codes.itemsize
@@ -327,10 +333,15 @@ cdef class RowWriter:
         PyMem_Free(self._work)
         PyMem_Free(self._fresh)
 
-    def write(self, Py_ssize_t layer, Py_ssize_t pos, k, v) -> int:
+    def write(self, Py_ssize_t layer, Py_ssize_t pos, k, v, rows=None, copies=None,
+              Py_ssize_t copy_rows=0) -> int:
         """Encodes k, v (float32/float16/bfloat16, [T, Hkv, D] or [Hkv, D], any strides)
-        into positions [pos, pos + T) of `layer`; returns T. The caller checked layer and
-        pos; this checks the rest, all before writing a byte."""
+        into rows [pos, pos + T) of `layer`, or with rows (int64 [T], C-contiguous, each
+        < N) input t into row rows[t]; returns T. copies (int64 [C, 2] C-contiguous, or
+        None): before the rows are written, rows [src, src + copy_rows) of every layer are
+        copied to [dst, dst + copy_rows) for each (src, dst) (copy-on-write of a page).
+        The caller checked layer, pos, rows and copies; this checks the rest, all before
+        writing a byte."""
         cdef int kk = _kind(k), kv = _kind(v)
         if kk < 0 or kv < 0:
             _raise_bad_input(k, v, self._H, self._D)
@@ -346,7 +357,21 @@ cdef class RowWriter:
         if not ok:
             _raise_bad_input(k, v, self._H, self._D)
         cdef Py_ssize_t T = da[0] if nd == 3 else 1
-        if T > self._N - pos:
+        cdef cnp.ndarray ra
+        cdef const int64_t* rp = NULL
+        cdef Py_ssize_t lo = pos, hi = pos + T
+        if rows is not None:
+            ra = <cnp.ndarray>rows
+            if cnp.PyArray_SIZE(ra) != T:
+                raise ValueError(f"rows holds {cnp.PyArray_SIZE(ra)} rows for {T} positions")
+            rp = <const int64_t*>cnp.PyArray_DATA(ra)
+            hi = pos
+            if T:
+                lo, hi = rp[0], rp[0] + 1
+            for i in range(1, T):
+                lo = rp[i] if rp[i] < lo else lo
+                hi = rp[i] + 1 if rp[i] >= hi else hi
+        elif T > self._N - pos:
             raise CapacityError(
                 f"cache full: layer {layer} asked for position {pos + T - 1} "
                 f"(holds {pos}, appending {T}), capacity is {self._N} positions")
@@ -358,8 +383,9 @@ cdef class RowWriter:
         # CPU's caches) go out with non-temporal stores, which skip fetching each line first:
         # a decode step writes half the memory traffic. Lines written before (a rewrite
         # after truncate, as in speculative decoding) may be cached: normal stores.
-        j.stream = self._fmt <= IN_BF16 and pos >= self._fresh[layer]
-        cdef Py_ssize_t first = (layer * self._N + pos) * self._H
+        j.stream = self._fmt <= IN_BF16 and lo >= self._fresh[layer]
+        j.rows = rp
+        cdef Py_ssize_t first = (layer * self._N + (pos if rp == NULL else 0)) * self._H
         _set_input(&j, 0, a, kk)
         _set_input(&j, 1, b, kv)
         for i in range(2):
@@ -374,6 +400,8 @@ cdef class RowWriter:
             # which also makes the writer's own row buffer safe to use
             bad = _count_bad_rows(&j, 1)
             if bad == 0:
+                if copies is not None:
+                    self._copy(copies, copy_rows)
                 _encode_rows(&j, 1, self._work)
         else:
             work = <char*>PyMem_Malloc(nt * self._D * WORK_PER_VALUE)
@@ -381,15 +409,39 @@ cdef class RowWriter:
                 raise MemoryError(f"row buffers of {nt} x {self._D * WORK_PER_VALUE} bytes")
             with nogil:
                 bad = _count_bad_rows(&j, nt)
-                if bad == 0:
+            if bad == 0:
+                if copies is not None:
+                    self._copy(copies, copy_rows)
+                with nogil:
                     _encode_rows(&j, nt, work)
             PyMem_Free(work)
         if bad:
             check_values("k", k, self._format)
             check_values("v", v, self._format)
             raise AssertionError(f"append refused {bad} rows that hold no refused value")
-        self._fresh[layer] = max(self._fresh[layer], pos + T)
+        self._fresh[layer] = max(self._fresh[layer], hi)
         return T
+
+    def copy_pages(self, cnp.ndarray copies, Py_ssize_t n) -> None:
+        """The copies of `write` alone (fork's copy of a partial page): copies int64
+        [C, 2] C-contiguous of (src, dst) first rows, checked by the caller."""
+        self._copy(copies, n)
+
+    cdef void _copy(self, cnp.ndarray copies, Py_ssize_t n):
+        """Rows [src, src + n) -> [dst, dst + n) of every layer, K and V, codes and scales,
+        for each (src, dst) row of copies (int64 [C, 2])."""
+        cdef const int64_t* c = <const int64_t*>cnp.PyArray_DATA(copies)
+        cdef Py_ssize_t i, layer, w, src, dst, rows_per_layer = self._N * self._H
+        for i in range(cnp.PyArray_DIM(copies, 0)):
+            for layer in range(self._L):
+                src = layer * rows_per_layer + c[2 * i] * self._H
+                dst = layer * rows_per_layer + c[2 * i + 1] * self._H
+                for w in range(2):
+                    memcpy(self._codes[w] + dst * self._code_row,
+                           self._codes[w] + src * self._code_row, n * self._H * self._code_row)
+                    if self._scale_row:
+                        memcpy(self._scales[w] + dst * self._scale_row,
+                               self._scales[w] + src * self._scale_row, n * self._H * self._scale_row)
 
 
 def build_info() -> dict:

@@ -8,6 +8,10 @@
    with outlier channels, values heavy-tailed, RoPE on q and k, append, attend, advance)
    after a prompt; bytes per position, compression ratio, the attention output's error
    against the same loop on an f32 cache, and tokens per second.
+3. Serving: requests of different prompt and output lengths decoding together from one
+   KVPool (one batched append and one batched attention call per layer per step),
+   joining and leaving as they come and finish; pages in use against what a
+   full-capacity KVCache per request would take.
 """
 from __future__ import annotations
 
@@ -160,6 +164,62 @@ def decode_rows(formats: list[str], pools, **sizes) -> list[list[object]]:
     return rows
 
 
+SERVE_REQUESTS = [(900, 12), (150, 20), (480, 8), (20, 28), (1300, 4), (250, 16)]
+"""(prompt length, new tokens) of each request; one joins every SERVE_EVERY steps."""
+SERVE_EVERY, SERVE_PAGE, SERVE_BATCH = 4, 16, 4
+
+
+def serve(requests=SERVE_REQUESTS, *, layers: int = LAYERS, capacity: int = CAPACITY,
+          fmt: str = "int8", every: int = SERVE_EVERY, page_size: int = SERVE_PAGE,
+          batch: int = SERVE_BATCH, seed: int = 1) -> list[list[object]]:
+    """Requests decoding together from one pool: a request joins every `every` steps while
+    fewer than `batch` run (its prompt appended in one call per layer), each step appends
+    one position per running request and layer in one append_batch call, attends with one
+    decode_attention call per layer, advances; a request that has made its tokens is freed.
+    Returns a row per step where the set of requests changed (and the last step): step,
+    running requests and their lengths, pages in use, MiB in use, MiB that one
+    full-capacity KVCache per running request would take."""
+    rng = np.random.default_rng(seed)
+    spec = kvcore.KVSpec(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         capacity=capacity, num_heads=Q_HEADS, format=fmt)
+    need = sum(-(-(p + n) // page_size) for p, n in requests)
+    pool = kvcore.KVPool(spec, num_pages=need, page_size=page_size)
+    page_mib = page_size * spec.bytes_per_position / 2**20
+    waiting, running, left = list(requests), [], {}
+    rows, step = [], 0
+    while waiting or running:
+        changed = False
+        if waiting and len(running) < batch and step % every == 0:
+            prompt, tokens = waiting.pop(0)
+            s = pool.new_sequence()
+            for layer in range(layers):
+                k = rng.standard_normal((prompt, KV_HEADS, HEAD_DIM), dtype=np.float32)
+                pool.append(s, layer, k, k)
+            pool.advance(s)
+            running.append(s)
+            left[s] = tokens
+            changed = True
+        k = rng.standard_normal((len(running), KV_HEADS, HEAD_DIM), dtype=np.float32)
+        q = rng.standard_normal((len(running), Q_HEADS, HEAD_DIM), dtype=np.float32)
+        for layer in range(layers):
+            pool.append_batch(layer, running, k, k)
+            kvcore.decode_attention(q, pool, layer, seqs=running)
+        pool.advance(running)
+        step += 1
+        for s in list(running):
+            left[s] -= 1
+            if left[s] == 0:
+                running.remove(s)
+                pool.free(s)
+                changed = True
+        if changed or not (waiting or running):
+            lengths = [pool.length(s) for s in running]
+            rows.append([step, len(running), " ".join(map(str, lengths)) or "-",
+                         pool.num_used_pages, f"{pool.num_used_pages * page_mib:.1f}",
+                         f"{len(running) * spec.memory_bytes / 2**20:.1f}"])
+    return rows
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((POOL, KV_HEADS, HEAD_DIM)).astype(np.float32)
@@ -185,3 +245,12 @@ def main() -> None:
     print("\nattn rel RMS vs f32: the attention outputs of every step and layer against the "
           "same loop on an f32 cache.\ntokens/s: per new token, RoPE on q and k, append, "
           "decode_attention in each of 32 layers, advance.")
+    print(f"\nServing: {len(SERVE_REQUESTS)} requests (prompt, new tokens) "
+          f"{' '.join(f'({p}, {n})' for p, n in SERVE_REQUESTS)} decoding together from one "
+          f"int8 KVPool of {SERVE_PAGE}-position pages, at most {SERVE_BATCH} at a time, one "
+          f"joining every {SERVE_EVERY} steps")
+    print_table(["step", "running", "lengths", "pages in use", "MiB in use",
+                 "MiB as full KVCaches"], serve())
+    print(f"\nMiB as full KVCaches: one KVCache of capacity {CAPACITY} per running request. "
+          "Each step is one append_batch\nand one batched decode_attention call per layer "
+          "for all running requests.")

@@ -1,9 +1,10 @@
-"""decode_attention and apply_rope: validation and output allocation around the
-kernels of _attention.pyx (docs/attention.md describes the kernel)."""
+"""decode_attention, merge_attention and apply_rope: validation and output allocation
+around the kernels of _attention.pyx (docs/attention.md describes the kernel)."""
 from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -12,38 +13,54 @@ from ._validate import check_dtype, check_index, check_ndarray, check_out, check
 from .cache import KVCache
 from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
                      ShapeError, StateError)
+from .pool import KVPool, _counts
 
 ROPE_STYLES = ("neox", "norm")
 
 
-def decode_attention(q: np.ndarray, cache: KVCache, layer: int, *, scale: float | None = None,
-                     causal: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-    """Attention of new tokens' queries over one layer of a cache, read in its own format.
+def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
+                     seqs: Sequence[int] | None = None,
+                     counts: Sequence[int] | np.ndarray | None = None,
+                     scale: float | None = None, causal: bool = True,
+                     out: np.ndarray | None = None,
+                     return_lse: bool = False) -> "np.ndarray | tuple[np.ndarray, np.ndarray]":
+    """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
+    KVPool, read in the storage's own format.
 
-    q: float32, shape [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides.
-    The layer's committed plus pending positions, n of them, are attended; with causal,
-    token t sees positions [0, n - T + t] (the T new tokens are the last T positions).
+    KVCache: q float32 [Hq, D] (one new token) or [T, Hq, D] (T new tokens), any strides;
+    the layer's n = length + pending(layer) positions are attended.
+    KVPool: seqs (B sequence ids, each once); q float32 [B, Hq, D] (one new token per
+    sequence) or, with counts (B ints >= 0), [sum counts, Hq, D]: rows [c_b, c_b +
+    counts[b]) (c_b the sum of the counts before b) are sequence b's tokens; sequence b
+    attends its n_b = length + pending(layer) positions, read through its pages.
+    Causal: token t of T new tokens sees positions [0, n - T + t] (the new tokens are the
+    last T positions: chunked prefill, speculative verification); causal=False: all n.
     scale: a finite positive float32 (defaults to 1 / sqrt(D)). out: float32 of q's
-    shape, C-contiguous, outside the cache's storage, written and returned (may be q
-    itself); allocated when None.
-    Returns float32 of q's shape. Raises RangeError (out untouched) when scale * q, a
-    score or the weighted sum of V would pass the float32 range.
+    shape, C-contiguous, outside the storage, written and returned (may be q itself);
+    allocated when None.
+    Returns out, or (out, lse) with return_lse: lse float32 of q's shape without D, the
+    natural-log log-sum-exp of each row's scaled scores (merge_attention's input).
+    Raises RangeError (out untouched) when scale * q, a score or the weighted sum of V
+    would pass the float32 range. A pool sequence's rows equal, bit for bit, this call on
+    a KVCache holding the same positions with the same thread count (docs/attention.md).
     """
+    if isinstance(cache, KVPool):
+        with cache._guard("decode_attention"):
+            return _pool_attention(q, cache, layer, seqs, counts, scale, causal, out,
+                                   return_lse)
     if not isinstance(cache, KVCache):
-        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__}")
+        raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__} "
+                         f"(or a KVPool with seqs)")
+    if seqs is not None or counts is not None:
+        raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
     with cache._guard("decode_attention"):
-        return _attend(q, cache, layer, scale, causal, out)
+        return _attend(q, cache, layer, scale, causal, out, return_lse)
 
 
-def _attend(q, cache: KVCache, layer, scale, causal, out) -> np.ndarray:
+def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    check_ndarray("q", q)
-    check_dtype("q", q, [np.float32])
-    if q.ndim == 2:
-        check_shape("q", q, [spec.num_heads, spec.head_dim])
-    else:
-        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+    _check_q(q, spec)
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -52,26 +69,112 @@ def _attend(q, cache: KVCache, layer, scale, causal, out) -> np.ndarray:
     if causal and T > n:
         raise StateError(f"causal attention of T={T} new tokens needs at least {T} positions, "
                          f"layer {layer} holds {n}")
+    _check_rows(T, spec)
+    scale = _check_scale(scale, spec.head_dim)
+    out = _out(out, q, cache._storage)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
+    arrays = cache._layer_arrays(layer)
+    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
+                               bool(causal), out.reshape(q3.shape),
+                               None if lse is None else lse.reshape(q3.shape[:2]))
+    if status != _attention.ATTEND_OK:
+        _raise_non_finite(q)
+        raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
+    return (out, lse) if return_lse else out
+
+
+def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse):
+    spec = pool.spec
+    layer = check_index("layer", layer, spec.num_layers)
+    if seqs is None:
+        raise StateError("decode_attention on a KVPool needs seqs: the sequence ids")
+    seqs = list(seqs)
+    B = len(seqs)
+    if len(set(seqs)) != B:
+        raise StateError(f"decode_attention names a sequence twice: {seqs}")
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
+    if counts is None:
+        check_shape("q", q, [B, spec.num_heads, spec.head_dim])
+        count_list = [1] * B
+    else:
+        count_list = _counts(counts, B)
+        check_shape("q", q, [sum(count_list), spec.num_heads, spec.head_dim])
+    table = pool._table
+    lengths = []
+    for s, t in zip(seqs, count_list):
+        seq = table.get(s)
+        n = seq.length + seq.pending[layer]
+        if t and n == 0:
+            raise StateError(f"decode_attention on an empty sequence: sequence {s} holds 0 "
+                             f"positions in layer {layer}")
+        if causal and t > n:
+            raise StateError(f"causal attention of T={t} new tokens needs at least {t} "
+                             f"positions, sequence {s} holds {n} in layer {layer}")
+        _check_rows(t, spec)
+        lengths.append(n)
+    width = max([pool.pages_for(n) for n in lengths] + [1])
+    tables = np.zeros((B, width), np.int32)
+    for b, s in enumerate(seqs):
+        pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
+        tables[b, :len(pages)] = pages
+    scale = _check_scale(scale, spec.head_dim)
+    out = _out(out, q, pool._storage)
+    lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
+    arrays = pool._layer_arrays(layer)
+    q = np.ascontiguousarray(q)
+    status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
+                                     np.array(lengths, np.int64),
+                                     np.array(count_list, np.int64), scale, bool(causal),
+                                     out, lse)
+    if status != _attention.ATTEND_OK:
+        _raise_non_finite(q)
+        at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
+        for b, (s, t, n) in enumerate(zip(seqs, count_list, lengths)):
+            if t and _attention.attend_paged(
+                    q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
+                    np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
+                    np.empty((t, spec.num_heads, spec.head_dim), np.float32)
+                    ) != _attention.ATTEND_OK:
+                raise _overflow_error(q[at:at + t], spec.fmt, pool._gather(s, layer, pending=True),
+                                      n, scale, causal, layer, f"sequence {s}, ")
+            at += t
+        raise AssertionError("the batch overflowed, but no sequence alone does")
+    return (out, lse) if return_lse else out
+
+
+def _check_q(q, spec) -> None:
+    check_ndarray("q", q)
+    check_dtype("q", q, [np.float32])
+    if q.ndim == 2:
+        check_shape("q", q, [spec.num_heads, spec.head_dim])
+    else:
+        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+
+
+def _check_rows(T: int, spec) -> None:
     rows = T * spec.group_size
     if rows > _attention.ROWS_MAX:
         raise RangeError(f"decode_attention: T x Hq/Hkv = {T} x {spec.group_size} = {rows} "
                          f"query rows per kv head, more than the kernel counts "
                          f"({_attention.ROWS_MAX})")
-    scale = _check_scale(scale, spec.head_dim)
+
+
+def _out(out, q, storage) -> np.ndarray:
     if out is None:
-        out = np.empty(q.shape, np.float32)
-    else:
-        check_out("out", out, q.shape, [np.float32])
-        cache._check_outside("out", out)
-    arrays = cache._layer_arrays(layer)
-    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
-                               bool(causal), out.reshape(q3.shape))
-    if status == _attention.ATTEND_OK:
-        return out
-    if not np.isfinite(q).all():   # the kernel checks q as it reads it
+        return np.empty(q.shape, np.float32)
+    check_out("out", out, q.shape, [np.float32])
+    if np.shares_memory(out, storage):
+        raise ShapeError("out overlaps the cache's storage")
+    return out
+
+
+def _raise_non_finite(q) -> None:
+    """Raises NonFiniteError naming q's first non-finite value, if it has one (the kernel
+    checks q as it reads it)."""
+    if not np.isfinite(q).all():
         bad = np.argwhere(~np.isfinite(q))[0]
         raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
-    raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
 
 
 def _check_scale(scale, head_dim: int) -> float:
@@ -94,7 +197,8 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(s32)
 
 
-def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: int) -> RangeError:
+def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: int,
+                    where: str = "") -> RangeError:
     """The error of an attention call whose float32 computation overflowed, with the
     numbers: the largest |scale * q.k| over the visible positions and the largest |V|,
     computed in float64 (the cold path of a refused call)."""
@@ -113,9 +217,47 @@ def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: 
     with np.errstate(over="ignore"):
         qmax = float(np.abs(q3).max()) * scale
     return RangeError(
-        f"decode_attention of layer {layer} overflows float32: the scores scale * q.k reach "
+        f"decode_attention of {where}layer {layer} overflows float32: the scores scale * q.k reach "
         f"{float(np.nanmax(scores)):.4g} (|scale * q| up to {qmax:.4g}, |V| up to "
         f"{float(np.abs(v).max()):.4g} over {n} positions); float32 holds up to 3.4028235e+38")
+
+
+def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
+                    lse2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merges two attention results over disjoint sets of positions into the result over
+    their union (FlashInfer's merge_state; cascade attention over a shared prefix).
+
+    o1, o2: float32 [..., Hq, D]; lse1, lse2: float32 [..., Hq], natural-log
+    log-sum-exp of each row's scores (decode_attention(..., return_lse=True)); -inf
+    marks a row that saw no position (its o is ignored). Returns (o, lse) new arrays:
+    o = (e^(lse1 - m) o1 + e^(lse2 - m) o2) / (e^(lse1 - m) + e^(lse2 - m)),
+    lse = m + log(e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2), in float32; a
+    row that neither side saw gets o = 0, lse = -inf.
+    """
+    for name, x in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
+        check_ndarray(name, x)
+        check_dtype(name, x, [np.float32])
+    if o1.ndim < 2:
+        raise ShapeError(f"invalid shape of o1: expected [..., Hq, D], got {list(o1.shape)}")
+    check_shape("o2", o2, list(o1.shape))
+    check_shape("lse1", lse1, list(o1.shape[:-1]))
+    check_shape("lse2", lse2, list(o1.shape[:-1]))
+    for name, x in (("lse1", lse1), ("lse2", lse2)):
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise NonFiniteError(f"{name} holds NaN or +inf")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.maximum(lse1, lse2)
+        seen = np.isfinite(m)
+        m0 = np.where(seen, m, np.float32(0))
+        w1 = np.exp(lse1 - m0)
+        w2 = np.exp(lse2 - m0)
+        den = w1 + w2
+        part1 = np.where((w1 > 0)[..., None], w1[..., None] * o1, np.float32(0))
+        part2 = np.where((w2 > 0)[..., None], w2[..., None] * o2, np.float32(0))
+        o = np.where(seen[..., None], (part1 + part2) / np.where(seen, den, 1)[..., None],
+                     np.float32(0)).astype(np.float32)
+        lse = np.where(seen, m0 + np.log(den), -np.inf).astype(np.float32)
+    return o, lse
 
 
 def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,

@@ -1,7 +1,7 @@
 """KVCache: the CPU key/value cache of one sequence.
 
-Storage is one allocation of exactly `spec.memory_bytes` bytes (fresh anonymous pages:
-zero-filled, page-aligned, so every region is 64-byte aligned), in four regions:
+Storage is one allocation of exactly `spec.memory_bytes` bytes (`_storage.Storage` with
+rows = capacity: the one-sequence case of a KVPool's pages, one page of N rows in order):
 
     [K scales][V scales][K codes][V codes]
     codes:  [L][N][Hkv][D]  the format's code dtype  (token-major: a step is one block)
@@ -12,16 +12,14 @@ from the storage; the checked writes are `_cache.RowWriter`'s.
 """
 from __future__ import annotations
 
-import mmap
-from math import prod
-
 import numpy as np
 
 from . import _cache
 from ._guard import CallGuard
+from ._pages import _count_groups
+from ._storage import Storage as _Storage
 from ._validate import check_index, check_out
 from .errors import OutOfRangeError, ShapeError, SpecError, StateError
-from .formats import view_dtype
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
@@ -63,36 +61,6 @@ class _Cells:
         self.pending = [0] * len(self.pending)
 
 
-def _count_groups(counts: list[int]) -> str:
-    """'layers 0-2 hold 1; layers 3-31 hold 0': layers grouped by their count."""
-    groups: dict[int, list[int]] = {}
-    for layer, c in enumerate(counts):
-        groups.setdefault(c, []).append(layer)
-    return "; ".join(f"layers {_ranges(ls)} hold {c}" if len(ls) > 1 else f"layer {ls[0]} holds {c}"
-                     for c, ls in groups.items())
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (xs sorted)."""
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
-
-
-def _zeroed_pages(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] on fresh anonymous pages: zero-filled, page-aligned, private to
-    this process (copied on write across fork), returned to the OS when freed."""
-    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
-    try:
-        pages = mmap.mmap(-1, nbytes, **flags)
-    except OSError as e:
-        raise MemoryError(f"cannot allocate the cache's {nbytes} bytes: {e.strerror}") from e
-    return np.frombuffer(pages, dtype=np.uint8)
-
-
 class KVCache:
     """The key/value cache of one sequence on the CPU, in any format of kvcore.FORMATS.
 
@@ -106,34 +74,14 @@ class KVCache:
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVCache needs a KVSpec, got {type(spec).__name__}")
         self._spec = spec
-        fmt = spec.fmt
-        L, N, H, D = spec.num_layers, spec.capacity, spec.num_kv_heads, spec.head_dim
-        S = fmt.scales_per_row(D)
-        regions = [("k_scales", (L, N, H, S), fmt.scale_dtype),
-                   ("v_scales", (L, N, H, S), fmt.scale_dtype)] if S else []
-        regions += [("k_codes", (L, N, H, D), fmt.code_dtype),
-                    ("v_codes", (L, N, H, D), fmt.code_dtype)]
-        self._storage = _zeroed_pages(spec.memory_bytes)
-        self._regions: dict[str, np.ndarray] = {}
-        self._offsets: dict[str, int] = {}
-        offset = 0
-        for name, shape, dtype in regions:
-            nbytes = prod(shape) * dtype.itemsize
-            self._regions[name] = self._storage[offset:offset + nbytes].view(dtype).reshape(shape)
-            self._offsets[name] = offset
-            offset += nbytes
-        r = self._regions
-        self._writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
-                                        r.get("k_scales"), r.get("v_scales"))
-        # Views handed out come from an array over a read-only buffer of the same pages,
-        # so that no view (nor any view of a view) can be made writable again.
-        frozen = np.frombuffer(memoryview(self._storage).toreadonly(), np.uint8)
-        self._read_only = {
-            name: frozen[self._offsets[name]:self._offsets[name] + arr.nbytes]
-            .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
-            for name, arr in r.items()}
-        self._num_layers = L
-        self._cells = _Cells(L)
+        store = _Storage(spec, spec.capacity)   # one page of `capacity` rows, in order
+        self._store = store
+        self._storage = store.array
+        self._regions = store.regions
+        self._writer = store.writer
+        self._read_only = store.read_only
+        self._num_layers = spec.num_layers
+        self._cells = _Cells(spec.num_layers)
         self._guard = CallGuard("KVCache")   # one call at a time (docs/design.md, Threads)
 
     # -- writing -------------------------------------------------------------------
@@ -274,11 +222,7 @@ class KVCache:
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable full-capacity
         views, codes [N, Hkv, D] in the raw code dtype, scales [N, Hkv, S] or None.
         Positions [0, length + pending(layer)) are valid. Internal (docs/design.md)."""
-        layer = check_index("layer", layer, self._num_layers)
-        r = self._regions
-        return (r["k_codes"][layer], r["v_codes"][layer],
-                r["k_scales"][layer] if "k_scales" in r else None,
-                r["v_scales"][layer] if "v_scales" in r else None)
+        return self._store.layer_arrays(check_index("layer", layer, self._num_layers))
 
     # -- layout and memory ---------------------------------------------------------
 
@@ -286,14 +230,12 @@ class KVCache:
     def layout(self) -> dict:
         """The storage, region by region in address order: byte offset, byte count,
         shape and dtype. Codes [L, N, Hkv, D], scales [L, N, Hkv, S] (token-major)."""
-        return {name: {"offset": self._offsets[name], "nbytes": arr.nbytes,
-                       "shape": arr.shape, "dtype": str(arr.dtype)}
-                for name, arr in self._regions.items()}
+        return self._store.layout
 
     @property
     def strides(self) -> dict[str, tuple[int, ...]]:
         """Byte strides of each region over (layer, position, head, element)."""
-        return {name: arr.strides for name, arr in self._regions.items()}
+        return self._store.strides
 
     @property
     def memory_bytes(self) -> int:

@@ -152,7 +152,15 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
     """Copies committed positions [0, n) of every layer (n defaults to cache.length) out
     of a CPU KVCache into a new Snapshot (compact token-major arrays, no capacity padding).
     Pending positions are never included."""
-    length = cache.length
+    return snapshot_parts(cache.spec, cache.length, n, lambda layer, count: tuple(
+        None if a is None else a[:count] for a in cache._layer_arrays(layer)))
+
+
+def snapshot_parts(spec: KVSpec, length: int, n: int | None, layer_parts) -> Snapshot:
+    """A Snapshot of positions [0, n) (n defaults to length; OutOfRangeError unless
+    0 <= n <= length) of a sequence of `spec`: layer_parts(layer, n) gives (k_codes,
+    v_codes, k_scales, v_scales) of that layer's first n positions, token-major
+    [n, Hkv, D] / [n, Hkv, S] or None (shared by KVCache and KVPool)."""
     if n is None:
         n = length
     elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -161,12 +169,11 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
         raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
                               f"0 <= n <= length {length}")
     n = int(n)
-    spec = cache.spec
     parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, n)}
     for layer in range(spec.num_layers):
-        for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
+        for name, arr in zip(_PART_NAMES, layer_parts(layer, n)):
             if arr is not None:
-                parts[name][layer] = arr[:n]
+                parts[name][layer] = arr
     return Snapshot(spec, n, **parts)
 
 
@@ -175,12 +182,7 @@ def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = Fal
     every layer, length = snap.length, nothing pending. Atomic: everything is checked
     (see `fit_snapshot`) before a byte of the cache is written. Positions past the new
     length are not cleared (as after truncate)."""
-    snap = fit_snapshot(cache.spec, snap, requantize=requantize)
-    if any(a is not None and np.may_share_memory(a, cache._storage)
-           for a in (snap.k_codes, snap.v_codes, snap.k_scales, snap.v_scales)):
-        snap = dataclasses.replace(snap, **{name: getattr(snap, name).copy()
-                                            for name in _PART_NAMES
-                                            if getattr(snap, name) is not None})
+    snap = detached(fit_snapshot(cache.spec, snap, requantize=requantize), cache._storage)
     n = snap.length
     for layer in range(cache.spec.num_layers):
         for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
@@ -189,6 +191,17 @@ def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = Fal
     cells = cache._cells
     cells.length = n
     cells.pending = [0] * cache.spec.num_layers
+
+
+def detached(snap: Snapshot, storage: np.ndarray) -> Snapshot:
+    """snap, or a copy of it when one of its arrays lies in `storage` (the storage a
+    restore is about to overwrite)."""
+    if any(a is not None and np.may_share_memory(a, storage)
+           for a in (snap.k_codes, snap.v_codes, snap.k_scales, snap.v_scales)):
+        snap = dataclasses.replace(snap, **{name: getattr(snap, name).copy()
+                                            for name in _PART_NAMES
+                                            if getattr(snap, name) is not None})
+    return snap
 
 
 def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> Snapshot:

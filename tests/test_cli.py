@@ -36,6 +36,20 @@ def test_demo_reports_a_mismatch(rng, monkeypatch):
     assert _demo.run_format("int8", keys, vals, layers=1, capacity=4)[5] == "MISMATCH"
 
 
+def test_demo_serving_counts_pages_of_the_running_requests():
+    requests = [(40, 3), (5, 6), (17, 2)]
+    rows = _demo.serve(requests, layers=2, capacity=64, every=2, page_size=8, batch=2)
+    spec = kvcore.KVSpec(num_layers=2, num_kv_heads=_demo.KV_HEADS, head_dim=_demo.HEAD_DIM,
+                         capacity=64, num_heads=_demo.Q_HEADS, format="int8")
+    for step, running, lengths, pages, mib, full in rows:
+        lens = [] if lengths == "-" else [int(x) for x in lengths.split()]
+        assert len(lens) == running <= 2
+        assert pages == sum(-(-n // 8) for n in lens)
+        assert float(full) == round(running * spec.memory_bytes / 2**20, 1)
+    assert rows[0][:3] == [1, 1, "41"] and rows[-1][1:4] == [0, "-", 0]
+    assert [r[0] for r in rows] == [1, 3, 5, 6, 8]   # joins at steps 0, 2, 4; ends at 3, 6, 8
+
+
 def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

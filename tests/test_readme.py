@@ -8,14 +8,21 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _quick_start() -> str:
+def _quick_start(section: str = "Quick start") -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    return re.search(r"## Quick start\n\n```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"## {section}\n\n```python\n(.*?)```", text, re.S).group(1)
 
 
 def test_quick_start_prints_what_its_comments_say(tmp_path, monkeypatch):
-    code = _quick_start()
+    _runs_as_printed(_quick_start(), tmp_path, monkeypatch)
+
+
+def test_pool_example_prints_what_its_comments_say(tmp_path, monkeypatch):
+    _runs_as_printed(_quick_start("Many sequences: KVPool"), tmp_path, monkeypatch)
+
+
+def _runs_as_printed(code: str, tmp_path, monkeypatch) -> None:
     expected = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#(.*)$", code, re.M)]
     assert len(expected) >= 6
     monkeypatch.chdir(tmp_path)  # the example writes a snapshot file

@@ -1,7 +1,8 @@
 """Checked calls into the CUDA driver API (cuda-python), and the handles built on it.
 
 1. cuda-python is imported lazily, on the first call that needs it: importing kvcore or
-   kvcore.gpu never needs it.
+   kvcore.gpu never needs it. `kvcore.gpu.use_emulator()` swaps in the emulated driver
+   (kvcore.gpu._emu.driver, the same calls on the CPU) for the whole process.
 2. Every driver call goes through `call(name, *args)`: a CUresult other than
    CUDA_SUCCESS raises CudaError("cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory").
 3. `Context.get(device)` retains the device's primary context once per process and makes
@@ -18,10 +19,12 @@ from ..errors import CudaError, StateError
 
 _lock = threading.Lock()
 _driver_module = None
+_emulated = False
 
 
 def cuda():
-    """The cuda-python driver module (`cuda.bindings.driver`, or `cuda.cuda` before 12.6)."""
+    """The driver module every call goes to: cuda-python's (`cuda.bindings.driver`, or
+    `cuda.cuda` before 12.6), or the emulated one after `use_emulator()`."""
     global _driver_module
     if _driver_module is None:
         try:
@@ -32,13 +35,36 @@ def cuda():
     return _driver_module
 
 
+def use_backend(module, *, reset) -> None:
+    """Makes `module` (the emulated driver) the one every call goes to, after `reset()`
+    built its fresh state; forgets kvcore's contexts. Refused while kvcore holds contexts of
+    the real driver, or emulated device memory (the reset would pull it away)."""
+    global _driver_module, _available, _emulated
+    with _lock:
+        if Context._contexts and not _emulated:
+            raise StateError(f"cannot switch to the emulator: kvcore already opened contexts "
+                             f"on real device(s) {sorted(Context._contexts)}")
+        live = {d: c.live_bytes for d, c in Context._contexts.items() if c.live_bytes}
+        if live:
+            raise StateError(f"cannot reset the emulator: kvcore device memory is still live "
+                             f"(bytes per device: {live}); free it first")
+        reset()
+        Context._contexts.clear()
+        _driver_module, _available, _emulated = module, None, True
+
+
+def backend_is_emulator() -> bool:
+    return _emulated
+
+
 def _error_text(err) -> str:
     drv = cuda()
     name_res, name = drv.cuGetErrorName(err)
     text_res, text = drv.cuGetErrorString(err)
     name = name.decode() if name_res == drv.CUresult.CUDA_SUCCESS and name else f"CUresult {int(err)}"
     text = text.decode() if text_res == drv.CUresult.CUDA_SUCCESS and text else "unknown error"
-    return f"{name}: {text}"
+    detail = drv.error_detail(err) if _emulated else None  # the emulator says why it refused
+    return f"{name}: {text}" + (f" ({detail})" if detail else "")
 
 
 def check(name: str, result):
@@ -71,8 +97,9 @@ _available: bool | None = None
 
 
 def is_available() -> bool:
-    """True when cuda-python imports, the driver initialises and a device exists. Never
-    raises: whatever goes wrong on the way (no module, no libcuda, no device) is False."""
+    """True when cuda-python imports, the driver initialises and a device exists (always,
+    after use_emulator()). Never raises: whatever goes wrong on the way (no module, no
+    libcuda, no device) is False."""
     global _available
     if _available is None:
         try:

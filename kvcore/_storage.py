@@ -1,0 +1,90 @@
+"""The CPU storage of K/V rows, shared by KVCache (one sequence) and KVPool (pages).
+
+One allocation of `rows * spec.bytes_per_position` bytes (fresh anonymous pages: zero-
+filled, page-aligned, so every region is 64-byte aligned), in four regions:
+
+    [K scales][V scales][K codes][V codes]
+    codes:  [L][rows][Hkv][D]  the format's code dtype  (token-major: a step is one block)
+    scales: [L][rows][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
+
+A KVCache has rows = capacity, row p holding position p. A KVPool of P pages of
+page_size positions has rows = P * page_size, and page g is rows [g * page_size,
+(g + 1) * page_size) of every layer (docs/formats.md). The checked writes are
+`_cache.RowWriter`'s; this class holds no bookkeeping.
+"""
+from __future__ import annotations
+
+import mmap
+from math import prod
+
+import numpy as np
+
+from . import _cache
+from .formats import view_dtype
+from .spec import KVSpec
+
+REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")   # the order of layer_arrays
+
+
+def zeroed_pages(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] on fresh anonymous pages: zero-filled, page-aligned, private to
+    this process (copied on write across fork), returned to the OS when freed."""
+    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    try:
+        pages = mmap.mmap(-1, nbytes, **flags)
+    except OSError as e:
+        raise MemoryError(f"cannot allocate the cache's {nbytes} bytes: {e.strerror}") from e
+    return np.frombuffer(pages, dtype=np.uint8)
+
+
+class Storage:
+    """Rows of every layer in one allocation (module comment), with its checked writer."""
+
+    def __init__(self, spec: KVSpec, rows: int):
+        fmt = spec.fmt
+        L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        S = fmt.scales_per_row(D)
+        shapes = [("k_scales", (L, rows, H, S), fmt.scale_dtype),
+                  ("v_scales", (L, rows, H, S), fmt.scale_dtype)] if S else []
+        shapes += [("k_codes", (L, rows, H, D), fmt.code_dtype),
+                   ("v_codes", (L, rows, H, D), fmt.code_dtype)]
+        self.array = zeroed_pages(rows * spec.bytes_per_position)
+        self.regions: dict[str, np.ndarray] = {}
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, shape, dtype in shapes:
+            nbytes = prod(shape) * dtype.itemsize
+            self.regions[name] = self.array[offset:offset + nbytes].view(dtype).reshape(shape)
+            self.offsets[name] = offset
+            offset += nbytes
+        r = self.regions
+        self.writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
+                                       r.get("k_scales"), r.get("v_scales"))
+        # Views handed out come from an array over a read-only buffer of the same pages,
+        # so that no view (nor any view of a view) can be made writable again.
+        frozen = np.frombuffer(memoryview(self.array).toreadonly(), np.uint8)
+        self.read_only = {
+            name: frozen[self.offsets[name]:self.offsets[name] + arr.nbytes]
+            .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
+            for name, arr in r.items()}
+
+    def layer_arrays(self, layer: int):
+        """(k_codes, v_codes, k_scales, v_scales) of one layer: writable views of every
+        row, codes [rows, Hkv, D] in the raw code dtype, scales [rows, Hkv, S] or None."""
+        r = self.regions
+        return tuple(r[name][layer] if name in r else None for name in REGIONS)
+
+    def gather(self, layer: int, rows) -> tuple:
+        """(k_codes, v_codes, k_scales, v_scales) of the given rows of one layer, copied
+        in their order: codes [n, Hkv, D], scales [n, Hkv, S] or None."""
+        return tuple(None if a is None else a[rows] for a in self.layer_arrays(layer))
+
+    @property
+    def layout(self) -> dict:
+        return {name: {"offset": self.offsets[name], "nbytes": arr.nbytes,
+                       "shape": arr.shape, "dtype": str(arr.dtype)}
+                for name, arr in self.regions.items()}
+
+    @property
+    def strides(self) -> dict[str, tuple[int, ...]]:
+        return {name: arr.strides for name, arr in self.regions.items()}

@@ -1,0 +1,377 @@
+"""KVPool: one pool of fixed-size pages serving many sequences on the CPU.
+
+Storage is `_storage.Storage` with rows = num_pages * page_size: page g is rows
+[g * page_size, (g + 1) * page_size) of every layer, K and V, codes and scales (a
+KVCache is the case of one page of `capacity` rows). The bookkeeping (free list,
+reference counts, page lists, lengths, pending counts) is `_pages.PageTable`'s. Every
+write is planned by the table (all checks, nothing changed), written by the storage's
+checked writer (which checks the values before a byte is written and copies shared
+pages first), then committed to the table: a refused call changes no byte and no count.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ._cache import decode_rows
+from ._guard import CallGuard
+from ._pages import PageTable
+from ._storage import Storage
+from ._validate import check_index, check_ndarray, check_out
+from .errors import CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError
+from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
+from .spec import KVSpec
+
+_EMPTY_ROWS = np.zeros(0, np.int64)
+
+
+class KVPool:
+    """Pages of K/V storage shared by many sequences, in any format of kvcore.FORMATS.
+
+    `spec.capacity` is the most positions one sequence may hold; the pool holds
+    num_pages * page_size positions in all. Sequences are int ids (`new_sequence`).
+    Positions are appended per layer and sequence (pending) and committed with
+    `advance`, as in a KVCache; pages are taken when a write first needs them.
+    One call at a time: a call that finds another thread inside the pool raises
+    StateError and changes nothing (as a KVCache; docs/design.md, Threads).
+    """
+
+    def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16):
+        if not isinstance(spec, KVSpec):
+            raise SpecError(f"KVPool needs a KVSpec, got {type(spec).__name__}")
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise SpecError(f"{name} must be a positive int, got {value!r}")
+        self._spec = spec
+        self._ps = int(page_size)
+        self._store = Storage(spec, int(num_pages) * self._ps)
+        self._storage = self._store.array
+        self._table = PageTable(int(num_pages), self._ps, spec.num_layers, spec.capacity)
+        self._num_layers = spec.num_layers
+        self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
+
+    # -- sequences -----------------------------------------------------------------
+
+    def new_sequence(self) -> int:
+        """A new empty sequence (no page yet); returns its id."""
+        with self._guard("new_sequence"):
+            return self._table.new()
+
+    def free(self, seq: int) -> None:
+        """Ends a sequence: its pages that no other sequence holds become free."""
+        with self._guard("free"):
+            self._table.free_seq(seq)
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
+        pending one; pages past the last kept position are released."""
+        with self._guard("truncate"):
+            self._table.truncate(seq, n)
+
+    def fork(self, seq: int) -> int:
+        """A new sequence holding seq's committed positions: full pages are shared (a later
+        write to a shared page copies it first), the partial last page is copied now.
+        CapacityError (nothing changed) when that copy finds no free page."""
+        with self._guard("fork"):
+            t, copy = self._table.fork(seq)
+            if copy is not None:
+                self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
+                                                       np.int64), self._ps)
+            return t
+
+    # -- writing -------------------------------------------------------------------
+
+    def append(self, seq: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Encodes T positions of one layer of one sequence after its held ones, pending
+        until `advance`, as KVCache.append: k, v float32, float16 or bfloat16, [T, Hkv, D]
+        or [Hkv, D], any strides. Atomic: a refused call (ShapeError, DTypeError,
+        NonFiniteError, FormatError, OutOfRangeError, StateError for an unknown sequence,
+        CapacityError past spec.capacity or with too few free pages) changes nothing."""
+        with self._guard("append"):
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            t = k.shape[0] if getattr(k, "ndim", 0) == 3 else 1
+            self._write(layer, [seq], [t], k, v)
+
+    def append_batch(self, layer: int, seqs: Sequence[int], k: np.ndarray, v: np.ndarray,
+                     counts: Sequence[int] | np.ndarray | None = None) -> None:
+        """One layer's new positions of many sequences in one call: counts[b] positions
+        (default 1 each) after the held ones of seqs[b], taken in order from k, v (float32,
+        float16 or bfloat16, [sum counts, Hkv, D], any strides), pending until `advance`.
+        Atomic over the whole call, as `append`; a sequence may appear once."""
+        with self._guard("append_batch"):
+            if layer.__class__ is not int or not 0 <= layer < self._num_layers:
+                layer = check_index("layer", layer, self._num_layers)
+            seqs = list(seqs)
+            counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
+            check_ndarray("k", k)
+            check_ndarray("v", v)
+            if k.ndim != 3:
+                raise ShapeError(f"invalid shape of k: expected [T, {self._spec.num_kv_heads}, "
+                                 f"{self._spec.head_dim}], got {list(k.shape)}")
+            if k.shape[0] != sum(counts):
+                raise ShapeError(f"invalid shape of k: expected [{sum(counts)}, "
+                                 f"{self._spec.num_kv_heads}, {self._spec.head_dim}] (the sum of "
+                                 f"counts), got {list(k.shape)}")
+            self._write(layer, seqs, counts, k, v)
+
+    def _write(self, layer, seqs, counts, k, v) -> None:
+        plan = self._table.plan_write(layer, seqs, counts)
+        ps = self._ps
+        rows = np.array(plan.rows, np.int64) if plan.rows else _EMPTY_ROWS
+        copies = (np.array(plan.copies, np.int64) * ps) if plan.copies else None
+        self._store.writer.write(layer, 0, k, v, rows, copies, ps)
+        self._table.commit_write(plan)
+
+    def advance(self, seqs: int | Iterable[int] | None = None) -> int | list[int]:
+        """Commits the pending positions of one sequence (returns the count), of several
+        (returns their counts) or of every sequence (None; counts in `sequences` order).
+        Every layer of a sequence must hold the same number pending (StateError names
+        them); all are checked before any is committed."""
+        with self._guard("advance"):
+            if seqs is None:
+                return self._table.advance(list(self._table.seqs))
+            if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+                return self._table.advance([int(seqs)])[0]
+            return self._table.advance(list(seqs))
+
+    def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | np.ndarray,
+                     out: np.ndarray) -> np.ndarray:
+        """Reserves and exports the storage rows ("slots", vLLM's slot_mapping) of the next
+        counts[b] positions after the committed ones of seqs[b]: out int64 [M], C-contiguous,
+        M >= sum counts, gets them in order, then -1 (skip) to its end. Pages are taken
+        (copy-on-write included) as an append would: atomic, CapacityError with the
+        numbers. Row r is page r // page_size, offset r % page_size."""
+        with self._guard("slot_mapping"):
+            seqs = list(seqs)
+            counts = _counts(counts, len(seqs))
+            check_ndarray("out", out)
+            check_out("out", out, (out.shape[0],) if out.ndim == 1 else ("M",), [np.int64])
+            if out.shape[0] < sum(counts):
+                raise ShapeError(f"out holds {out.shape[0]} slots, the positions need "
+                                 f"{sum(counts)}")
+            plan = self._table.plan_write(None, seqs, counts)
+            if plan.copies:
+                self._store.writer.copy_pages(np.array(plan.copies, np.int64) * self._ps, self._ps)
+            self._table.commit_write(plan)
+            out[:len(plan.rows)] = plan.rows
+            out[len(plan.rows):] = -1
+            return out
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def spec(self) -> KVSpec:
+        return self._spec
+
+    @property
+    def page_size(self) -> int:
+        return self._ps
+
+    @property
+    def num_pages(self) -> int:
+        return self._table.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no sequence holds."""
+        return len(self._table.free)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence (a shared page counts once)."""
+        return self._table.num_pages - len(self._table.free)
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the live sequences, oldest first."""
+        return list(self._table.seqs)
+
+    def length(self, seq: int) -> int:
+        """Committed positions of seq, the same in every layer."""
+        return self._table.get(seq).length
+
+    def pending(self, seq: int, layer: int) -> int:
+        """Positions appended to `layer` of seq since its last advance."""
+        return self._table.get(seq).pending[check_index("layer", layer, self._num_layers)]
+
+    def page_table(self, seq: int) -> np.ndarray:
+        """The page ids seq holds, in position order: int32 [ceil(held / page_size)] (a copy)."""
+        return np.array(self._table.get(seq).pages, np.int32)
+
+    def pages_for(self, n: int) -> int:
+        """Pages that n positions of one sequence take: ceil(n / page_size)."""
+        return -(-int(n) // self._ps)
+
+    # -- exports for runtimes ----------------------------------------------------------
+
+    def _held(self, seq: int, layer: int | None) -> int:
+        s = self._table.get(seq)
+        if layer is None:
+            return s.length
+        return s.length + s.pending[check_index("layer", layer, self._num_layers)]
+
+    def block_tables(self, seqs: Sequence[int], out: np.ndarray, *, layer: int | None = None,
+                     fill: int = -1) -> np.ndarray:
+        """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
+        positions (committed, plus `layer`'s pending ones when given), then `fill`
+        (vLLM's block table). ShapeError when M is too small."""
+        with self._guard("block_tables"):
+            seqs = list(seqs)
+            tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
+            check_ndarray("out", out)
+            width = max((len(t) for t in tabs), default=0)
+            check_out("out", out, (len(seqs), out.shape[-1] if out.ndim == 2 else "M"), [np.int32])
+            if out.shape[1] < width:
+                raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
+                                 f"got {list(out.shape)}")
+            out[:] = fill
+            for b, t in enumerate(tabs):
+                out[b, :len(t)] = t
+            return out
+
+    def csr(self, seqs: Sequence[int], indptr: np.ndarray, indices: np.ndarray,
+            last_page_len: np.ndarray, *, layer: int | None = None) -> int:
+        """The page tables of seqs in FlashInfer's CSR form, written into the caller's
+        int32 arrays: indptr [B + 1], indices [>= nnz] (pages of seqs[b] at
+        indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
+        1..page_size; 0 for an empty sequence). Positions: committed, plus `layer`'s
+        pending ones when given. Returns nnz."""
+        with self._guard("csr"):
+            seqs = list(seqs)
+            tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
+                    for s, n in ((s, self._held(s, layer)) for s in seqs)]
+            nnz = sum(len(t) for t, _ in tabs)
+            check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
+            check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
+            check_ndarray("indices", indices)
+            check_out("indices", indices, (indices.shape[0] if indices.ndim == 1 else "nnz",),
+                      [np.int32])
+            if indices.shape[0] < nnz:
+                raise ShapeError(f"indices holds {indices.shape[0]} entries, the tables need "
+                                 f"{nnz}")
+            at = 0
+            indptr[0] = 0
+            for b, (t, n) in enumerate(tabs):
+                indices[at:at + len(t)] = t
+                at += len(t)
+                indptr[b + 1] = at
+                last_page_len[b] = n - (len(t) - 1) * self._ps if t else 0
+            return nnz
+
+    # -- reads ---------------------------------------------------------------------
+
+    def _rows(self, seq: int, layer: int, pending: bool) -> np.ndarray:
+        layer = check_index("layer", layer, self._num_layers)
+        s = self._table.get(seq)
+        n = s.length + (s.pending[layer] if pending else 0)
+        return np.array(self._table.rows(seq, 0, n), np.int64)
+
+    def _gather(self, seq: int, layer: int, *, pending: bool = False) -> tuple:
+        """(k_codes, v_codes, k_scales, v_scales) of seq's positions in one layer, copied in
+        position order (raw code dtype; scales None when S = 0). Internal (tests)."""
+        return self._store.gather(layer, self._rows(seq, layer, pending))
+
+    def dequantize(self, seq: int, layer: int, which: str, *, pending: bool = False) -> np.ndarray:
+        """K (which="k") or V ("v") of seq's committed positions (and pending ones when
+        asked) decoded: float32 [n, Hkv, D], a new array."""
+        with self._guard("dequantize"):
+            if which not in ("k", "v"):
+                raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
+            rows = self._rows(seq, layer, pending)
+            k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
+            codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
+            out = np.empty(codes.shape, np.float32)
+            decode_rows(self._spec.fmt.id, codes, scales, out)
+            return out
+
+    # -- snapshots -----------------------------------------------------------------
+
+    def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
+        """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot a
+        KVCache makes: restores into a KVCache, a GpuKVCache or a pool sequence."""
+        with self._guard("snapshot"):
+            length = self.length(seq)
+            rows = np.array(self._table.rows(seq, 0, length), np.int64)
+            return snapshot_parts(self._spec, length, n,
+                                  lambda layer, count: self._store.gather(layer, rows[:count]))
+
+    def restore(self, snapshot: Snapshot, *, seq: int | None = None,
+                requantize: bool = False) -> int:
+        """A sequence holding a snapshot's positions (length = snapshot.length, nothing
+        pending): a new one, or `seq`, whose content and pages it replaces; returns its id.
+        Checked as KVCache.restore (SnapshotError; requantize=True re-encodes another
+        format), StateError for an unknown seq, and CapacityError when the pool has too few
+        pages (free ones, plus those only seq holds): a refused call changes nothing."""
+        with self._guard("restore"):
+            snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize),
+                            self._storage)
+            table = self._table
+            own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
+            need = self.pages_for(snap.length)
+            if need > len(table.free) + own:
+                raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
+                                    f"needs {need} pages, {len(table.free)} of "
+                                    f"{table.num_pages} are free"
+                                    + (f" and sequence {seq} alone holds {own}" if own else ""))
+            if seq is None:
+                seq = table.new()
+            else:
+                table.truncate(seq, 0)
+            plan = table.plan_write(None, [seq], [snap.length])
+            table.commit_write(plan)
+            rows = np.array(plan.rows, np.int64)
+            for layer in range(self._num_layers):
+                for name, arr in zip(("k_codes", "v_codes", "k_scales", "v_scales"),
+                                     self._store.layer_arrays(layer)):
+                    if arr is not None:
+                        arr[rows] = getattr(snap, name)[layer]
+            table.get(seq).length = snap.length
+            return seq
+
+    # -- layout and memory ---------------------------------------------------------
+
+    @property
+    def layout(self) -> dict:
+        """The storage, region by region in address order: byte offset, byte count, shape
+        [L, P * page_size, Hkv, D or S] and dtype (docs/formats.md)."""
+        return self._store.layout
+
+    @property
+    def strides(self) -> dict[str, tuple[int, ...]]:
+        """Byte strides of each region over (layer, row, head, element); page g starts at
+        row g * page_size."""
+        return self._store.strides
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the storage: num_pages * page_size * spec.bytes_per_position."""
+        return self._storage.nbytes
+
+    def _layer_arrays(self, layer: int):
+        """Writable views of one layer's rows (as KVCache._layer_arrays, rows = P * ps)."""
+        return self._store.layer_arrays(check_index("layer", layer, self._num_layers))
+
+    def __repr__(self) -> str:
+        s = self._spec
+        return (f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
+                f"format={s.format!r}, pages={self.num_pages}x{self._ps}, "
+                f"used={self.num_used_pages}, sequences={len(self._table.seqs)})")
+
+
+def _counts(counts, n: int) -> list[int]:
+    """counts as a list of n ints >= 0 (a list, tuple or integer array)."""
+    if isinstance(counts, np.ndarray):
+        if counts.dtype.kind not in "iu":
+            raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
+                             f"{counts.dtype}")
+        counts = counts.tolist()
+    counts = list(counts)
+    if len(counts) != n:
+        raise ShapeError(f"invalid shape of counts: expected [{n}] (one per sequence), "
+                         f"got [{len(counts)}]")
+    for c in counts:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+            raise ShapeError(f"counts must be ints >= 0, got {c!r}")
+    return [int(c) for c in counts]

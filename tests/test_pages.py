@@ -1,0 +1,139 @@
+"""PageTable, the pool's bookkeeping, alone: no storage, only counts and lists."""
+import pytest
+
+from kvcore._pages import PageTable
+from kvcore.errors import CapacityError, OutOfRangeError, StateError
+
+
+def table(pages=8, ps=4, layers=2, capacity=20):
+    return PageTable(pages, ps, layers, capacity)
+
+
+def write(t, layer, ids, counts):
+    plan = t.plan_write(layer, ids, counts)
+    t.commit_write(plan)
+    return plan
+
+
+def check(t):
+    """free + held = P, refs = holders, no free page held."""
+    holders = [0] * t.num_pages
+    for seq in t.seqs.values():
+        for g in seq.pages:
+            holders[g] += 1
+    assert holders == t.refs
+    assert sorted(t.free) == [g for g in range(t.num_pages) if holders[g] == 0]
+    assert len(set(t.free)) == len(t.free)
+
+
+def test_pages_are_taken_when_a_write_first_needs_them():
+    t = table()
+    s = t.new()
+    assert t.get(s).pages == [] and len(t.free) == 8
+    plan = write(t, 0, [s], [5])
+    assert plan.rows == [0, 1, 2, 3, 4] and plan.take == 2 and t.get(s).pages == [0, 1]
+    write(t, 1, [s], [5])          # layer 1 finds the pages layer 0 took
+    assert len(t.free) == 6 and t.get(s).pending == [5, 5]
+    assert t.advance([s]) == [5] and t.get(s).length == 5
+    check(t)
+
+
+def test_batched_write_rows_follow_each_sequence_and_take_in_order():
+    t = table()
+    a, b = t.new(), t.new()
+    plan = write(t, 0, [a, b], [1, 6])
+    assert t.get(a).pages == [0] and t.get(b).pages == [1, 2]
+    assert plan.rows == [0, 4, 5, 6, 7, 8, 9]
+    check(t)
+
+
+def test_refused_writes_change_nothing():
+    t = table(pages=3, ps=4, capacity=10)
+    a, b = t.new(), t.new()
+    write(t, 0, [a], [4])
+    before = (list(t.free), list(t.refs), list(t.get(a).pages), list(t.get(a).pending))
+    with pytest.raises(CapacityError, match=r"sequence 1 full: layer 0 asked for position 10 "
+                                            r"\(holds 0, appending 11\), capacity is 10"):
+        t.plan_write(0, [a, b], [1, 11])
+    with pytest.raises(CapacityError, match=r"the write needs 3 new pages \(sequence 0: 1, "
+                                            r"sequence 1: 2\), 2 of 3 are free"):
+        t.plan_write(0, [a, b], [1, 5])
+    with pytest.raises(StateError, match="unknown sequence 7"):
+        t.plan_write(0, [a, 7], [1, 1])
+    with pytest.raises(StateError, match="sequence 0 appears twice"):
+        t.plan_write(0, [a, a], [1, 1])
+    assert before == (list(t.free), list(t.refs), list(t.get(a).pages), list(t.get(a).pending))
+    check(t)
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one():
+    t = table()
+    s = t.new()
+    write(t, 0, [s], [6])
+    write(t, 1, [s], [6])
+    t.advance([s])
+    u, copy = t.fork(s)
+    assert t.get(u).pages[0] == t.get(s).pages[0] and t.refs[t.get(s).pages[0]] == 2
+    assert copy == (t.get(s).pages[1], t.get(u).pages[1]) and t.refs[t.get(u).pages[1]] == 1
+    assert t.get(u).length == 6 and t.get(u).pending == [0, 0]
+    check(t)
+    # a page-aligned length shares everything and copies nothing
+    t.truncate(u, 4)
+    w, copy = t.fork(u)
+    assert copy is None and t.get(w).pages == [t.get(s).pages[0]] and t.refs[t.get(s).pages[0]] == 3
+    check(t)
+
+
+def test_write_into_a_shared_page_copies_it_first():
+    t = table()
+    s = t.new()
+    write(t, 0, [s], [4])
+    write(t, 1, [s], [4])
+    t.advance([s])
+    u, _ = t.fork(s)
+    t.truncate(u, 2)                   # u's next write lands in the shared page 0
+    shared = t.get(s).pages[0]
+    plan = write(t, 0, [u], [1])
+    assert plan.copies == [(shared, t.get(u).pages[0])] and t.get(u).pages[0] != shared
+    assert t.refs[shared] == 1 and plan.rows == [t.get(u).pages[0] * 4 + 2]
+    write(t, 1, [u], [1])              # layer 1 finds the copy: no second copy
+    assert t.get(u).pending == [1, 1]
+    check(t)
+
+
+def test_truncate_and_free_return_unheld_pages():
+    t = table()
+    s = t.new()
+    write(t, 0, [s], [9])
+    write(t, 1, [s], [9])
+    t.advance([s])
+    u, _ = t.fork(s)
+    t.truncate(s, 3)
+    assert t.get(s).pages == [t.get(u).pages[0]] and len(t.free) == 8 - 3   # u: 0, 1, copy
+    t.free_seq(u)
+    assert len(t.free) == 7
+    t.free_seq(s)
+    assert len(t.free) == 8 and not t.seqs
+    with pytest.raises(StateError, match="unknown sequence 0"):
+        t.free_seq(s)
+    check(t)
+
+
+def test_truncate_range_and_advance_rules():
+    t = table()
+    s = t.new()
+    write(t, 0, [s], [2])
+    with pytest.raises(StateError, match="layer 0 holds 2; layer 1 holds 0"):
+        t.advance([s])
+    with pytest.raises(OutOfRangeError, match="expected 0 <= n <= length 0"):
+        t.truncate(s, 1)
+    t.truncate(s, 0)
+    assert t.get(s).pending == [0, 0] and t.get(s).pages == [] and len(t.free) == 8
+
+
+def test_reservation_takes_pages_after_the_committed_positions():
+    t = table()
+    s = t.new()
+    plan = write(t, None, [s], [5])
+    assert plan.rows == [0, 1, 2, 3, 4] and t.get(s).pending == [0, 0] and t.get(s).length == 0
+    check(t)

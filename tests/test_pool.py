@@ -1,0 +1,374 @@
+"""KVPool: storage layout, writes (one and batched), copy-on-write, atomic refusals,
+exports for runtimes, snapshots both ways. Every stored byte is checked against a
+KVCache fed the same positions (its writes are checked against kvcore.quantize in
+test_cache.py)."""
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import (CapacityError, DTypeError, KVCache, KVPool, KVSpec, NonFiniteError,
+                    OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError)
+
+FORMATS = list(kvcore.FORMATS)
+L, H, D = 2, 2, 64
+
+
+def spec(fmt="f16", capacity=40, **kw):
+    return KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=capacity, format=fmt, **kw)
+
+
+def steps(rng, t):
+    return (rng.standard_normal((t, H, D)).astype(np.float32),
+            rng.standard_normal((t, H, D)).astype(np.float32))
+
+
+def assert_same(pool, seq, cache, *, pending=False):
+    """seq's codes and scales in every layer equal the cache's, byte for byte."""
+    for layer in range(L):
+        n = cache.length + (cache.pending(layer) if pending else 0)
+        assert pool.length(seq) + (pool.pending(seq, layer) if pending else 0) == n
+        for got, want in zip(pool._gather(seq, layer, pending=pending), cache._layer_arrays(layer)):
+            if want is None:
+                assert got is None
+            else:
+                assert got.tobytes() == want[:n].tobytes()
+
+
+def state(pool):
+    return (pool._storage.tobytes(), list(pool._table.free), list(pool._table.refs),
+            {s: (list(q.pages), q.length, list(q.pending)) for s, q in pool._table.seqs.items()},
+            pool._table._next_id)
+
+
+def test_layout_pages_are_rows_of_every_layer():
+    s = spec("int8")
+    pool = KVPool(s, num_pages=5, page_size=16)
+    assert pool.memory_bytes == 5 * 16 * s.bytes_per_position == pool._storage.nbytes
+    lay = pool.layout
+    assert list(lay) == ["k_scales", "v_scales", "k_codes", "v_codes"]
+    assert lay["k_codes"]["shape"] == (L, 80, H, D) and lay["k_scales"]["shape"] == (L, 80, H, 1)
+    assert pool.strides["k_codes"] == (80 * H * D, H * D, D, 1)
+    assert pool._storage.ctypes.data % 64 == 0
+    # a KVCache is the one-page case: the same layout with rows = capacity
+    cache = KVCache(s.replace(capacity=80))
+    assert cache.layout == lay and cache.strides == pool.strides
+
+
+def test_constructor_checks():
+    with pytest.raises(SpecError, match="num_pages must be a positive int, got 0"):
+        KVPool(spec(), num_pages=0)
+    with pytest.raises(SpecError, match="page_size must be a positive int, got 2.0"):
+        KVPool(spec(), num_pages=2, page_size=2.0)
+    with pytest.raises(SpecError, match="KVPool needs a KVSpec"):
+        KVPool({}, num_pages=2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ps", [1, 16, 17])
+def test_writes_store_what_a_cache_stores(rng, fmt, ps):
+    s = spec(fmt)
+    pool = KVPool(s, num_pages=3 * 40 // ps + 3, page_size=ps)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    caches = [KVCache(s) for _ in seqs]
+    # a prefill of ragged lengths (one sequence empty), then decode steps, batched
+    for counts in ([0, 17, 33], [1, 1, 1], [2, 0, 1], [1, 1, 1]):
+        for layer in range(L):
+            k, v = steps(rng, sum(counts))
+            pool.append_batch(layer, seqs, k, v, counts)
+            at = 0
+            for c, cache in zip(counts, caches):
+                cache.append(layer, k[at:at + c], v[at:at + c])
+                at += c
+        for s_, c in zip(seqs, caches):
+            assert_same(pool, s_, c, pending=True)
+        assert pool.advance(seqs) == counts
+        for c in caches:
+            c.advance()
+    # one-sequence appends, [Hkv, D] input too, then a half-written step
+    k, v = steps(rng, 1)
+    pool.append(seqs[0], 0, k[0], v[0])
+    caches[0].append(0, k[0], v[0])
+    for s_, c in zip(seqs, caches):
+        assert_same(pool, s_, c)
+        assert_same(pool, s_, c, pending=True)
+        for which in "kv":
+            assert np.array_equal(pool.dequantize(s_, 1, which), c.dequantize(1, which))
+    assert pool.num_used_pages == sum(pool.pages_for(c.length + c.pending(0)) for c in caches)
+
+
+def test_batched_write_input_forms(rng):
+    pool = KVPool(spec("bf16"), num_pages=8, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    ref = [KVCache(spec("bf16")) for _ in range(2)]
+    k, v = steps(rng, 3)
+    kb = k.astype(np.float16)[:, :, ::-1]     # float16, negative strides
+    pool.append_batch(0, (a, b), kb, v, np.array([1, 2], np.int32))
+    ref[0].append(0, kb[:1], v[:1])
+    ref[1].append(0, kb[1:], v[1:])
+    pool.append_batch(1, [a, b], k[:2], v[:2])   # default counts: one each
+    ref[0].append(1, k[0], v[0])
+    ref[1].append(1, k[1], v[1])
+    assert pool.advance(a) == 1
+    assert pool.pending(b, 0) == 2 and pool.pending(b, 1) == 1
+    ref[0].advance()
+    assert_same(pool, a, ref[0])
+    assert_same(pool, b, ref[1], pending=True)
+
+
+def test_refused_writes_change_no_byte_and_no_count(rng):
+    pool = KVPool(spec("q8_0", capacity=12), num_pages=4, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    k, v = steps(rng, 6)
+    pool.append_batch(0, [a, b], k, v, [3, 3])
+    before = state(pool)
+    bad = k.copy()
+    bad[4, 1, 7] = np.nan
+    cases = [
+        (NonFiniteError, r"non-finite value in k: k\[4, 1, 7\] = nan",
+         lambda: pool.append_batch(0, [a, b], bad, v, [3, 3])),
+        (kvcore.FormatError, "value out of range of format q8_0",
+         lambda: pool.append_batch(1, [a, b], k * 1e7, v, [3, 3])),
+        (ShapeError, r"expected \[5, 2, 64\] \(the sum of counts\), got \[6, 2, 64\]",
+         lambda: pool.append_batch(0, [a, b], k, v, [2, 3])),
+        (ShapeError, r"invalid shape of v: expected \[6, 2, 64\], got \[5, 2, 64\]",
+         lambda: pool.append_batch(0, [a, b], k, v[:5], [3, 3])),
+        (DTypeError, "invalid dtype of k", lambda: pool.append(a, 0, k.astype(np.float64), v)),
+        (DTypeError, "invalid type of k", lambda: pool.append_batch(0, [a], [1.0], v, [1])),
+        (ShapeError, r"invalid shape of counts: expected \[2\]",
+         lambda: pool.append_batch(0, [a, b], k, v, [6])),
+        (ShapeError, "counts must be ints >= 0, got -1",
+         lambda: pool.append_batch(0, [a, b], k, v, [7, -1])),
+        (StateError, "unknown sequence 9", lambda: pool.append_batch(0, [a, 9], k, v, [3, 3])),
+        (StateError, "sequence 0 appears twice", lambda: pool.append_batch(0, [a, a], k, v, [3, 3])),
+        (OutOfRangeError, "layer 2 out of range", lambda: pool.append(a, 2, k, v)),
+        (CapacityError, r"sequence 1 full: layer 0 asked for position 12 \(holds 3, appending 10\)",
+         lambda: pool.append_batch(0, [a, b], *steps(rng, 11), [1, 10])),
+        (CapacityError, r"the write needs 3 new pages \(sequence 0: 1, sequence 1: 2\), 2 of 4 are free",
+         lambda: pool.append_batch(0, [a, b], *steps(rng, 12), [4, 8])),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+        assert state(pool) == before, match
+
+
+def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
+    s = spec("int8")
+    pool = KVPool(s, num_pages=12, page_size=4)
+    a = pool.new_sequence()
+    ca = KVCache(s)
+    k, v = steps(rng, 6)
+    for layer in range(L):
+        pool.append(a, layer, k, v)
+        ca.append(layer, k, v)
+    pool.advance(a)
+    ca.advance()
+    used = pool.num_used_pages
+    b = pool.fork(a)                       # shares page 0, copies the partial page 1
+    assert pool.num_used_pages == used + 1
+    assert pool.page_table(b)[0] == pool.page_table(a)[0]
+    assert pool.page_table(b)[1] != pool.page_table(a)[1]
+    cb = KVCache(s)
+    cb.restore(ca.snapshot())
+    assert_same(pool, b, cb)
+    # b rewrites position 2 (inside the shared page): the page is copied first
+    pool.truncate(b, 2)
+    cb.truncate(2)
+    k2, v2 = steps(rng, 3)
+    for layer in range(L):
+        pool.append(b, layer, k2, v2)
+        cb.append(layer, k2, v2)
+    pool.advance(b)
+    cb.advance()
+    assert pool.page_table(b)[0] != pool.page_table(a)[0]
+    assert_same(pool, a, ca)
+    assert_same(pool, b, cb)
+    # the forked sequence's writes into its copied tail leave a alone too
+    c = pool.fork(a)
+    for layer in range(L):
+        pool.append(c, layer, k2[:1], v2[:1])
+    assert_same(pool, a, ca)
+    pool.free(a)
+    pool.free(b)
+    pool.free(c)
+    assert pool.num_free_pages == 12 and pool.sequences == []
+
+
+def test_fork_without_a_free_page_is_refused():
+    pool = KVPool(spec(capacity=8), num_pages=2, page_size=4)
+    a = pool.new_sequence()
+    pool.append(a, 0, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
+    pool.append(a, 1, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
+    pool.advance()
+    before = state(pool)
+    with pytest.raises(CapacityError, match="fork of sequence 0 needs 1 free page .* 0 of 2"):
+        pool.fork(a)
+    assert state(pool) == before
+
+
+def test_counts_a_scheduler_needs(rng):
+    pool = KVPool(spec(), num_pages=10, page_size=4)
+    a = pool.new_sequence()
+    assert pool.num_pages == 10 and pool.page_size == 4 and pool.num_free_pages == 10
+    pool.append(a, 0, *steps(rng, 9))
+    assert pool.num_used_pages == 3 and pool.num_free_pages == 7 and pool.pages_for(9) == 3
+    assert pool.length(a) == 0 and pool.pending(a, 0) == 9 and pool.pending(a, 1) == 0
+    with pytest.raises(StateError, match="layer 0 holds 9; layer 1 holds 0"):
+        pool.advance(a)
+    pool.truncate(a, 0)
+    assert pool.num_used_pages == 0
+    assert "KVPool(layers=2" in repr(pool)
+
+
+def test_block_tables_csr_and_slot_mapping(rng):
+    pool = KVPool(spec(), num_pages=10, page_size=4)
+    a, b, c = (pool.new_sequence() for _ in range(3))
+    for layer in range(L):
+        pool.append_batch(layer, [a, b, c], *steps(rng, 14), [5, 0, 9])
+    pool.advance()
+    ta, tc = pool.page_table(a).tolist(), pool.page_table(c).tolist()
+    assert len(ta) == 2 and len(tc) == 3 and pool.page_table(b).dtype == np.int32
+    bt = np.full((3, 4), 99, np.int32)
+    pool.block_tables([a, b, c], bt)
+    assert bt.tolist() == [ta + [-1, -1], [-1] * 4, tc + [-1]]
+    with pytest.raises(ShapeError, match=r"expected \[3, >= 3\], got \[3, 2\]"):
+        pool.block_tables([a, b, c], np.zeros((3, 2), np.int32))
+    with pytest.raises(DTypeError, match="invalid dtype of out"):
+        pool.block_tables([a], np.zeros((1, 4), np.int64))
+    indptr, last = np.zeros(4, np.int32), np.zeros(3, np.int32)
+    indices = np.full(8, -7, np.int32)
+    assert pool.csr([a, b, c], indptr, indices, last) == 5
+    assert indptr.tolist() == [0, 2, 2, 5] and indices[:5].tolist() == ta + tc
+    assert last.tolist() == [1, 0, 1]
+    with pytest.raises(ShapeError, match="indices holds 4 entries, the tables need 5"):
+        pool.csr([a, b, c], indptr, np.zeros(4, np.int32), last)
+    # a pending position counts with layer=
+    pool.append(a, 0, *steps(rng, 1))
+    pool.csr([a], indptr[:2], indices, last[:1], layer=0)
+    assert last[0] == 2
+    pool.truncate(a, 5)
+    # slot mapping reserves the pages of the next positions: slot = page * 4 + offset
+    slots = np.zeros(8, np.int64)
+    pool.slot_mapping([a, b], [4, 2], slots)
+    ta = pool.page_table(a).tolist()
+    assert slots.tolist() == [ta[1] * 4 + 1, ta[1] * 4 + 2, ta[1] * 4 + 3, ta[2] * 4,
+                              pool.page_table(b)[0] * 4, pool.page_table(b)[0] * 4 + 1, -1, -1]
+    assert pool.length(a) == 5 and pool.pending(a, 0) == 0
+    with pytest.raises(ShapeError, match="out holds 1 slots, the positions need 2"):
+        pool.slot_mapping([a], [2], np.zeros(1, np.int64))
+    before = state(pool)
+    with pytest.raises(CapacityError, match="pool out of pages"):
+        pool.slot_mapping([c], [27], np.zeros(27, np.int64))
+    assert state(pool) == before
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_snapshots_both_ways(rng, fmt, tmp_path):
+    s = spec(fmt)
+    pool = KVPool(s, num_pages=30, page_size=3)
+    other = pool.new_sequence()      # interleave pages with another sequence
+    a = pool.new_sequence()
+    cache = KVCache(s)
+    for t in (4, 1, 7):
+        k, v = steps(rng, t)
+        for layer in range(L):
+            pool.append_batch(layer, [other, a], np.concatenate([k[:1], k]),
+                              np.concatenate([v[:1], v]), [1, t])
+            cache.append(layer, k, v)
+        pool.advance()
+        cache.advance()
+    snap = pool.snapshot(a)
+    want = cache.snapshot()
+    for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        x, y = getattr(snap, name), getattr(want, name)
+        assert (x is None and y is None) or x.tobytes() == y.tobytes()
+    assert pool.snapshot(a, 5).length == 5
+    # pool -> KVCache
+    back = KVCache(s)
+    back.restore(snap)
+    assert back._storage[:].tobytes() == cache._storage.tobytes()
+    # KVCache -> file -> pool
+    path = tmp_path / "snap.safetensors"
+    cache.snapshot().save(path)
+    b = pool.restore(kvcore.load_snapshot(path))
+    assert_same(pool, b, cache)
+    with pytest.raises(OutOfRangeError, match="expected 0 <= n <= length 12"):
+        pool.snapshot(a, 13)
+    # into an existing sequence: its pages are replaced (shared ones stay with the others)
+    c = pool.fork(a)
+    used = pool.num_used_pages
+    assert pool.restore(cache.snapshot(5), seq=c) == c
+    assert pool.length(c) == 5 and pool.pending(c, 0) == 0
+    assert pool.num_used_pages == used + 2   # c shared a's 4 full pages; 5 positions take 2
+    back.restore(cache.snapshot(5))
+    assert_same(pool, c, back)
+    assert_same(pool, a, cache)
+    with pytest.raises(StateError, match="unknown sequence 99"):
+        pool.restore(snap, seq=99)
+    before = state(pool)
+    with pytest.raises(SnapshotError, match="does not match"):
+        pool.restore(KVCache(spec(fmt, capacity=4).replace(head_dim=32)).snapshot())
+    small = KVPool(s, num_pages=3, page_size=3)
+    with pytest.raises(CapacityError, match="restoring 12 positions needs 4 pages, 3 of 3"):
+        small.restore(snap)
+    assert state(pool) == before and small.sequences == []
+
+
+class _BlockingLayer(int):
+    """A layer index whose conversion waits for `go`: holds a call inside the pool."""
+
+    def __new__(cls, value, inside, go):
+        obj = super().__new__(cls, value)
+        obj.inside, obj.go = inside, go
+        return obj
+
+    def __index__(self):
+        self.inside.set()
+        assert self.go.wait(60)
+        return super().__int__()
+
+    __int__ = __index__
+
+
+def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
+    import threading
+    pool = KVPool(spec("int8"), num_pages=8, page_size=4)
+    a = pool.new_sequence()
+    k, v = steps(rng, 2)
+    for layer in range(L):
+        pool.append(a, layer, k, v)
+    pool.advance()
+    snap = pool.snapshot(a)
+    inside, go = threading.Event(), threading.Event()
+    errors = []
+
+    def hold():
+        try:
+            pool.append(a, _BlockingLayer(0, inside, go), k, v)
+        except BaseException as e:    # noqa: BLE001 - reported below
+            errors.append(e)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(60)
+        before = state(pool)
+        q = np.zeros((1, 2, D), np.float32)
+        calls = {"append": lambda: pool.append(a, 0, k, v),
+                 "append_batch": lambda: pool.append_batch(0, [a], k, v, [2]),
+                 "advance": pool.advance, "truncate": lambda: pool.truncate(a, 1),
+                 "fork": lambda: pool.fork(a), "free": lambda: pool.free(a),
+                 "new_sequence": pool.new_sequence, "restore": lambda: pool.restore(snap),
+                 "snapshot": lambda: pool.snapshot(a),
+                 "dequantize": lambda: pool.dequantize(a, 0, "k"),
+                 "slot_mapping": lambda: pool.slot_mapping([a], [1], np.zeros(1, np.int64)),
+                 "block_tables": lambda: pool.block_tables([a], np.zeros((1, 2), np.int32)),
+                 "decode_attention": lambda: kvcore.decode_attention(q, pool, 0, seqs=[a])}
+        for op, call in calls.items():
+            with pytest.raises(StateError, match=f"{op}: this KVPool is in use by another thread"):
+                call()
+            assert state(pool) == before
+    finally:
+        go.set()
+        t.join(60)
+    assert not t.is_alive() and not errors
+    assert pool.pending(a, 0) == 2 and pool.pending(a, 1) == 0

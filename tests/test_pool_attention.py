@@ -1,0 +1,229 @@
+"""Batched paged decode attention over a KVPool: bit for bit the KVCache result for every
+sequence whatever the page order, against a float64 reference on odd sizes, several
+query tokens per sequence (causal), log-sum-exp and merge_attention."""
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import (KVCache, KVPool, KVSpec, NonFiniteError, ShapeError, StateError,
+                    decode_attention, merge_attention)
+
+FORMATS = list(kvcore.FORMATS)
+TOL = 1e-5
+
+
+def shuffled_pool(rng, spec, num_pages, page_size):
+    """A pool whose pages are taken in a random order."""
+    pool = KVPool(spec, num_pages=num_pages, page_size=page_size)
+    pool._table.free[:] = rng.permutation(num_pages).tolist()   # any order is a valid free list
+    return pool
+
+
+def fill(rng, pool, lengths, pending=0, layers=None):
+    """New sequences of the given lengths written together in ragged batched steps (so
+    their pages interleave), plus `pending` positions in the last layer; returns the
+    ids and KVCaches holding the same positions."""
+    spec = pool.spec
+    L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+    seqs = [pool.new_sequence() for _ in lengths]
+    caches = [KVCache(spec) for _ in lengths]
+    left = list(lengths)
+    while any(left):
+        counts = [min(c, int(rng.integers(1, 20))) for c in left]
+        for layer in range(L):
+            k = rng.standard_t(3, (sum(counts), H, D)).astype(np.float32)
+            v = rng.standard_normal((sum(counts), H, D)).astype(np.float32)
+            pool.append_batch(layer, seqs, k, v, counts)
+            at = 0
+            for c, cache in zip(counts, caches):
+                cache.append(layer, k[at:at + c], v[at:at + c])
+                at += c
+        pool.advance()
+        for c in caches:
+            c.advance()
+        left = [a - c for a, c in zip(left, counts)]
+    if pending:
+        k = rng.standard_normal((pending * len(seqs), H, D)).astype(np.float32)
+        pool.append_batch(L - 1, seqs, k, k, [pending] * len(seqs))
+        for b, c in enumerate(caches):
+            c.append(L - 1, k[b * pending:(b + 1) * pending], k[b * pending:(b + 1) * pending])
+    return seqs, caches
+
+
+def reference(q, k, v, scale=None, causal=True):
+    """float64 attention of q [T, Hq, D] over k, v [n, Hkv, D]; also the log-sum-exp."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    T, hq, d = q.shape
+    n, hkv = k.shape[:2]
+    g = hq // hkv
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    kh = np.repeat(k.transpose(1, 0, 2), g, axis=0)
+    vh = np.repeat(v.transpose(1, 0, 2), g, axis=0)
+    s = np.einsum("thd,hnd->thn", q, kh) * scale
+    if causal:
+        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]
+        s = np.where(visible[:, None, :], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    return (np.einsum("thn,hnd->thd", p, vh) / p.sum(-1)[..., None],
+            (m[..., 0] + np.log(p.sum(-1))))
+
+
+def rel_err(out, ref):
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ps", [1, 16, 17])
+def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=400, num_heads=8,
+                  format=fmt)
+    lengths = [1, ps - 1 or 2, ps, ps + 1, 64, 65, 300]
+    pool = shuffled_pool(rng, spec, sum(pool_pages(n + 3, ps) for n in lengths), ps)
+    seqs, caches = fill(rng, pool, lengths, pending=2)
+    q = rng.standard_normal((len(seqs), 8, 64)).astype(np.float32)
+    counts = [1, 2, 0, 2, 1, 1, 3]
+    qt = rng.standard_normal((sum(counts), 8, 64)).astype(np.float32)
+    threads = kvcore.max_threads()
+    try:
+        for nt in sorted({1, 2, threads}):
+            kvcore.set_num_threads(nt)
+            for layer in (0, 1):
+                out, lse = decode_attention(q, pool, layer, seqs=seqs, return_lse=True)
+                many = decode_attention(qt, pool, layer, seqs=seqs, counts=counts)
+                at = 0
+                for b, cache in enumerate(caches):
+                    want, want_lse = decode_attention(q[b], cache, layer, return_lse=True)
+                    assert out[b].tobytes() == want.tobytes(), (nt, layer, b)
+                    assert lse[b].tobytes() == want_lse.tobytes()
+                    t = counts[b]
+                    if t:
+                        assert many[at:at + t].tobytes() == \
+                            decode_attention(qt[at:at + t], cache, layer).tobytes()
+                    at += t
+    finally:
+        kvcore.set_num_threads(threads)
+
+
+def pool_pages(n, ps):
+    return -(-n // ps)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_against_float64_reference(rng, fmt, group, d):
+    ps = [1, 16, 17][(group + d) % 3]
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=d, capacity=200, num_heads=2 * group,
+                  format=fmt)
+    lengths = [1, ps + 1, 150]
+    pool = shuffled_pool(rng, spec, sum(pool_pages(n, ps) for n in lengths), ps)
+    seqs, _ = fill(rng, pool, lengths)
+    counts = [1, 2, 5]
+    q = rng.standard_normal((8, 2 * group, d)).astype(np.float32)
+    out, lse = decode_attention(q, pool, 0, seqs=seqs, counts=counts, return_lse=True)
+    at = 0
+    for s, t in zip(seqs, counts):
+        want, want_lse = reference(q[at:at + t], pool.dequantize(s, 0, "k"),
+                                   pool.dequantize(s, 0, "v"))
+        assert rel_err(out[at:at + t], want) < TOL
+        assert np.abs(lse[at:at + t] - want_lse).max() < 1e-4 * max(1, np.abs(want_lse).max())
+        at += t
+
+
+@pytest.mark.parametrize("ps", [1, 16, 17])
+def test_non_causal_scale_and_out(rng, ps):
+    spec = KVSpec(num_layers=1, num_kv_heads=4, head_dim=128, capacity=100, num_heads=16,
+                  format="int8")
+    pool = shuffled_pool(rng, spec, 20 * 2, ps if ps > 1 else 4)
+    seqs, _ = fill(rng, pool, [ps - 1 or 1, 70])
+    q = rng.standard_normal((4, 16, 128)).astype(np.float32)
+    out = np.empty_like(q)
+    got = decode_attention(q, pool, 0, seqs=seqs, counts=[2, 2], causal=False, scale=0.3, out=out)
+    assert got is out
+    for b, s in enumerate(seqs):
+        want, _ = reference(q[2 * b:2 * b + 2], pool.dequantize(s, 0, "k"),
+                            pool.dequantize(s, 0, "v"), scale=0.3, causal=False)
+        assert rel_err(out[2 * b:2 * b + 2], want) < TOL
+
+
+def test_merge_attention_is_cascade_attention(rng):
+    """A prefix held by one sequence and a suffix by another: merging their results with
+    their lse gives the attention over the whole (non-causal)."""
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=300, num_heads=8,
+                  format="f32")
+    pool = shuffled_pool(rng, spec, 40, 16)
+    (pre, suf, whole), _ = fill(rng, pool, [200, 37, 0])
+    k = np.concatenate([pool.dequantize(pre, 0, "k"), pool.dequantize(suf, 0, "k")])
+    v = np.concatenate([pool.dequantize(pre, 0, "v"), pool.dequantize(suf, 0, "v")])
+    pool.append(whole, 0, k, v)
+    q = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    o1, l1 = decode_attention(q, pool, 0, seqs=[pre], counts=[3], causal=False, return_lse=True)
+    o2, l2 = decode_attention(q, pool, 0, seqs=[suf], counts=[3], causal=False, return_lse=True)
+    o, lse = merge_attention(o1, l1, o2, l2)
+    want, want_lse = reference(q, k, v, causal=False)
+    assert rel_err(o, want) < TOL and np.abs(lse - want_lse).max() < 1e-4
+    ow, lw = decode_attention(q, pool, 0, seqs=[whole], counts=[3], causal=False, return_lse=True)
+    assert rel_err(o, ow) < TOL and np.abs(lse - lw).max() < 1e-4
+    # a side that saw nothing (lse -inf) is the identity; both empty gives 0, -inf
+    empty = np.full_like(l1, -np.inf)
+    o3, l3 = merge_attention(o1, l1, np.full_like(o1, np.nan), empty)
+    assert np.array_equal(o3, o1) and np.array_equal(l3, l1)
+    o4, l4 = merge_attention(o1, empty, o1, empty)
+    assert not o4.any() and np.all(l4 == -np.inf)
+    with pytest.raises(ShapeError, match=r"invalid shape of lse2: expected \[3, 8\]"):
+        merge_attention(o1, l1, o2, l2[:2])
+    with pytest.raises(NonFiniteError, match="lse1 holds NaN or \\+inf"):
+        merge_attention(o1, np.full_like(l1, np.nan), o2, l2)
+
+
+def test_errors(rng):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=50, num_heads=4,
+                  format="f16")
+    pool = KVPool(spec, num_pages=10, page_size=8)
+    (a, b, e), _ = fill(rng, pool, [5, 9, 0])
+    q = np.zeros((2, 4, 64), np.float32)
+    with pytest.raises(StateError, match="needs seqs"):
+        decode_attention(q, pool, 0)
+    with pytest.raises(StateError, match="names a sequence twice"):
+        decode_attention(q, pool, 0, seqs=[a, a])
+    with pytest.raises(StateError, match="unknown sequence 7"):
+        decode_attention(q, pool, 0, seqs=[a, 7])
+    with pytest.raises(StateError, match="empty sequence: sequence 2 holds 0 positions in layer 0"):
+        decode_attention(q, pool, 0, seqs=[a, e])
+    with pytest.raises(StateError, match="T=6 new tokens needs at least 6 positions, sequence 0 holds 5"):
+        decode_attention(np.zeros((7, 4, 64), np.float32), pool, 0, seqs=[a, b], counts=[6, 1])
+    with pytest.raises(ShapeError, match=r"invalid shape of q: expected \[3, 4, 64\], got \[2, 4, 64\]"):
+        decode_attention(q, pool, 0, seqs=[a, b], counts=[1, 2])
+    with pytest.raises(ShapeError, match=r"invalid shape of q: expected \[2, 4, 64\], got \[4, 64\]"):
+        decode_attention(q[0], pool, 0, seqs=[a, b])
+    bad = q.copy()
+    bad[1, 3, 5] = np.inf
+    with pytest.raises(NonFiniteError, match=r"non-finite value in q at index \(1, 3, 5\)"):
+        decode_attention(bad, pool, 0, seqs=[a, b], out=bad)
+    assert bad[1, 3, 5] == np.inf and not bad[0].any()
+    # a sequence with no query token may be empty; zero tokens in all gives an empty result
+    out = decode_attention(q[:1], pool, 0, seqs=[a, e], counts=[1, 0])
+    assert out.shape == (1, 4, 64)
+    out, lse = decode_attention(q[:0], pool, 0, seqs=[e], counts=[0], return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+    with pytest.raises(StateError, match="seqs and counts are for a KVPool"):
+        decode_attention(q[0], KVCache(spec), 0, seqs=[0])
+
+
+def test_overflow_is_refused_with_out_untouched(rng):
+    """A score past float32 in one sequence refuses the whole call, naming that sequence."""
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=40, num_heads=4,
+                  format="f32")
+    pool = KVPool(spec, num_pages=10, page_size=8)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    small = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    pool.append_batch(0, [a, b], np.concatenate([small, small * 1e30]),
+                      np.concatenate([small, small]), [20, 20])
+    q = np.full((2, 4, 64), 1e20, np.float32)
+    out = np.full_like(q, 7.0)
+    with pytest.raises(kvcore.RangeError, match="decode_attention of sequence 1, layer 0 "
+                                                "overflows float32"):
+        decode_attention(q, pool, 0, seqs=[a, b], out=out)
+    assert (out == 7.0).all()
+    assert np.isfinite(decode_attention(q[:1], pool, 0, seqs=[a])).all()

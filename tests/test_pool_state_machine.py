@@ -1,0 +1,418 @@
+"""Nothing leaks or tears: a hypothesis state machine drives a small KVPool of each format
+(few pages, so that writes run out of them) with random new / append / append_batch /
+advance / fork / truncate / free / snapshot-restore calls and refused ones, against a
+plain model: per sequence its expected codes and scales (kvcore.quantize of each step,
+the documented contract of a write), length and pending counts, and its pages as
+abstract tokens shared by fork (to predict when a write needs a page or a copy).
+
+After every step: free + held pages = P, every reference count equals the number of
+sequences whose table names the page, no free page is reachable from a table, and every
+sequence reads back exactly what was written to it (codes and scales, byte for byte,
+committed and pending); batched decode attention over the sequences equals, bit for
+bit, attention on a KVCache restored from the model's codes. After every refused call: the storage, the free list, the
+reference counts and every sequence's table, length and pending counts are unchanged.
+
+Examples per format: KVCORE_POOL_EXAMPLES (default 40, the CI budget), steps per
+example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a long run.
+"""
+import itertools
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+import kvcore
+from kvcore import FORMATS, KVCache, KVPool, KVSpec, Snapshot
+from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRangeError,
+                           ShapeError, StateError)
+
+EXAMPLES = int(os.environ.get("KVCORE_POOL_EXAMPLES", "40"))
+STEPS = int(os.environ.get("KVCORE_POOL_STEPS", "30"))
+L, H, D, N = 2, 2, 32, 10          # capacity N positions per sequence
+P, PS = 8, 3                       # 8 pages of 3 positions: 24 positions for all sequences
+_tokens = itertools.count()
+
+
+class Seq:
+    """The model of one sequence."""
+
+    def __init__(self, fmt):
+        S = fmt.scales_per_row(D)
+        self.codes = {w: np.zeros((L, N, H, D), fmt.code_dtype) for w in "kv"}
+        self.scales = {w: np.zeros((L, N, H, S), fmt.scale_dtype) for w in "kv"} if S else None
+        self.length = 0
+        self.pending = [0] * L
+        self.pages = []            # abstract page tokens, shared between forks
+
+    def copy(self, fmt):
+        c = Seq(fmt)
+        for w in "kv":
+            c.codes[w][:] = self.codes[w]
+            if self.scales:
+                c.scales[w][:] = self.scales[w]
+        c.length = self.length
+        return c
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Subclassed once per format (FORMAT)."""
+
+    FORMAT = "f32"
+
+    def __init__(self):
+        super().__init__()
+        self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N,
+                           format=self.FORMAT)
+        self.fmt = self.spec.fmt
+        self.pool = KVPool(self.spec, num_pages=P, page_size=PS)
+        self.model: dict[int, Seq] = {}
+
+    # ------------------------------------------------------------------ model
+
+    def holders(self):
+        count = {}
+        for m in self.model.values():
+            for g in m.pages:
+                count[g] = count.get(g, 0) + 1
+        return count
+
+    def free_pages(self):
+        return P - len(self.holders())
+
+    def plan(self, s, layer, t):
+        """New pages a write of t positions to s needs: pages past its held ones, plus a
+        copy of each shared page the write lands in."""
+        m = self.model[s]
+        end = m.length + m.pending[layer]
+        if t == 0:
+            return 0, end
+        first, last = end // PS, (end + t - 1) // PS
+        holders = self.holders()
+        shared = sum(1 for i in range(first, min(last + 1, len(m.pages)))
+                     if holders[m.pages[i]] > 1)
+        return shared + max(0, last + 1 - len(m.pages)), end
+
+    def apply(self, s, layer, t, codes, scales, end):
+        """Records a write the pool accepted; codes/scales [2, t, H, D / S] (K, V)."""
+        m = self.model[s]
+        if t == 0:
+            return
+        first, last = end // PS, (end + t - 1) // PS
+        holders = self.holders()
+        for i in range(first, min(last + 1, len(m.pages))):
+            if holders[m.pages[i]] > 1:
+                m.pages[i] = next(_tokens)
+        while len(m.pages) <= last:
+            m.pages.append(next(_tokens))
+        for i, w in enumerate("kv"):
+            m.codes[w][layer, end:end + t] = codes[i]
+            if m.scales:
+                m.scales[w][layer, end:end + t] = scales[i]
+        m.pending[layer] += t
+
+    def encode(self, k, v):
+        codes, scales = kvcore.quantize(np.stack([k, v]).astype(np.float32), self.fmt)
+        return codes.view(self.fmt.code_dtype), scales
+
+    def state(self):
+        t = self.pool._table
+        return (self.pool._storage.tobytes(), list(t.free), list(t.refs), t._next_id,
+                {s: (list(q.pages), q.length, list(q.pending)) for s, q in t.seqs.items()})
+
+    def refused(self, error, call, *args, **kwargs):
+        before = self.state()
+        with pytest.raises(error):
+            call(*args, **kwargs)
+        assert self.state() == before
+
+    def data(self, rng, t):
+        scale = 10.0 ** rng.uniform(-2, 2)
+        return ((rng.standard_normal((t, H, D)) * scale).astype(np.float32),
+                (rng.standard_normal((t, H, D)) * scale).astype(np.float32))
+
+    # ------------------------------------------------------------------ rules
+
+    @initialize(a=st.integers(0, 9), b=st.integers(0, 9), seed=st.integers(0, 2**32 - 1))
+    def two_sequences(self, a, b, seed):
+        """Two sequences prefilled with a and b positions (within the pool's 24)."""
+        for _ in range(2):
+            self.new()
+        for layer in range(L):
+            assert self.batch(layer, [0, 1], [a, b], seed + layer)
+        assert self.pool.advance([0, 1]) == [a, b]
+        for s, n in ((0, a), (1, b)):
+            self.model[s].length = n
+            self.model[s].pending = [0] * L
+
+    @precondition(lambda self: len(self.model) < 4)
+    @rule()
+    def new(self):
+        s = self.pool.new_sequence()
+        assert s not in self.model
+        self.model[s] = Seq(self.fmt)
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 3), layer=st.integers(0, L - 1), t=st.integers(0, 5),
+          seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([np.float32, np.float16]))
+    def append(self, pick, layer, t, seed, dtype):
+        s = sorted(self.model)[pick % len(self.model)]
+        k, v = self.data(np.random.default_rng(seed), t)
+        k, v = k.astype(dtype).astype(np.float32), v.astype(dtype).astype(np.float32)
+        need, end = self.plan(s, layer, t)
+        if end + t > N or need > self.free_pages():
+            self.refused(CapacityError, self.pool.append, s, layer, k.astype(dtype), v)
+            return
+        self.pool.append(s, layer, k.astype(dtype), v)
+        codes, scales = self.encode(k, v)
+        self.apply(s, layer, t, codes, scales, end)
+
+    def batch(self, layer, seqs, counts, seed) -> bool:
+        """append_batch of one layer; returns whether the pool took it."""
+        k, v = self.data(np.random.default_rng(seed), sum(counts))
+        plans = [self.plan(s, layer, t) for s, t in zip(seqs, counts)]
+        if any(end + t > N for (_, end), t in zip(plans, counts)) or \
+                sum(need for need, _ in plans) > self.free_pages():
+            self.refused(CapacityError, self.pool.append_batch, layer, seqs, k, v, counts)
+            return False
+        self.pool.append_batch(layer, seqs, k, v, counts)
+        codes, scales = self.encode(k, v)
+        at = 0
+        for s, t, (_, end) in zip(seqs, counts, plans):
+            self.apply(s, layer, t, codes[:, at:at + t],
+                       None if scales is None else scales[:, at:at + t], end)
+            at += t
+        return True
+
+    def draw_batch(self, data):
+        live = sorted(self.model)
+        seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live),
+                                  unique=True))
+        counts = data.draw(st.lists(st.integers(0, 4), min_size=len(seqs), max_size=len(seqs)))
+        return seqs, counts
+
+    @precondition(lambda self: self.model)
+    @rule(layer=st.integers(0, L - 1), data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def append_batch(self, layer, data, seed):
+        self.batch(layer, *self.draw_batch(data), seed)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def step(self, data, seed):
+        """A decode step: the same positions appended to every layer, then advance."""
+        seqs, counts = self.draw_batch(data)
+        if not all(self.batch(layer, seqs, counts, seed + layer) for layer in range(L)):
+            return
+        if any(len(set(self.model[s].pending)) > 1 for s in seqs):
+            self.refused(StateError, self.pool.advance, seqs)
+            return
+        assert self.pool.advance(seqs) == [self.model[s].pending[0] for s in seqs]
+        for s in seqs:
+            self.model[s].length += self.model[s].pending[0]
+            self.model[s].pending = [0] * L
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 3), seed=st.integers(0, 2**32 - 1),
+          fault=st.sampled_from(["nan", "inf", "shape", "dtype", "unknown", "twice", "counts"]))
+    def append_bad(self, pick, seed, fault):
+        live = sorted(self.model)
+        s = live[pick % len(live)]
+        need, end = self.plan(s, 0, 2)
+        if end + 2 > N or need > self.free_pages():
+            return                 # only the fault itself may be wrong
+        rng = np.random.default_rng(seed)
+        k, v = self.data(rng, 2)
+        seqs, counts = [s], [2]
+        error = {"nan": NonFiniteError, "inf": NonFiniteError, "shape": ShapeError,
+                 "dtype": DTypeError, "unknown": StateError, "twice": StateError,
+                 "counts": ShapeError}[fault]
+        if fault in ("nan", "inf"):
+            (k if rng.integers(2) else v)[1, 1, int(rng.integers(D))] = float(fault)
+        elif fault == "shape":
+            v = v[:, :, :-1]
+        elif fault == "dtype":
+            k = k.astype(np.float64)
+        elif fault == "unknown":
+            seqs = [max(self.model) + 1 + int(rng.integers(3))]
+        elif fault == "twice":
+            seqs, counts = [s, s], [1, 1]
+        else:
+            counts = [3]
+        self.refused(error, self.pool.append_batch, 0, seqs, k, v, counts)
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 4))
+    def advance(self, pick):
+        live = sorted(self.model)
+        if pick >= len(live):      # every sequence at once
+            if any(len(set(m.pending)) > 1 for m in self.model.values()):
+                self.refused(StateError, self.pool.advance)
+                return
+            assert self.pool.advance() == [self.model[s].pending[0] for s in live]
+            targets = live
+        else:
+            m = self.model[live[pick]]
+            if len(set(m.pending)) > 1:
+                self.refused(StateError, self.pool.advance, live[pick])
+                return
+            assert self.pool.advance(live[pick]) == m.pending[0]
+            targets = [live[pick]]
+        for s in targets:
+            m = self.model[s]
+            m.length += m.pending[0]
+            m.pending = [0] * L
+
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3))
+    def fork(self, pick):
+        s = sorted(self.model)[pick % len(self.model)]
+        m = self.model[s]
+        full, part = divmod(m.length, PS)
+        if part and self.free_pages() == 0:
+            self.refused(CapacityError, self.pool.fork, s)
+            return
+        t = self.pool.fork(s)
+        c = m.copy(self.fmt)
+        c.pages = m.pages[:full] + ([next(_tokens)] if part else [])
+        self.model[t] = c
+
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3), back=st.integers(1, 4), which=st.booleans(),
+          seed=st.integers(0, 2**32 - 1))
+    def fork_and_rewrite(self, pick, back, which, seed):
+        """Speculative decoding's rollback: fork, drop the last `back` positions of one of
+        the two (often into a page they share), decode one step into it."""
+        s = sorted(self.model)[pick % len(self.model)]
+        self.fork(pick)
+        if len(self.model) == 1 or max(self.model) == s:
+            return                 # the fork was refused
+        target = max(self.model) if which else s
+        self.truncate_to(target, max(0, self.model[target].length - back))
+        for layer in range(L):
+            if not self.batch(layer, [target], [1], seed + layer):
+                return
+        assert self.pool.advance(target) == 1
+        self.model[target].length += 1
+        self.model[target].pending = [0] * L
+
+    def truncate_to(self, s, n):
+        m = self.model[s]
+        if not 0 <= n <= m.length:
+            self.refused(OutOfRangeError, self.pool.truncate, s, n)
+            return
+        self.pool.truncate(s, n)
+        m.length = n
+        m.pending = [0] * L
+        del m.pages[-(-n // PS):]
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 3), cut=st.integers(0, 4), bad=st.sampled_from([0, 0, 0, -1, 1]))
+    def truncate(self, pick, cut, bad):
+        """To a point within the length (often inside a page a fork shares), or just
+        outside it (bad)."""
+        s = sorted(self.model)[pick % len(self.model)]
+        m = self.model[s]
+        self.truncate_to(s, -1 if bad < 0 else m.length + 1 if bad else m.length * cut // 4)
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.integers(0, 3))
+    def free(self, pick):
+        s = sorted(self.model)[pick % len(self.model)]
+        self.pool.free(s)
+        del self.model[s]
+        self.refused(StateError, self.pool.free, s)
+
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3), n=st.integers(0, N))
+    def snapshot_restore(self, pick, n):
+        s = sorted(self.model)[pick % len(self.model)]
+        m = self.model[s]
+        n = min(n, m.length)
+        snap = self.pool.snapshot(s, n)
+        if -(-n // PS) > self.free_pages():
+            self.refused(CapacityError, self.pool.restore, snap)
+            return
+        t = self.pool.restore(snap)
+        c = Seq(self.fmt)
+        for w in "kv":
+            c.codes[w][:, :n] = m.codes[w][:, :n]
+            if m.scales:
+                c.scales[w][:, :n] = m.scales[w][:, :n]
+        c.length = n
+        c.pages = [next(_tokens) for _ in range(-(-n // PS))]
+        self.model[t] = c
+
+    @precondition(lambda self: any(m.length for m in self.model.values()))
+    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1))
+    def attend(self, layer, seed):
+        """Batched attention over the sequences with positions and nothing pending in the
+        layer equals, bit for bit, attention on a KVCache restored from the model's codes."""
+        seqs = [s for s, m in sorted(self.model.items()) if m.length and not m.pending[layer]]
+        if not seqs:
+            return
+        q = np.random.default_rng(seed).standard_normal((len(seqs), H, D)).astype(np.float32)
+        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs)
+        for b, s in enumerate(seqs):
+            m = self.model[s]
+            n = m.length
+            parts = {f"{w}_codes": m.codes[w][:, :n].copy() for w in "kv"}
+            if m.scales:
+                parts.update({f"{w}_scales": m.scales[w][:, :n].copy() for w in "kv"})
+            cache = KVCache(self.spec)
+            cache.restore(Snapshot(self.spec, n, **parts))
+            assert out[b].tobytes() == kvcore.decode_attention(q[b], cache, layer).tobytes()
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def pages_add_up(self):
+        t = self.pool._table
+        holders = [0] * P
+        for seq in t.seqs.values():
+            for g in seq.pages:
+                holders[g] += 1
+        assert t.refs == holders
+        assert sorted(t.free) == [g for g in range(P) if holders[g] == 0]
+        assert self.pool.num_free_pages + self.pool.num_used_pages == P
+        assert self.pool.num_free_pages == self.free_pages()
+        assert sorted(t.seqs) == sorted(self.model)
+
+    @invariant()
+    def reads_back_what_was_written(self):
+        pool = self.pool
+        for s, m in self.model.items():
+            assert pool.length(s) == m.length
+            for layer in range(L):
+                assert pool.pending(s, layer) == m.pending[layer]
+                end = m.length + m.pending[layer]
+                assert len(pool.page_table(s)) >= -(-end // PS)
+                kc, vc, ks, vs = pool._gather(s, layer, pending=True)
+                assert kc.tobytes() == m.codes["k"][layer, :end].tobytes()
+                assert vc.tobytes() == m.codes["v"][layer, :end].tobytes()
+                if m.scales:
+                    assert ks.tobytes() == m.scales["k"][layer, :end].tobytes()
+                    assert vs.tobytes() == m.scales["v"][layer, :end].tobytes()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A few rows per call: no kernel should fork threads for them (as test_state_machine)."""
+    before = kvcore.max_threads()
+    kvcore.set_num_threads(1)
+    yield
+    kvcore.set_num_threads(before)
+
+
+def _machine_test(fmt):
+    machine = type(f"PoolMachine_{fmt}", (PoolMachine,), {"FORMAT": fmt})
+    machine.TestCase.settings = settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    return machine.TestCase
+
+
+for _fmt in FORMATS:
+    globals()[f"TestPool_{_fmt}"] = _machine_test(_fmt)
