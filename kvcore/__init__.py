@@ -14,6 +14,7 @@ from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
 from .attention import apply_rope, decode_attention, merge_attention
 from .store import DirectoryBackend, KVStore, RedisBackend, StoreWriter
+from .rope import rope_frequencies
 
 __version__ = "0.1.0"
 
@@ -24,5 +25,6 @@ __all__ = [
     "StoreWriter", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "KVPool", "PoolStats",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope", "__version__",
+    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope",
+    "rope_frequencies", "__version__",
 ]

@@ -221,19 +221,25 @@ def test_capacity_flag_writes_nothing(gpu, rng):
     cache.check()  # cleared
     assert list(cache.lengths_host()) == [3, 3]
     cache.truncate(1, 1)
-    cache.append(0, x, x)  # slot 1 has room, slot 0 does not: the step writes nothing
-    with pytest.raises(CapacityError):
-        cache.check()
     y = dev(gpu, rows(rng, (3, 2, 32), np.float32))
-    cache.append(0, y, y, slot=1)  # 1 + 3 > 3
+    cache.append(0, y, y, slot=1)  # 1 + 3 > 3: all T rows or none
     cache.advance(slot=1, steps=3)
-    with pytest.raises(CapacityError):
+    with pytest.raises(CapacityError, match=r"1 slot\(s\) \(slot 1: capacity 3 reached\)"):
         cache.synchronize()
     after = [device_state(cache, l) for l in range(2)]
     for a, b in zip(before, after):
         for p, q in zip(a, b):
             assert p.tobytes() == q.tobytes()
     assert list(cache.lengths_host()) == [3, 1]
+    cache.append(0, x, x)  # slot 1 has room, slot 0 does not: only slot 1 is written
+    cache.append(1, x, x)
+    cache.advance()
+    with pytest.raises(CapacityError, match=r"\(slot 0: capacity 3 reached\)"):
+        cache.check()
+    assert list(cache.lengths_host()) == [3, 2]
+    for layer in range(2):
+        for p, q in zip(before[layer], device_state(cache, layer)):
+            assert p[0].tobytes() == q[0].tobytes()
     cache.free()
 
 
@@ -244,16 +250,16 @@ def test_nonfinite_input_is_not_committed(gpu, rng):
     x[1, 1, 7] = np.nan
     cache.append(0, dev(gpu, x), dev(gpu, rows(rng, (2, 2, 32), np.float32)))
     cache.advance()
-    with pytest.raises(NonFiniteError):
+    with pytest.raises(NonFiniteError, match=r"slot 1: non-finite input"):
         cache.check()
-    assert list(cache.lengths_host()) == [0, 0]
+    assert list(cache.lengths_host()) == [1, 0]  # slot 0's step committed
     big = rows(rng, (2, 2, 32), np.float32)
     big[0, 0, 0] = 1e7  # >= Q8_0_LIMIT: its float16 scale would be inf
     cache.append(0, dev(gpu, big), dev(gpu, big))
     cache.advance()
-    with pytest.raises(FormatError, match="out of range of format q8_0"):
+    with pytest.raises(FormatError, match="slot 0: a value out of range of format q8_0"):
         cache.check()
-    assert list(cache.lengths_host()) == [0, 0]
+    assert list(cache.lengths_host()) == [1, 1]
     cache.free()
 
 
@@ -269,7 +275,8 @@ def test_values_past_the_half_range_are_not_committed(gpu, rng, fmt, limit_bits)
     cache.advance()
     with pytest.raises(FormatError, match=f"out of range of format {fmt}"):
         cache.check()
-    assert list(cache.lengths_host()) == [0, 0]
+    assert list(cache.lengths_host()) == [1, 0]  # only slot 1 was refused
+    cache.reset()
     x[1, 0, 31] = np.nextafter(-limit, np.float32(0))  # the largest value below is taken
     cache.append(0, dev(gpu, x), dev(gpu, x))
     cache.advance()
@@ -422,11 +429,18 @@ class _Producer:
     def __dlpack_device__(self):
         return self.arr.__dlpack_device__()
 
-    def __dlpack__(self, *, stream=None, **kwargs):
+    @property
+    def __dlpack__(self):
+        if self.cai:  # CAI only: kvcore prefers DLPack when a producer has both
+            raise AttributeError("__dlpack__")
+        return self._dlpack
+
+    def _dlpack(self, *, stream=None, **kwargs):
         if stream is not None and stream != -1:
             ev = self.gpu.Event.create(timing=False)
             ev.record(stream=self.stream)
-            self.gpu.driver.call("cuStreamWaitEvent", self.gpu.driver.stream_handle(int(stream)), ev.handle, 0)
+            with ev.ctx:
+                self.gpu.driver.call("cuStreamWaitEvent", self.gpu.driver.stream_handle(int(stream)), ev.handle, 0)
             ev.destroy()
         return self.arr.__dlpack__()
 
@@ -518,38 +532,39 @@ def test_graph_replay_equals_eager(gpu, rng):
     views = [[inp.view((M, 2, 64), np.float16, offset=((l * 2 + w) * M * 2 * 64) * 2)
               for w in range(2)] for l in range(3)]
     st = graphed.stream
-    gpu.driver.call("cuStreamBeginCapture", st.handle,
-                    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
-        for layer in range(3):
-            graphed.append(layer, views[layer][0], views[layer][1])
-        graphed.advance()
-        with pytest.raises(StateError, match="while a stream is capturing"):
-            graphed.snapshot(0)
-        with pytest.raises(StateError, match="while a stream is capturing"):
-            graphed.check()
-    finally:
-        graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
-    keep = []
-    for t in range(steps):
-        host = np.ascontiguousarray(xs[t])  # alive until the step's sync below
-        inp.copy_from_host(host, stream=st)
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
-        for layer in range(3):
-            keep += [dev(gpu, xs[t, layer, 0]), dev(gpu, xs[t, layer, 1])]
-            eager.append(layer, keep[-2], keep[-1])
-        eager.advance()
-        st.synchronize()  # the host input is reused next step
-    eager.check()
-    graphed.check()
-    assert list(graphed.lengths_host()) == [steps] * M
-    for s in range(M):
-        _same(graphed.snapshot(s), eager.snapshot(s))
-    gpu.driver.call("cuGraphExecDestroy", exe)
-    gpu.driver.call("cuGraphDestroy", graph)
-    eager.free()
-    graphed.free()
+    with st.ctx:  # the raw driver calls below need the context current
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        try:
+            for layer in range(3):
+                graphed.append(layer, views[layer][0], views[layer][1])
+            graphed.advance()
+            with pytest.raises(StateError, match="while a stream is capturing"):
+                graphed.snapshot(0)
+            with pytest.raises(StateError, match="while a stream is capturing"):
+                graphed.check()
+        finally:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+        keep = []
+        for t in range(steps):
+            host = np.ascontiguousarray(xs[t])  # alive until the step's sync below
+            inp.copy_from_host(host, stream=st)
+            gpu.driver.call("cuGraphLaunch", exe, st.handle)
+            for layer in range(3):
+                keep += [dev(gpu, xs[t, layer, 0]), dev(gpu, xs[t, layer, 1])]
+                eager.append(layer, keep[-2], keep[-1])
+            eager.advance()
+            st.synchronize()  # the host input is reused next step
+        eager.check()
+        graphed.check()
+        assert list(graphed.lengths_host()) == [steps] * M
+        for s in range(M):
+            _same(graphed.snapshot(s), eager.snapshot(s))
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
+        eager.free()
+        graphed.free()
 
 
 # ------------------------------------------------------------------ memory fit and lifetime

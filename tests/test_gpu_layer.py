@@ -69,7 +69,7 @@ def test_layout_arithmetic(fmt, slots):
         assert lay.slot_offset("v_codes", 2, s) == off["v_codes"] + want
     m = lay.meta_offsets
     assert m["v_codes"] == 3 * slots * 8 and m["lengths"] == 4 * 3 * slots * 8
-    assert m["error"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["error"] + 4
+    assert m["status"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["status"] + 4 * slots
     assert lay.total_bytes == lay.data_bytes + lay.meta_bytes
 
 

@@ -6,12 +6,13 @@ never needs cuda-python or a GPU; `is_available()` says whether one is usable).
         cache = gpu.GpuKVCache(spec, slots=64)
         cache.append(layer, k, v)      # k, v: device [M, Hkv, D] float32/float16/bfloat16
         cache.advance()
-        cache.check()                  # raises CapacityError / NonFiniteError from the device flag
+        cache.check()                  # raises CapacityError / NonFiniteError naming the slots
 
 Without a GPU, `gpu.use_emulator()` runs the same code on the CPU: kvcore's CUDA kernels
 compiled by the host C++ compiler, under an emulated driver with the real driver's rules.
 
-See docs/gpu.md for layouts, the error flag, graph capture and the emulator.
+See docs/gpu.md for layouts, per-slot status, streams, contexts, graph capture and the
+emulator.
 """
 from .attention import AttentionPlan, apply_rope, decode_attention
 from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
