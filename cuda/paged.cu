@@ -1,0 +1,60 @@
+// Writes into a GpuKVPool: the paged append (quantize-on-append through a slot mapping).
+//
+// 1. One layer of the pool is token-major, as the CPU KVPool's storage: codes
+//    [P * page_size][Hkv][D] (code dtype), scales [P * page_size][Hkv][S] (S = 1 f32 for
+//    int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16). Slot r (a "row", vLLM's slot)
+//    is position r % page_size of page r / page_size; its head h is row r * Hkv + h.
+// 2. Where each input row goes comes from the device slot mapping (int64, written by the
+//    host between steps), so one captured graph replays the same launch step after step.
+// 3. Errors never trap: slot -1 is padding (its input is not read); any other slot outside
+//    [0, num_slots) refuses the whole launch (nothing written anywhere) and ORs
+//    KV_ERR_SLOT into *status; an input row holding NaN/inf is skipped and ORs
+//    KV_ERR_NONFINITE, one past the format's range KV_ERR_RANGE (as kv_append.cu).
+//    Two rows naming the same slot are not detected (the host never maps them so).
+#include "encode.cuh"
+
+#define KV_ERR_SLOT 8
+
+// Appends T input rows to one layer.
+//   k_in, v_in [T][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
+//   k_codes, v_codes [num_slots][Hkv][D]; k_scales, v_scales [num_slots][Hkv][S] (layer bases)
+//   slots int64[T]: row t goes to slot slots[t] (-1: skipped); status int32 (OR'ed)
+// One warp per head row: warps [0, T*Hkv) write K, [T*Hkv, 2*T*Hkv) write V.
+extern "C" __global__ void kv_paged_append(
+        const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
+        long long s_r, long long s_h,
+        void* k_codes, void* v_codes, void* k_scales, void* v_scales,
+        const long long* __restrict__ slots, long long num_slots, int* status,
+        int fmt, int T, int Hkv, int D) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const long long rows = (long long)T * Hkv;
+    if (warp >= 2 * rows) return;
+
+    // The whole launch or nothing, so every warp checks every slot.
+    bool bad = false;
+    for (int t = lane; t < T; t += WARP) {
+        const long long s = slots[t];
+        bad |= s < -1 || s >= num_slots;
+    }
+    if (__any_sync(0xffffffffu, bad)) {
+        if (warp == 0 && lane == 0) atomicOr(status, KV_ERR_SLOT);
+        return;
+    }
+
+    const bool is_v = warp >= rows;
+    const long long w = is_v ? warp - rows : warp;
+    const int t = (int)(w / Hkv), h = (int)(w % Hkv);
+    const long long slot = slots[t];
+    if (slot < 0) return;
+    const long long row = slot * Hkv + h;
+
+    const int cb = kv_code_bytes(fmt);
+    const int S = fmt == KV_Q8_0 ? D / KV_Q8_0_BLOCK : (fmt >= KV_INT8 ? 1 : 0);
+    const int sb = fmt == KV_Q8_0 ? 2 : 4;
+    char* codes = (char*)(is_v ? v_codes : k_codes) + row * D * cb;
+    char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
+    const void* in = is_v ? v_in : k_in;
+    const int refused = encode_row(in, in_dtype, t * s_r + h * s_h, D, fmt, codes, scales, lane);
+    if (refused && lane == 0) atomicOr(status, refused);
+}
