@@ -7,6 +7,7 @@ write shows up."""
 import numpy as np
 import pytest
 
+from kvcore import decode_attention as kvcore_attention
 from kvcore import (FORMATS, CapacityError, FormatError, KVPool, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, StateError, quantize)
 
@@ -333,4 +334,68 @@ def test_offload_and_bring_back_bit_identical(gpu, rng, fmt):
         small.bring_back(host, h)
     assert small.sequences == [] and small.num_free_pages == 1
     small.free()
+    gp.free()
+
+
+# ------------------------------------------------------------------ paged decode attention
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_decode_attention_equals_cpu_pool(gpu, rng, fmt):
+    """One query token per sequence, GQA 2, pages taken in a shuffled physical order, a long,
+    a short, a one-position and an empty sequence, and rows past the step's sequences: the
+    CPU pool's decode_attention on the same pages, within float32 rounding; zeros where a
+    row attends nothing."""
+    s = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=64, num_heads=2 * H, format=fmt)
+    gp = gpu.GpuKVPool(s, 24, PS, max_batch=4, max_pages_per_seq=8, max_tokens=3)
+    cp = KVPool(s, 24, PS)
+    perm = rng.permutation(24).tolist()
+    gp._table.free[:] = perm
+    cp._table.free[:] = list(perm)
+    a, b, d, e = (gp.new_sequence() for _ in range(4))
+    for _ in range(4):
+        cp.new_sequence()
+    normal = lambda n: rng.standard_normal((n, H, D)).astype(np.float32)
+    keep = []
+    for counts in ([3, 2], [3, 3], [3, 0], [2, 1]):
+        gp.begin_step([a, b], counts)
+        for layer in range(L):
+            k, v = normal(sum(counts)), normal(sum(counts))
+            keep += [dev(gpu, k), dev(gpu, v)]
+            gp.append(layer, keep[-2], keep[-1])
+            cp.append_batch(layer, [a, b], k, v, counts)
+        gp.advance(), cp.advance([a, b])
+    q_buf = gpu.DeviceBuffer.alloc(4 * 2 * H * D * 4)
+    o_buf = gpu.DeviceBuffer.alloc(4 * 2 * H * D * 4)
+    q_dev, o_dev = q_buf.view((4, 2 * H, D), np.float32), o_buf.view((4, 2 * H, D), np.float32)
+    for seqs, counts in (([a, b, d, e], [1, 1, 1, 0]), ([b, a], [1, 1])):
+        live = [x for x, c in zip(seqs, counts) if c]
+        gp.begin_step(seqs, counts)
+        q = rng.standard_normal((4, 2 * H, D)).astype(np.float32)
+        q_dev.copy_from_numpy(q)
+        for layer in range(L):
+            k, v = normal(len(live)), normal(len(live))
+            keep += [dev(gpu, k), dev(gpu, v)]
+            gp.append(layer, keep[-2], keep[-1])
+            cp.append_batch(layer, live, k, v)
+            o_buf.fill(0xFF)
+            gp.decode_attention(q_dev, o_dev, layer)
+            gp.check()
+            got = o_dev.to_numpy()
+            want = kvcore_attention(q[:len(live)], cp, layer, seqs=live)
+            np.testing.assert_allclose(got[:len(live)], want, rtol=2e-5, atol=2e-5)
+            assert (got[len(live):] == 0).all()
+        gp.advance(), cp.advance(live)
+    assert gp.length(d) == 1 and gp.length(e) == 0
+    q_buf.free(), o_buf.free()
+    gp.free()
+
+
+def test_decode_attention_refusals(gpu):
+    gp, _ = pools(gpu, "f16")
+    q = gpu.DeviceBuffer.alloc(4 * H * D * 4)
+    with pytest.raises(ShapeError, match=r"invalid q: expected float32 \[4, 2, 64\]"):
+        gp.decode_attention(q.view((2, H, D), np.float32), q.view((2, H, D), np.float32), 0)
+    with pytest.raises(ShapeError, match="invalid out"):
+        gp.decode_attention(q.view((4, H, D), np.float32), q.view((4, H, D), np.int32), 0)
+    q.free()
     gp.free()

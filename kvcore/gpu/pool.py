@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..attention import _check_scale
 from .._pages import PageTable
 from .._quant import input_limit
 from .._storage import zeroed_pages
@@ -114,6 +115,7 @@ class GpuKVPool:
         self._meta.copy_from_host(self._staging)
         self._step: tuple[list[int], list[int]] | None = None
         self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
+        self._fn_decode = kernels.function("paged", "kv_paged_decode", self.ctx)
 
     def _view_staging(self, name: str, shape, dtype) -> np.ndarray:
         off = self.meta_offsets[name]
@@ -370,6 +372,44 @@ class GpuKVPool:
             (meta + self.meta_offsets["status"], None),
             (s.fmt.id, ctypes.c_int), (T, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
             (s.head_dim, ctypes.c_int),
+        ], stream=st)
+
+    def decode_attention(self, q, out, layer: int, *, scale: float | None = None,
+                         stream=None) -> None:
+        """Attention of one new query token per row b of the step over positions
+        [0, lengths[b]) of `layer`, read through block_tables[b] in the storage's format
+        (rows past the step's sequences, and empty ones, give zeros). Launch only (no sync;
+        capturable): call it after `append` of the layer, before `advance`.
+        q, out: device float32 [max_batch, Hq, D], C-contiguous. scale: default 1/sqrt(D).
+        Needs D % 32 == 0 and D <= 256 (SpecError)."""
+        self._alive()
+        s = self.spec
+        layer = check_index("layer", layer, s.num_layers)
+        if s.head_dim % 32 or s.head_dim > 256:
+            raise SpecError(f"GpuKVPool.decode_attention needs head_dim a multiple of 32 up to "
+                            f"256, got {s.head_dim}")
+        scale = _check_scale(scale, s.head_dim)
+        st = self.stream if stream is None else stream
+        shape = (self.max_batch, s.num_heads, s.head_dim)
+        arrays = []
+        for name, x in (("q", q), ("out", out)):
+            x = as_device_array(x, name, stream=st)
+            if x.dtype != np.float32 or x.shape != shape or not x.is_c_contiguous:
+                raise ShapeError(f"invalid {name}: expected float32 {list(shape)} C-contiguous, "
+                                 f"got {x.dtype} {list(x.shape)} strides {list(x.strides)}")
+            arrays.append(x)
+        rows = self.num_pages * self.page_size
+        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] for r in REGIONS]
+        if not s.fmt.quantized:
+            base[2] = base[3] = 0
+        meta = self._meta.ptr
+        driver.launch(self._fn_decode, (s.num_heads, self.max_batch, 1), (128, 1, 1), [
+            (arrays[0].ptr, None), (arrays[1].ptr, None), *((b, None) for b in base),
+            (meta + self.meta_offsets["block_tables"], None),
+            (meta + self.meta_offsets["lengths"], None),
+            (self.max_pages_per_seq, ctypes.c_int), (self.page_size, ctypes.c_int),
+            (s.fmt.id, ctypes.c_int), (s.num_heads, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.head_dim, ctypes.c_int), (scale, ctypes.c_float),
         ], stream=st)
 
     def check(self) -> None:
