@@ -251,21 +251,26 @@ def test_nonfinite_and_out_of_range_rows(gpu, rng):
 
 
 def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
-    """One graph of every layer's append, captured once, replayed while sequences join,
-    fork and finish between steps: the pages equal a pool run eagerly."""
+    """One graph of every layer's append and decode attention, captured once, replayed while
+    sequences join, fork and finish between steps (new block tables, lengths and slots each
+    step): the pages equal the CPU pool's, the outputs a pool run eagerly, bit for bit."""
     drv = gpu.driver.cuda()
     B, T = 3, 2
-    graphed, eager = pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0], pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0]
+    graphed, eager = (pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0] for _ in range(2))
     cpu = KVPool(spec("q8_0"), 24, PS)
     inp = gpu.DeviceBuffer.alloc(L * 2 * B * T * H * D * 2)
     views = [[inp.view((B * T, H, D), np.float16, offset=((l * 2 + w) * B * T * H * D) * 2)
               for w in range(2)] for l in range(L)]
+    qo = gpu.DeviceBuffer.alloc(3 * L * B * H * D * 4)     # q, graphed out, eager out per layer
+    q, out, ref = ([qo.view((B, H, D), np.float32, offset=((i * L + l) * B * H * D) * 4)
+                    for l in range(L)] for i in range(3))
     st = graphed.stream
     gpu.driver.call("cuStreamBeginCapture", st.handle,
                     drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
     try:
         for layer in range(L):
             graphed.append(layer, views[layer][0], views[layer][1])
+            graphed.decode_attention(q[layer], out[layer], layer)
         with pytest.raises(StateError, match="while a stream is capturing"):
             graphed.begin_step([])
     finally:
@@ -273,8 +278,8 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     for p in (graphed, eager, cpu):
         p.new_sequence(), p.new_sequence()
-    schedule = [([0, 1], [2, 1]), ([1, 0], [1, 2]), ("fork", 0), ([2, 0, 1], [1, 1, 2]),
-                ("free", 1), ([2, 0], [2, 1]), ("new", None), ([3, 2, 0], [2, 2, 1])]
+    schedule = [([0, 1], [2, 1]), ([1, 0], [1, 1]), ("fork", 0), ([2, 0, 1], [1, 1, 1]),
+                ("free", 1), ([2, 0], [2, 1]), ("new", None), ([3, 2, 0], [1, 1, 1])]
     keep = []
     for what, arg in schedule:
         if what == "fork":
@@ -292,17 +297,21 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         graphed.begin_step(seqs, counts)
         eager.begin_step(seqs, counts)
         inp.copy_from_host(xs)
+        qo.copy_from_host(rng.standard_normal(3 * L * B * H * D).astype(np.float32))
         gpu.driver.call("cuGraphLaunch", exe, st.handle)
         for layer in range(L):
             keep += [dev(gpu, xs[layer, 0, :n]), dev(gpu, xs[layer, 1, :n])]
             eager.append(layer, keep[-2], keep[-1])
+            eager.decode_attention(q[layer], ref[layer], layer)
             cpu.append_batch(layer, seqs, xs[layer, 0, :n], xs[layer, 1, :n], counts)
         graphed.advance(), eager.advance(), cpu.advance(seqs)
+        for layer in range(L):
+            assert out[layer].to_numpy().tobytes() == ref[layer].to_numpy().tobytes()
     same_pages(graphed, cpu)
     same_pages(eager, cpu)
     gpu.driver.call("cuGraphExecDestroy", exe)
     gpu.driver.call("cuGraphDestroy", graph)
-    inp.free()
+    inp.free(), qo.free()
     graphed.free()
     eager.free()
 
