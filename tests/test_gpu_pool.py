@@ -128,6 +128,10 @@ def test_metadata_refusals_change_nothing(gpu):
         gp.begin_step([a, b], [5, 5])
     with pytest.raises(StateError, match="without begin_step"):
         gp.advance()
+    with pytest.raises(ShapeError, match=r"expected \[1\] \(one per sequence\)"):
+        gp.begin_step([a], [1, 1])
+    with pytest.raises(ShapeError, match="counts must be ints >= 0, got -1"):
+        gp.begin_step([a], [-1])
     with pytest.raises(StateError, match="unknown sequence 99"):
         gp.begin_step([99])
     assert before == (list(gp._table.free), gp.block_tables.to_numpy().tobytes())
@@ -348,6 +352,15 @@ def test_offload_and_bring_back_bit_identical(gpu, rng, fmt):
 
 # ------------------------------------------------------------------ paged decode attention
 
+def reference64(q, k, v):
+    """float64 attention of q [Hq, D] over k, v [n, Hkv, D] (GQA: head h reads kv h // G)."""
+    G = q.shape[0] // k.shape[1]
+    k, v = (np.repeat(x.astype(np.float64), G, axis=1) for x in (k, v))
+    s = np.einsum("hd,nhd->hn", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    return np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), v)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_attention_equals_cpu_pool(gpu, rng, fmt):
     """One query token per sequence, GQA 2, pages taken in a shuffled physical order, a long,
@@ -392,6 +405,11 @@ def test_decode_attention_equals_cpu_pool(gpu, rng, fmt):
             got = o_dev.to_numpy()
             want = kvcore_attention(q[:len(live)], cp, layer, seqs=live)
             np.testing.assert_allclose(got[:len(live)], want, rtol=2e-5, atol=2e-5)
+            for i, x in enumerate(live):   # error against float64: at most ~the CPU's
+                ref = reference64(q[i], cp.dequantize(x, layer, "k", pending=True),
+                                  cp.dequantize(x, layer, "v", pending=True))
+                err, cpu_err = np.abs(got[i] - ref).max(), np.abs(want[i] - ref).max()
+                assert err <= 2 * cpu_err + 4 * 2**-24 * np.abs(ref).max()
             assert (got[len(live):] == 0).all()
         gp.advance(), cp.advance(live)
     assert gp.length(d) == 1 and gp.length(e) == 0

@@ -31,8 +31,9 @@ from .._pages import PageTable
 from .._quant import input_limit
 from .._storage import zeroed_pages
 from .._validate import check_index
-from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
+from ..errors import (CapacityError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
+from ..pool import _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
@@ -302,9 +303,7 @@ class GpuKVPool:
         is reused). A refused call (StateError, ShapeError, CapacityError) changes nothing."""
         self._idle("begin_step")
         seqs = list(seqs)
-        counts = [1] * len(seqs) if counts is None else [int(c) for c in counts]
-        if len(counts) != len(seqs) or any(c < 0 for c in counts):
-            raise ShapeError(f"counts must be {len(seqs)} ints >= 0, got {counts}")
+        counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
         if len(seqs) > self.max_batch:
             raise ShapeError(f"a step of {len(seqs)} sequences, the pool's max_batch is "
                              f"{self.max_batch}")
