@@ -1,6 +1,6 @@
 // Quantizing one head row on the device (one warp): the row rules of common.cuh applied to
-// D input values, written as the format's codes and scales. Shared by the paged append
-// (paged.cu); kv_append.cu holds the same function until it includes this header.
+// D input values, written as the format's codes and scales. Shared by kv_append.cu
+// and the paged append (paged.cu).
 #pragma once
 
 #include "common.cuh"

@@ -269,8 +269,9 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     q, out, ref = ([qo.view((B, H, D), np.float32, offset=((i * L + l) * B * H * D) * 4)
                     for l in range(L)] for i in range(3))
     st = graphed.stream
-    gpu.driver.call("cuStreamBeginCapture", st.handle,
-                    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    with st.ctx:  # the raw driver calls of this test need the context current
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
     try:
         for layer in range(L):
             graphed.append(layer, views[layer][0], views[layer][1])
@@ -278,8 +279,10 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         with pytest.raises(StateError, match="while a stream is capturing"):
             graphed.begin_step([])
     finally:
-        graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+        with st.ctx:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    with st.ctx:
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     for p in (graphed, eager, cpu):
         p.new_sequence(), p.new_sequence()
     schedule = [([0, 1], [2, 1]), ([1, 0], [1, 1]), ("fork", 0), ([2, 0, 1], [1, 1, 1]),
@@ -302,7 +305,8 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         eager.begin_step(seqs, counts)
         inp.copy_from_host(xs)
         qo.copy_from_host(rng.standard_normal(3 * L * B * H * D).astype(np.float32))
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        with st.ctx:
+            gpu.driver.call("cuGraphLaunch", exe, st.handle)
         for layer in range(L):
             keep += [dev(gpu, xs[layer, 0, :n]), dev(gpu, xs[layer, 1, :n])]
             eager.append(layer, keep[-2], keep[-1])
@@ -313,8 +317,9 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
             assert out[layer].to_numpy().tobytes() == ref[layer].to_numpy().tobytes()
     same_pages(graphed, cpu)
     same_pages(eager, cpu)
-    gpu.driver.call("cuGraphExecDestroy", exe)
-    gpu.driver.call("cuGraphDestroy", graph)
+    with st.ctx:
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
     inp.free(), qo.free()
     graphed.free()
     eager.free()

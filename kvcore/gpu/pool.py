@@ -91,7 +91,16 @@ class GpuKVPool:
         self.meta_offsets["status"] = self.meta_offsets["slot_mapping"] + _align(8 * T)
         meta_bytes = self.meta_offsets["status"] + 256
         self.ctx = Context.get(device)
+        with self.ctx:
+            self._create(data_bytes, meta_bytes)
+
+    def _create(self, data_bytes: int, meta_bytes: int) -> None:
+        # kernels first: a driver that cannot load them leaves nothing behind
+        self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
+        self._fn_decode = kernels.function("paged", "kv_paged_decode", self.ctx)
         driver.refuse_while_capturing("GpuKVPool()")
+        P, ps = self.num_pages, self.page_size
+        B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
         free, _ = self.ctx.mem_get_info()
         if data_bytes + meta_bytes > free:
             raise SpecError(f"GpuKVPool of {P} pages of {ps} positions needs "
@@ -115,8 +124,6 @@ class GpuKVPool:
         self._host_slots[:] = -1
         self._meta.copy_from_host(self._staging)
         self._step: tuple[list[int], list[int]] | None = None
-        self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
-        self._fn_decode = kernels.function("paged", "kv_paged_decode", self.ctx)
 
     def _view_staging(self, name: str, shape, dtype) -> np.ndarray:
         off = self.meta_offsets[name]
@@ -269,21 +276,25 @@ class GpuKVPool:
         if self._step is not None:
             raise StateError(f"GpuKVPool.{what} inside a step: advance() it first")
 
+    @driver.in_context
     def new_sequence(self) -> int:
         """A new empty sequence (no page yet); returns its id."""
         self._idle("new_sequence")
         return self._table.new()
 
+    @driver.in_context
     def free_sequence(self, seq: int) -> None:
         """Releases seq's pages (a page shared with a fork stays with it)."""
         self._idle("free_sequence")
         self._table.free_seq(seq)
 
+    @driver.in_context
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n positions of seq (0 <= n <= length), releasing later pages."""
         self._idle("truncate")
         self._table.truncate(seq, n)
 
+    @driver.in_context
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's positions: full pages shared, the partial last page
         copied on the device (CapacityError, nothing changed, when no page is free)."""
@@ -295,6 +306,7 @@ class GpuKVPool:
 
     # ------------------------------------------------------------------ steps
 
+    @driver.in_context
     def begin_step(self, seqs: Sequence[int], counts: Sequence[int] | None = None) -> None:
         """Plans a step of counts[b] (default 1) new positions for seqs[b]: takes their pages
         (copy-on-write of shared ones on the device), writes the block tables, lengths and
@@ -334,6 +346,7 @@ class GpuKVPool:
         self._meta.copy_from_host(self._staging, stream=self.stream)
         self._step = (seqs, counts)
 
+    @driver.in_context
     def append(self, layer: int, k, v, *, stream=None) -> None:
         """Quantizes input rows t of k, v (device float32/float16/bfloat16 [T, Hkv, D], last
         axis contiguous, T <= max_batch * max_tokens) into `layer` at slot_mapping[t]
@@ -373,6 +386,7 @@ class GpuKVPool:
             (s.head_dim, ctypes.c_int),
         ], stream=st)
 
+    @driver.in_context
     def decode_attention(self, q, out, layer: int, *, scale: float | None = None,
                          stream=None) -> None:
         """Attention of one new query token per row b of the step over positions
@@ -411,6 +425,7 @@ class GpuKVPool:
             (s.head_dim, ctypes.c_int), (scale, ctypes.c_float),
         ], stream=st)
 
+    @driver.in_context
     def check(self) -> None:
         """Synchronises the pool's stream; raises (and clears) a status set since: OutOfRangeError
         (a slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
@@ -432,6 +447,7 @@ class GpuKVPool:
                           f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}); its row "
                           f"was not written")
 
+    @driver.in_context
     def advance(self) -> list[int]:
         """Ends the step begun by begin_step: synchronises and, when the status is clear,
         commits its positions (returns the counts); else raises as check() and commits
@@ -464,6 +480,7 @@ class GpuKVPool:
         self.stream.synchronize()
         return out
 
+    @driver.in_context
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
         kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
@@ -474,6 +491,7 @@ class GpuKVPool:
         return snapshot_parts(self.spec, length, n, lambda layer, count: tuple(
             None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
 
+    @driver.in_context
     def restore(self, snapshot: Snapshot, *, seq: int | None = None,
                 requantize: bool = False) -> int:
         """A sequence holding a snapshot's positions: a new one, or `seq`, whose content and
@@ -507,12 +525,14 @@ class GpuKVPool:
         table.get(seq).length = snap.length
         return seq
 
+    @driver.in_context
     def offload(self, seq: int, host_pool) -> int:
         """Copies seq's committed positions into a new sequence of the CPU KVPool `host_pool`
         (same layers, heads, head_dim, format), bit-identical; returns its id there. seq
         stays (free it to release its pages)."""
         return host_pool.restore(self.snapshot(seq))
 
+    @driver.in_context
     def bring_back(self, host_pool, host_seq: int, *, seq: int | None = None) -> int:
         """Copies sequence host_seq of the CPU KVPool `host_pool` into this pool (a new
         sequence, or in place of `seq`), bit-identical; returns its id here."""
@@ -524,6 +544,7 @@ class GpuKVPool:
     def freed(self) -> bool:
         return self._data.freed
 
+    @driver.in_context
     def free(self) -> None:
         """Releases the device memory and the pool's stream; bumps `generation`. A second
         call does nothing; any other use afterwards raises StateError."""
