@@ -8,7 +8,7 @@ from .errors import (CapacityError, ChunkError, CudaError, DTypeError, FormatErr
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
-from .pool import KVPool
+from .pool import KVPool, PoolStats
 from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
@@ -23,7 +23,7 @@ __all__ = [
     "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "StoreError", "ChunkError", "KVStore", "DirectoryBackend", "RedisBackend",
     "StoreWriter", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
-    "KVPool",
+    "KVPool", "PoolStats",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
     "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope",
     "rope_frequencies", "__version__",

@@ -8,26 +8,40 @@ page_size` of every layer. A page is held by the sequences whose page list names
 (`plan_write`: every check, nothing changed), then the storage is written, then the plan
 is committed (`commit_write`), so that a refused write changes no count.
 
-Room for a prefix cache (issue 15): a page whose refs drop to 0 goes back to `free`
-through `_release` only, the one place a cached-but-unheld state would be added.
+With a prefix cache (`_prefix.PrefixIndex`), a sequence also keeps its committed token
+ids and the chained keys of its full pages; `advance` registers each page as it fills, a
+page whose refs drop to 0 stays cached when registered (`_release`), and pages are taken
+from the free list first, then from the cached ones in eviction order (`_Taker`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ._validate import check_index
-from .errors import CapacityError, OutOfRangeError, StateError
+from ._prefix import PrefixIndex
+from ._prefix_keys import ROOT, chain_key, encode_extra
+from .errors import CapacityError, OutOfRangeError, ShapeError, StateError
+
+
+_NO_EXTRA = encode_extra(None)
 
 
 class Seq:
-    """One sequence: its pages in position order, committed length, pending per layer."""
+    """One sequence: its pages in position order, committed length, pending per layer; with
+    a prefix cache, its committed token ids (int64 little-endian bytes; None: not keyed,
+    e.g. restored from a snapshot), the keys of its full pages and its extras' bytes."""
 
-    __slots__ = ("pages", "length", "pending")
+    __slots__ = ("pages", "length", "pending", "ids", "keys", "extra")
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, keyed: bool = False, extra: bytes = b""):
         self.pages: list[int] = []
         self.length = 0
         self.pending = [0] * num_layers
+        self.ids: bytearray | None = bytearray() if keyed else None
+        self.keys: list[bytes] = []
+        self.extra = extra
 
 
 @dataclass
@@ -41,12 +55,39 @@ class WritePlan:
     copies: list[tuple[int, int]]
     changes: list[tuple[Seq, list[int] | None, int]] = field(default_factory=list)
     take: int = 0
+    evict: list[int] = field(default_factory=list)   # cached pages among those it takes
+
+
+class _Taker:
+    """The pages a call would take, in order, taking none: the free list's top first, then
+    cached pages in eviction order. taker(t) is the t-th (1-based), -1 past the last."""
+
+    __slots__ = ("free", "nfree", "prefix", "cached", "victims", "evicted")
+
+    def __init__(self, free: list[int], prefix: PrefixIndex | None):
+        self.free, self.nfree, self.prefix = free, len(free), prefix
+        self.cached = len(prefix.lru) if prefix is not None else 0
+        self.victims = None
+        self.evicted: list[int] = []
+
+    def __call__(self, t: int) -> int:
+        if t <= self.nfree:
+            return self.free[self.nfree - t]
+        i = t - self.nfree
+        if i > self.cached:
+            return -1
+        if self.victims is None:
+            self.victims = self.prefix.victims()
+        while len(self.evicted) < i:
+            self.evicted.append(next(self.victims))
+        return self.evicted[i - 1]
 
 
 class PageTable:
     """Pages, reference counts, free list and per-sequence tables of one pool."""
 
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, capacity: int):
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, capacity: int,
+                 prefix: PrefixIndex | None = None):
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -55,13 +96,27 @@ class PageTable:
         self.free = list(range(num_pages - 1, -1, -1))   # a stack: page 0 is taken first
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
+        self.prefix = prefix                  # None: no prefix cache
+
+    def available(self) -> int:
+        """Pages a write may take: free ones, then cached ones (evicted)."""
+        return len(self.free) + (len(self.prefix.lru) if self.prefix is not None else 0)
+
+    def _short(self) -> str:
+        """'3 of 8 are free' (and ', 2 cached' with a prefix cache): for CapacityError."""
+        cached = f", {len(self.prefix.lru)} cached" if self.prefix is not None else ""
+        return f"{len(self.free)} of {self.num_pages} are free{cached}"
 
     # -- sequences -----------------------------------------------------------------
 
-    def new(self) -> int:
+    def new(self, extra: bytes | None = None) -> int:
+        """A new empty sequence (keyed, with a prefix cache: `extra` its extras' bytes,
+        default none); returns its id."""
         s = self._next_id
         self._next_id += 1
-        self.seqs[s] = Seq(self.num_layers)
+        keyed = self.prefix is not None
+        self.seqs[s] = Seq(self.num_layers, keyed,
+                           (_NO_EXTRA if extra is None else extra) if keyed else b"")
         return s
 
     def get(self, s: object) -> Seq:
@@ -87,6 +142,12 @@ class PageTable:
             raise OutOfRangeError(f"truncate of sequence {s} to {n} out of range: expected "
                                   f"0 <= n <= length {seq.length}")
         keep = -(-n // self.page_size)
+        if self.prefix is not None:       # a rolled-back page never answers a lookup
+            for g in seq.pages[n // self.page_size:]:
+                self.prefix.unregister(g)
+            if seq.ids is not None:
+                del seq.ids[8 * n:]
+            del seq.keys[n // self.page_size:]
         self._release(seq.pages[keep:])
         del seq.pages[keep:]
         seq.length = n
@@ -99,27 +160,69 @@ class PageTable:
         a copy is needed and no page is free."""
         seq = self.get(s)
         full, part = divmod(seq.length, self.page_size)
-        if part and not self.free:
+        if part and not self.available():
             raise CapacityError(f"fork of sequence {s} needs 1 free page for its partial last "
-                                f"page ({part} of {self.page_size} positions), 0 of "
-                                f"{self.num_pages} are free")
-        t = self.new()
+                                f"page ({part} of {self.page_size} positions), {self._short()}")
+        t = self.new(seq.extra)
         new = self.seqs[t]
         new.pages = seq.pages[:full]
         new.length = seq.length
+        if seq.ids is not None:
+            new.ids = seq.ids[:8 * seq.length]
+            new.keys = seq.keys[:full]
+        else:
+            new.ids = None
         for g in new.pages:
             self.refs[g] += 1
         copy = None
         if part:
-            dst = self.free.pop()
+            dst = self._take_one()
             self.refs[dst] = 1
             new.pages.append(dst)
             copy = (seq.pages[full], dst)
         return t, copy
 
-    def advance(self, ids: list[int]) -> list[int]:
+    def _take_one(self) -> int:
+        """Takes one page (the caller checked available()): a free one, else evicts."""
+        if self.free:
+            return self.free.pop()
+        g = next(self.prefix.victims())
+        self.prefix.evict([g])
+        return g
+
+    def match(self, tokens, extra: bytes) -> tuple[int, int]:
+        """A new sequence holding the longest run of cached full pages that starts tokens
+        (int64 [T]), at most T - 1 positions; returns (id, positions)."""
+        ps, index, refs = self.page_size, self.prefix, self.refs
+        raw = tokens.astype("<i8", copy=False).tobytes()
+        limit = max(0, (tokens.size - 1) // ps)
+        parent, pages, keys = ROOT, [], []
+        for i in range(limit):
+            key = chain_key(parent, tokens[i * ps:(i + 1) * ps], extra)
+            g = index.find(parent, key, raw[8 * i * ps:8 * (i + 1) * ps], extra)
+            if g is None:
+                break
+            pages.append(g)
+            keys.append(key)
+            parent = key
+        index.hits += len(pages)
+        index.misses += limit - len(pages)
+        s = self.new(extra)
+        seq = self.seqs[s]
+        seq.pages, seq.keys, seq.length = pages, keys, len(pages) * ps
+        seq.ids = bytearray(raw[:8 * seq.length])
+        for g in pages:
+            if refs[g] == 0:
+                del index.lru[g]             # cached -> in use
+            refs[g] += 1
+        return s, seq.length
+
+    def advance(self, ids: list[int], tokens: list | None = None) -> list[int]:
         """Commits the pending positions of each sequence; all are checked first (every
-        layer of a sequence must hold the same number: StateError names the layers)."""
+        layer of a sequence must hold the same number: StateError names the layers).
+        With a prefix cache, tokens[b] (int64 [pending]) are the ids of sequence ids[b]'s
+        new positions (required for a keyed sequence), and each page that fills is
+        registered."""
         seqs = [self.get(s) for s in ids]
         if len(set(ids)) != len(ids):
             raise StateError(f"advance names a sequence twice: {ids}")
@@ -128,14 +231,47 @@ class PageTable:
             if p.count(p[0]) != len(p):
                 raise StateError(f"advance of sequence {s} needs the same number of pending "
                                  f"positions in every layer: {_count_groups(p)}")
+        if tokens is not None or self.prefix is not None:
+            self._check_tokens(ids, seqs, tokens)
         out = []
-        for seq in seqs:
+        for b, seq in enumerate(seqs):
             t = seq.pending[0]
             if t:
                 seq.length += t
                 seq.pending = [0] * self.num_layers
+                if seq.ids is not None:
+                    seq.ids += tokens[b].astype("<i8", copy=False).tobytes()
+                    self._register(seq)
             out.append(t)
         return out
+
+    def _check_tokens(self, ids: list[int], seqs: list[Seq], tokens: list | None) -> None:
+        if self.prefix is None:
+            raise StateError("advance got tokens, but this pool has no prefix cache "
+                             "(KVPool(..., prefix_cache=True))")
+        if tokens is not None and len(tokens) != len(ids):
+            raise ShapeError(f"invalid tokens: expected {len(ids)} id arrays (one per sequence), "
+                             f"got {len(tokens)}")
+        for b, (s, seq) in enumerate(zip(ids, seqs)):
+            t = seq.pending[0]
+            if tokens is None:
+                if t and seq.ids is not None:
+                    raise StateError(f"advance of sequence {s} needs the token ids of its {t} "
+                                     f"new positions (tokens=): the pool has a prefix cache")
+            elif tokens[b].size != t:
+                raise ShapeError(f"invalid tokens of sequence {s}: expected {t} ids (its pending "
+                                 f"positions), got {tokens[b].size}")
+
+    def _register(self, seq: Seq) -> None:
+        """Keys and registers the full pages of seq past those it has keys for."""
+        ps, keys, raw = self.page_size, seq.keys, seq.ids
+        parent = keys[-1] if keys else ROOT
+        for i in range(len(keys), seq.length // ps):
+            ids = bytes(raw[8 * i * ps:8 * (i + 1) * ps])
+            key = chain_key(parent, np.frombuffer(ids, "<i8"), seq.extra)
+            keys.append(key)
+            self.prefix.register(seq.pages[i], key, parent, ids, seq.extra)
+            parent = key
 
     # -- writes --------------------------------------------------------------------
 
@@ -144,8 +280,8 @@ class PageTable:
         `layer` (None: after the committed ones, for every layer: a reservation) and plans
         it; changes nothing. Raises StateError (unknown or repeated sequence),
         CapacityError (a sequence past `capacity`, or too few free pages for the call)."""
-        ps, refs, free, table = self.page_size, self.refs, self.free, self.seqs
-        nfree = len(free)
+        ps, refs, table = self.page_size, self.refs, self.seqs
+        pick = None                  # a _Taker, made when a page is needed
         plan = WritePlan(layer, [], [])
         rows, changes = plan.rows, plan.changes
         try:
@@ -183,16 +319,18 @@ class PageTable:
             shared = [i for i in range(first, min(last + 1, held)) if refs[pages[i]] > 1]
             new = None
             if shared or last >= held:
+                if pick is None:
+                    pick = _Taker(self.free, self.prefix)
                 new = pages.copy()
                 before = take
                 for i in shared:           # copy-on-write: the write gets its own copy
                     take += 1
-                    dst = free[nfree - take] if take <= nfree else -1
+                    dst = pick(take)
                     plan.copies.append((pages[i], dst))
                     new[i] = dst
                 for _ in range(held, last + 1):
                     take += 1
-                    new.append(free[nfree - take] if take <= nfree else -1)
+                    new.append(pick(take))
                 short.append((s, take - before))
                 pages = new
             if t == 1:
@@ -200,11 +338,13 @@ class PageTable:
             else:
                 rows.extend([pages[p // ps] * ps + p % ps for p in range(end, stop)])
             changes.append((seq, new, t))
-        if take > nfree:
+        if take and take > pick.nfree + pick.cached:
             need = ", ".join(f"sequence {s}: {k}" for s, k in short)
             raise CapacityError(f"pool out of pages: the write needs {take} new pages ({need}), "
-                                f"{nfree} of {self.num_pages} are free")
+                                f"{self._short()}")
         plan.take = take
+        if take:
+            plan.evict = pick.evicted[:max(0, take - pick.nfree)]
         return plan
 
     def commit_write(self, plan: WritePlan) -> None:
@@ -224,7 +364,9 @@ class PageTable:
             if layer is not None:
                 seq.pending[layer] += t
         if plan.take:
-            del self.free[len(self.free) - plan.take:]
+            del self.free[len(self.free) - (plan.take - len(plan.evict)):]
+            if plan.evict:
+                self.prefix.evict(plan.evict)
 
     # -- reads ---------------------------------------------------------------------
 
@@ -234,11 +376,17 @@ class PageTable:
         return [pages[p // ps] * ps + p % ps for p in range(start, stop)]
 
     def _release(self, pages: list[int]) -> None:
+        """Drops one hold of each page, the last first (so that a chain's leaf is the least
+        recent); a page no one holds becomes cached when registered, free otherwise."""
         refs, free = self.refs, self.free
+        cached = self.prefix.entries if self.prefix is not None else ()
         for g in reversed(pages):
             refs[g] -= 1
             if refs[g] == 0:
-                free.append(g)
+                if g in cached:
+                    self.prefix.lru[g] = None
+                else:
+                    free.append(g)
 
 
 def _count_groups(counts: list[int]) -> str:

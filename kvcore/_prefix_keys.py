@@ -23,6 +23,7 @@ stores and caches with different block sizes never mix keys.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from typing import Mapping, Sequence
 
@@ -51,7 +52,7 @@ def token_array(tokens: Sequence[int] | np.ndarray, name: str = "tokens") -> np.
         arr = tokens.astype(np.int64, copy=False)
     else:
         try:
-            arr = np.array([int(t) if not isinstance(t, bool) else None for t in tokens],
+            arr = np.array([operator.index(t) if not isinstance(t, bool) else None for t in tokens],
                            dtype=np.int64)
         except (TypeError, ValueError, OverflowError) as e:
             raise DTypeError(f"invalid {name}: expected ints in [0, 2**63): {e}") from None

@@ -7,23 +7,47 @@ reference counts, page lists, lengths, pending counts) is `_pages.PageTable`'s. 
 write is planned by the table (all checks, nothing changed), written by the storage's
 checked writer (which checks the values before a byte is written and copies shared
 pages first), then committed to the table: a refused call changes no byte and no count.
+
+With `prefix_cache=True` the table also keeps a `_prefix.PrefixIndex`: full pages are
+registered by content key as they fill (`advance(seq, tokens=...)`), `match_prefix`
+starts a sequence on the longest cached run of them, and pages no sequence holds stay
+cached until a write needs a page and none is free (docs/design.md, Prefix cache).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ._cache import decode_rows
 from ._guard import CallGuard
 from ._pages import PageTable
+from ._prefix import PrefixIndex
+from ._prefix_keys import encode_extra, token_array
 from ._storage import Storage
 from ._validate import check_index, check_ndarray, check_out
-from .errors import CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError
+from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
+                     StateError)
 from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
 
 _EMPTY_ROWS = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Page counts of a KVPool (free + cached + in_use = num_pages; a page held by several
+    sequences counts once) and its prefix cache's counters since it was made: pages a
+    `match_prefix` returned (hits) and full pages it asked for and did not find (misses),
+    cached pages taken back for new writes (evictions)."""
+
+    free: int
+    cached: int
+    in_use: int
+    hits: int
+    misses: int
+    evictions: int
 
 
 class KVPool:
@@ -35,9 +59,14 @@ class KVPool:
     `advance`, as in a KVCache; pages are taken when a write first needs them.
     One call at a time: a call that finds another thread inside the pool raises
     StateError and changes nothing (as a KVCache; docs/design.md, Threads).
+
+    prefix_cache=True: full pages are found again by their content (`match_prefix`),
+    `advance` takes the token ids of the committed positions, and a page no sequence
+    holds stays cached (evictable, least recently used first) until it is needed.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16):
+    def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *,
+                 prefix_cache: bool = False):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVPool needs a KVSpec, got {type(spec).__name__}")
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
@@ -47,25 +76,45 @@ class KVPool:
         self._ps = int(page_size)
         self._store = Storage(spec, int(num_pages) * self._ps)
         self._storage = self._store.array
-        self._table = PageTable(int(num_pages), self._ps, spec.num_layers, spec.capacity)
+        if not isinstance(prefix_cache, bool):
+            raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        self._table = PageTable(int(num_pages), self._ps, spec.num_layers, spec.capacity,
+                                PrefixIndex() if prefix_cache else None)
         self._num_layers = spec.num_layers
         self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
 
     # -- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> int:
-        """A new empty sequence (no page yet); returns its id."""
+        """A new empty sequence (no page yet); returns its id. With a prefix cache it is
+        keyed with no extras (`match_prefix` starts one with extras)."""
         with self._guard("new_sequence"):
             return self._table.new()
 
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray,
+                     extra: Mapping[str, str | bytes] | None = None) -> tuple[int, int]:
+        """A new sequence holding, by reference, the longest run of cached full pages that
+        starts `tokens` (ints >= 0, or a 1-D integer array) under the same extras (kind ->
+        str or bytes, e.g. {"adapter": "x", "salt": b"..."}), at most len(tokens) - 1
+        positions (the last token's query is still computed). Returns (seq, n): its n
+        committed positions are tokens[:n] (a multiple of page_size); append and
+        `advance(seq, tokens=tokens[n:...])` the rest. StateError without a prefix cache."""
+        with self._guard("match_prefix"):
+            if self._table.prefix is None:
+                raise StateError("match_prefix needs a pool made with prefix_cache=True")
+            ids = token_array(tokens)
+            return self._table.match(ids, encode_extra(extra))
+
     def free(self, seq: int) -> None:
-        """Ends a sequence: its pages that no other sequence holds become free."""
+        """Ends a sequence: its pages that no other sequence holds become free (cached
+        instead, with a prefix cache, when registered: full pages of committed tokens)."""
         with self._guard("free"):
             self._table.free_seq(seq)
 
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
-        pending one; pages past the last kept position are released."""
+        pending one; pages past the last kept position are released. With a prefix cache,
+        the page it cuts into and those it drops leave the cache (whoever holds them)."""
         with self._guard("truncate"):
             self._table.truncate(seq, n)
 
@@ -124,17 +173,26 @@ class KVPool:
         self._store.writer.write(layer, 0, k, v, rows, copies, ps)
         self._table.commit_write(plan)
 
-    def advance(self, seqs: int | Iterable[int] | None = None) -> int | list[int]:
+    def advance(self, seqs: int | Iterable[int] | None = None, *,
+                tokens=None) -> int | list[int]:
         """Commits the pending positions of one sequence (returns the count), of several
         (returns their counts) or of every sequence (None; counts in `sequences` order).
         Every layer of a sequence must hold the same number pending (StateError names
-        them); all are checked before any is committed."""
+        them); all are checked before any is committed.
+        With a prefix cache, `tokens` are the ids of the committed positions: for one
+        sequence a 1-D sequence of ints (or integer array) of its pending count, for
+        several a list of them, one per sequence (in `sequences` order for None); each
+        page that fills is registered. Required for a sequence that has ids (every one
+        but those restored from a snapshot)."""
         with self._guard("advance"):
-            if seqs is None:
-                return self._table.advance(list(self._table.seqs))
-            if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
-                return self._table.advance([int(seqs)])[0]
-            return self._table.advance(list(seqs))
+            one = isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool)
+            ids = (list(self._table.seqs) if seqs is None else [int(seqs)] if one
+                   else list(seqs))
+            if tokens is not None:
+                tokens = ([token_array(tokens)] if one else
+                          [token_array(t, f"tokens[{b}]") for b, t in enumerate(tokens)])
+            counts = self._table.advance(ids, tokens)
+            return counts[0] if one else counts
 
     def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | np.ndarray,
                      out: np.ndarray) -> np.ndarray:
@@ -175,13 +233,28 @@ class KVPool:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages no sequence holds."""
+        """Pages no sequence holds and no cache keeps."""
         return len(self._table.free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages of the prefix cache that no sequence holds (taken back when needed)."""
+        return self.num_pages - len(self._table.free) - self.num_used_pages
 
     @property
     def num_used_pages(self) -> int:
         """Pages held by at least one sequence (a shared page counts once)."""
-        return self._table.num_pages - len(self._table.free)
+        t = self._table
+        return t.num_pages - t.available()
+
+    @property
+    def stats(self) -> PoolStats:
+        """Free, cached and in-use pages, and the prefix cache's counters (PoolStats)."""
+        t, idx = self._table, self._table.prefix
+        cached = len(idx.lru) if idx is not None else 0
+        return PoolStats(len(t.free), cached, t.num_pages - len(t.free) - cached,
+                         *((idx.hits, idx.misses, idx.evictions) if idx is not None
+                           else (0, 0, 0)))
 
     @property
     def sequences(self) -> list[int]:
@@ -310,15 +383,16 @@ class KVPool:
             table = self._table
             own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
             need = self.pages_for(snap.length)
-            if need > len(table.free) + own:
+            if need > table.available() + own:
                 raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
-                                    f"needs {need} pages, {len(table.free)} of "
-                                    f"{table.num_pages} are free"
+                                    f"needs {need} pages, {table._short()}"
                                     + (f" and sequence {seq} alone holds {own}" if own else ""))
             if seq is None:
                 seq = table.new()
             else:
                 table.truncate(seq, 0)
+            restored = table.get(seq)
+            restored.ids, restored.keys = None, []   # no token ids: never registered
             plan = table.plan_write(None, [seq], [snap.length])
             table.commit_write(plan)
             rows = np.array(plan.rows, np.int64)
@@ -357,7 +431,8 @@ class KVPool:
         s = self._spec
         return (f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
                 f"format={s.format!r}, pages={self.num_pages}x{self._ps}, "
-                f"used={self.num_used_pages}, sequences={len(self._table.seqs)})")
+                f"used={self.num_used_pages}, sequences={len(self._table.seqs)}"
+                + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
 
 def _counts(counts, n: int) -> list[int]:

@@ -55,6 +55,15 @@ def test_demo_serving_counts_pages_of_the_running_requests():
     assert [r[0] for r in rows] == [1, 3, 5, 6, 8]   # joins at steps 0, 2, 4; ends at 3, 6, 8
 
 
+def test_demo_shared_prompt_is_matched_and_exact():
+    rows = _demo.shared_prompt([5, 20, 3], system=40, layers=2, page_size=8)
+    # the first request computes all; the others find the system prompt's 5 full pages
+    assert [r[1] for r in rows] == [0, 40, 40]
+    assert [r[2] for r in rows] == [45, 20, 3]
+    assert [r[3] for r in rows] == [6, 6 + 3, 6 + 3 + 1]     # shared pages count once
+    assert all(r[5] == "yes" for r in rows)
+
+
 def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

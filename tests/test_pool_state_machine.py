@@ -12,9 +12,13 @@ committed and pending); batched decode attention over the sequences equals, bit 
 bit, attention on a KVCache restored from the model's codes. After every refused call: the storage, the free list, the
 reference counts and every sequence's table, length and pending counts are unchanged.
 
+PrefixMachine runs the same rules over a pool with a prefix cache, K/V a function of the
+token ids, plus match_prefix and free into the cache (its docstring lists its invariants).
+
 Examples per format: KVCORE_POOL_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a long run.
 """
+import hashlib
 import itertools
 import os
 
@@ -27,6 +31,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvcore
 from kvcore import FORMATS, KVCache, KVPool, KVSpec, Snapshot
+from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
 
@@ -47,6 +52,9 @@ class Seq:
         self.length = 0
         self.pending = [0] * L
         self.pages = []            # abstract page tokens, shared between forks
+        self.ids = []              # token ids (PrefixMachine): committed, then pending
+        self.extra = None
+        self.keyed = True
 
     def copy(self, fmt):
         c = Seq(fmt)
@@ -55,6 +63,7 @@ class Seq:
             if self.scales:
                 c.scales[w][:] = self.scales[w]
         c.length = self.length
+        c.ids, c.extra, c.keyed = self.ids[:self.length], self.extra, self.keyed
         return c
 
 
@@ -81,38 +90,50 @@ class PoolMachine(RuleBasedStateMachine):
         return count
 
     def free_pages(self):
+        """Pages a write may take (free ones; cached ones too, with a prefix cache)."""
         return P - len(self.holders())
+
+    def page_list(self, s):
+        return self.model[s].pages
 
     def plan(self, s, layer, t):
         """New pages a write of t positions to s needs: pages past its held ones, plus a
         copy of each shared page the write lands in."""
         m = self.model[s]
+        pages = self.page_list(s)
         end = m.length + m.pending[layer]
         if t == 0:
             return 0, end
         first, last = end // PS, (end + t - 1) // PS
         holders = self.holders()
-        shared = sum(1 for i in range(first, min(last + 1, len(m.pages)))
-                     if holders[m.pages[i]] > 1)
-        return shared + max(0, last + 1 - len(m.pages)), end
+        shared = sum(1 for i in range(first, min(last + 1, len(pages)))
+                     if holders[pages[i]] > 1)
+        return shared + max(0, last + 1 - len(pages)), end
+
+    def pool_advance(self, seqs=None):
+        """pool.advance (PrefixMachine passes the token ids too)."""
+        return self.pool.advance(seqs)
 
     def apply(self, s, layer, t, codes, scales, end):
         """Records a write the pool accepted; codes/scales [2, t, H, D / S] (K, V)."""
         m = self.model[s]
         if t == 0:
             return
-        first, last = end // PS, (end + t - 1) // PS
+        self.track_pages(m, end // PS, (end + t - 1) // PS)
+        for i, w in enumerate("kv"):
+            m.codes[w][layer, end:end + t] = codes[i]
+            if m.scales:
+                m.scales[w][layer, end:end + t] = scales[i]
+        m.pending[layer] += t
+
+    def track_pages(self, m, first, last):
+        """A write to pages [first, last] of m: shared ones are copied, new ones taken."""
         holders = self.holders()
         for i in range(first, min(last + 1, len(m.pages))):
             if holders[m.pages[i]] > 1:
                 m.pages[i] = next(_tokens)
         while len(m.pages) <= last:
             m.pages.append(next(_tokens))
-        for i, w in enumerate("kv"):
-            m.codes[w][layer, end:end + t] = codes[i]
-            if m.scales:
-                m.scales[w][layer, end:end + t] = scales[i]
-        m.pending[layer] += t
 
     def encode(self, k, v):
         codes, scales = kvcore.quantize(np.stack([k, v]).astype(np.float32), self.fmt)
@@ -129,6 +150,10 @@ class PoolMachine(RuleBasedStateMachine):
             call(*args, **kwargs)
         assert self.state() == before
 
+    def write_data(self, rng, s, layer, end, t):
+        """K, V of positions [end, end + t) of s in `layer` (random here)."""
+        return self.data(rng, t)
+
     def data(self, rng, t):
         scale = 10.0 ** rng.uniform(-2, 2)
         return ((rng.standard_normal((t, H, D)) * scale).astype(np.float32),
@@ -143,7 +168,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.new()
         for layer in range(L):
             assert self.batch(layer, [0, 1], [a, b], seed + layer)
-        assert self.pool.advance([0, 1]) == [a, b]
+        assert self.pool_advance([0, 1]) == [a, b]
         for s, n in ((0, a), (1, b)):
             self.model[s].length = n
             self.model[s].pending = [0] * L
@@ -160,9 +185,9 @@ class PoolMachine(RuleBasedStateMachine):
           seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([np.float32, np.float16]))
     def append(self, pick, layer, t, seed, dtype):
         s = sorted(self.model)[pick % len(self.model)]
-        k, v = self.data(np.random.default_rng(seed), t)
-        k, v = k.astype(dtype).astype(np.float32), v.astype(dtype).astype(np.float32)
         need, end = self.plan(s, layer, t)
+        k, v = self.write_data(np.random.default_rng(seed), s, layer, end, t)
+        k, v = k.astype(dtype).astype(np.float32), v.astype(dtype).astype(np.float32)
         if end + t > N or need > self.free_pages():
             self.refused(CapacityError, self.pool.append, s, layer, k.astype(dtype), v)
             return
@@ -172,8 +197,12 @@ class PoolMachine(RuleBasedStateMachine):
 
     def batch(self, layer, seqs, counts, seed) -> bool:
         """append_batch of one layer; returns whether the pool took it."""
-        k, v = self.data(np.random.default_rng(seed), sum(counts))
+        rng = np.random.default_rng(seed)
         plans = [self.plan(s, layer, t) for s, t in zip(seqs, counts)]
+        parts = [self.write_data(rng, s, layer, end, t)
+                 for s, t, (_, end) in zip(seqs, counts, plans)]
+        k = np.concatenate([kv[0] for kv in parts]) if parts else np.zeros((0, H, D), np.float32)
+        v = np.concatenate([kv[1] for kv in parts]) if parts else k
         if any(end + t > N for (_, end), t in zip(plans, counts)) or \
                 sum(need for need, _ in plans) > self.free_pages():
             self.refused(CapacityError, self.pool.append_batch, layer, seqs, k, v, counts)
@@ -209,7 +238,7 @@ class PoolMachine(RuleBasedStateMachine):
         if any(len(set(self.model[s].pending)) > 1 for s in seqs):
             self.refused(StateError, self.pool.advance, seqs)
             return
-        assert self.pool.advance(seqs) == [self.model[s].pending[0] for s in seqs]
+        assert self.pool_advance(seqs) == [self.model[s].pending[0] for s in seqs]
         for s in seqs:
             self.model[s].length += self.model[s].pending[0]
             self.model[s].pending = [0] * L
@@ -251,14 +280,14 @@ class PoolMachine(RuleBasedStateMachine):
             if any(len(set(m.pending)) > 1 for m in self.model.values()):
                 self.refused(StateError, self.pool.advance)
                 return
-            assert self.pool.advance() == [self.model[s].pending[0] for s in live]
+            assert self.pool_advance() == [self.model[s].pending[0] for s in live]
             targets = live
         else:
             m = self.model[live[pick]]
             if len(set(m.pending)) > 1:
                 self.refused(StateError, self.pool.advance, live[pick])
                 return
-            assert self.pool.advance(live[pick]) == m.pending[0]
+            assert self.pool_advance(live[pick]) == m.pending[0]
             targets = [live[pick]]
         for s in targets:
             m = self.model[s]
@@ -294,7 +323,7 @@ class PoolMachine(RuleBasedStateMachine):
         for layer in range(L):
             if not self.batch(layer, [target], [1], seed + layer):
                 return
-        assert self.pool.advance(target) == 1
+        assert self.pool_advance(target) == 1
         self.model[target].length += 1
         self.model[target].pending = [0] * L
 
@@ -307,6 +336,7 @@ class PoolMachine(RuleBasedStateMachine):
         m.length = n
         m.pending = [0] * L
         del m.pages[-(-n // PS):]
+        del m.ids[n:]
 
     @precondition(lambda self: self.model)
     @rule(pick=st.integers(0, 3), cut=st.integers(0, 4), bad=st.sampled_from([0, 0, 0, -1, 1]))
@@ -343,6 +373,7 @@ class PoolMachine(RuleBasedStateMachine):
                 c.scales[w][:, :n] = m.scales[w][:, :n]
         c.length = n
         c.pages = [next(_tokens) for _ in range(-(-n // PS))]
+        c.ids, c.extra, c.keyed = m.ids[:n], m.extra, False    # a restore carries no ids
         self.model[t] = c
 
     @precondition(lambda self: any(m.length for m in self.model.values()))
@@ -397,6 +428,149 @@ class PoolMachine(RuleBasedStateMachine):
                     assert vs.tobytes() == m.scales["v"][layer, :end].tobytes()
 
 
+class PrefixMachine(PoolMachine):
+    """The same machine over a pool with a prefix cache (subclassed once per format). Every
+    position's K/V is a function of its sequence's extras and token ids up to it (`kv`),
+    so the model knows what a matched page must hold. Sequences commit with their token
+    ids (a vocabulary of 2, so that prefixes repeat); new rules: match (the longest cached
+    prefix of a known or random prompt, under one of three extras) and free into the
+    cache; the pool's few pages make writes evict. Invariants added: free + cached +
+    in-use = P (a page held twice counts once), cached = registered and unheld, every
+    registered page holds exactly the K/V of the prefix its key names (the cache never
+    lies), eviction counts as predicted."""
+
+    EXTRAS = [None, {"adapter": "x"}, {"salt": "x"}]
+
+    def __init__(self):
+        super().__init__()
+        self.pool = KVPool(self.spec, num_pages=P, page_size=PS, prefix_cache=True)
+        self.prefixes = {}         # key -> the token ids it names (every committed page)
+        self._kv = {}
+
+    def kv(self, extra, ids, layer):
+        """K and V [H, D] of the last of `ids` under `extra`: float16-exact float32."""
+        memo = (repr(extra), tuple(ids), layer)
+        if memo not in self._kv:
+            seed = hashlib.sha256(repr(memo).encode()).digest()
+            rng = np.random.default_rng(int.from_bytes(seed[:8], "little"))
+            x = rng.standard_normal((2, H, D)) * 10.0 ** rng.uniform(-2, 2)
+            self._kv[memo] = x.astype(np.float16).astype(np.float32)
+        return self._kv[memo]
+
+    def write_data(self, rng, s, layer, end, t):
+        m = self.model[s]
+        while len(m.ids) < end + t:            # pending tokens, shared by every layer
+            m.ids.append(int(rng.integers(2)))
+        kv = [self.kv(m.extra, m.ids[:p + 1], layer) for p in range(end, end + t)]
+        kv = np.stack(kv, axis=1) if kv else np.zeros((2, 0, H, D), np.float32)
+        return kv[0], kv[1]
+
+    def holders(self):
+        count = {}
+        for seq in self.pool._table.seqs.values():
+            for g in seq.pages:
+                count[g] = count.get(g, 0) + 1
+        return count
+
+    def page_list(self, s):
+        return self.pool._table.seqs[s].pages
+
+    def track_pages(self, m, first, last):
+        pass                       # the pool's own tables (checked by the invariants)
+
+    def batch(self, layer, seqs, counts, seed):
+        """As PoolMachine's; cached pages are evicted only for the pages past the free ones."""
+        before = self.pool.stats
+        need = sum(self.plan(s, layer, t)[0] for s, t in zip(seqs, counts))
+        took = super().batch(layer, seqs, counts, seed)
+        if took:
+            assert self.pool.stats.evictions - before.evictions == max(0, need - before.free)
+        return took
+
+    def pool_advance(self, seqs=None):
+        targets = (sorted(self.model) if seqs is None else [seqs] if isinstance(seqs, int)
+                   else seqs)
+        tokens = [self.model[s].ids[self.model[s].length:
+                                    self.model[s].length + self.model[s].pending[0]]
+                  for s in targets]
+        out = self.pool.advance(seqs, tokens=tokens[0] if isinstance(seqs, int) else tokens)
+        for s, t in zip(targets, tokens):
+            m = self.model[s]
+            if m.keyed:
+                ids = m.ids[:m.length + len(t)]
+                for i, key in enumerate(prefix_keys(ids, PS, m.extra)):
+                    self.prefixes[key] = ids[:(i + 1) * PS]
+        return out
+
+    def state(self):
+        idx = self.pool._table.prefix
+        return super().state() + (dict(idx.by_key), list(idx.lru), idx.hits, idx.misses,
+                                  idx.evictions)
+
+    @precondition(lambda self: len(self.model) < 4)
+    @rule(data=st.data(), extra=st.integers(0, 2), tail=st.integers(0, 4),
+          seed=st.integers(0, 2**32 - 1))
+    def match(self, data, extra, tail, seed):
+        """match_prefix of a live sequence's ids (or a random prompt) plus `tail` more."""
+        rng = np.random.default_rng(seed)
+        live = [m for m in self.model.values() if m.length]
+        base = data.draw(st.sampled_from(live)).ids[:N] if live and rng.integers(4) else []
+        tokens = (list(base) + rng.integers(0, 2, tail).tolist())[:N]
+        before = self.pool.stats
+        s, n = self.pool.match_prefix(tokens, extra=self.EXTRAS[extra])
+        assert n % PS == 0 and n <= max(0, len(tokens) - 1)
+        after = self.pool.stats
+        assert after.hits - before.hits == n // PS
+        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
+        assert after.evictions == before.evictions
+        m = Seq(self.fmt)
+        m.ids, m.extra, m.length = tokens[:n], self.EXTRAS[extra], n
+        for layer in range(L):      # what its pages must hold, from its tokens alone
+            for p in range(n):
+                codes, scales = self.encode(*self.kv(m.extra, tokens[:p + 1], layer)[:, None])
+                for i, w in enumerate("kv"):
+                    m.codes[w][layer, p] = codes[i, 0]
+                    if m.scales:
+                        m.scales[w][layer, p] = scales[i, 0]
+        self.model[s] = m
+
+    @invariant()
+    def pages_add_up(self):
+        t, idx = self.pool._table, self.pool._table.prefix
+        holders = [0] * P
+        for seq in t.seqs.values():
+            for g in seq.pages:
+                holders[g] += 1
+        assert t.refs == holders
+        st_ = self.pool.stats
+        assert st_.free + st_.cached + st_.in_use == P
+        assert st_.in_use == sum(1 for h in holders if h) == self.pool.num_used_pages
+        assert not set(t.free) & set(idx.lru) and len(set(t.free)) == len(t.free)
+        assert sorted(t.free + list(idx.lru)) == [g for g in range(P) if holders[g] == 0]
+        assert set(idx.lru) == {g for g in idx.entries if holders[g] == 0}
+        assert {g: e.key for g, e in idx.entries.items()} == {g: k for k, g in idx.by_key.items()}
+        assert sorted(t.seqs) == sorted(self.model)
+
+    @invariant()
+    def cache_never_lies(self):
+        """Every registered page holds exactly the K/V of the prefix its key names."""
+        idx = self.pool._table.prefix
+        for g, e in idx.entries.items():
+            ids = self.prefixes[e.key]
+            assert np.array(ids[-PS:], "<i8").tobytes() == e.ids
+            rows = np.arange(g * PS, (g + 1) * PS)
+            for layer in range(L):
+                got = self.pool._store.gather(layer, rows)
+                extra = next(x for x in self.EXTRAS if encode_extra(x) == e.extra)
+                for j, p in enumerate(range(len(ids) - PS, len(ids))):
+                    codes, scales = self.encode(*self.kv(extra, ids[:p + 1], layer)[:, None])
+                    assert got[0][j].tobytes() == codes[0, 0].tobytes()
+                    assert got[1][j].tobytes() == codes[1, 0].tobytes()
+                    if scales is not None:
+                        assert got[2][j].tobytes() == scales[0, 0].tobytes()
+                        assert got[3][j].tobytes() == scales[1, 0].tobytes()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """A few rows per call: no kernel should fork threads for them (as test_state_machine)."""
@@ -406,8 +580,8 @@ def one_thread():
     kvcore.set_num_threads(before)
 
 
-def _machine_test(fmt):
-    machine = type(f"PoolMachine_{fmt}", (PoolMachine,), {"FORMAT": fmt})
+def _machine_test(fmt, base=PoolMachine):
+    machine = type(f"{base.__name__}_{fmt}", (base,), {"FORMAT": fmt})
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -416,3 +590,4 @@ def _machine_test(fmt):
 
 for _fmt in FORMATS:
     globals()[f"TestPool_{_fmt}"] = _machine_test(_fmt)
+    globals()[f"TestPrefixPool_{_fmt}"] = _machine_test(_fmt, PrefixMachine)

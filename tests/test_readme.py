@@ -22,6 +22,10 @@ def test_pool_example_prints_what_its_comments_say(tmp_path, monkeypatch):
     _runs_as_printed(_quick_start("Many sequences: KVPool"), tmp_path, monkeypatch)
 
 
+def test_prefix_example_prints_what_its_comments_say(tmp_path, monkeypatch):
+    _runs_as_printed(_quick_start("Prefix cache"), tmp_path, monkeypatch)
+
+
 def _runs_as_printed(code: str, tmp_path, monkeypatch) -> None:
     expected = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#(.*)$", code, re.M)]
     assert len(expected) >= 6
