@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from . import _attention
-from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
+from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape, is_array
 from .cache import KVCache
 from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
                      ShapeError, StateError)
@@ -60,7 +60,7 @@ def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
 def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    _check_q(q, spec)
+    q = _check_q(q, spec)
     n = cache.length + cache.pending(layer)
     q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
@@ -71,16 +71,16 @@ def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
                          f"layer {layer} holds {n}")
     _check_rows(T, spec)
     scale = _check_scale(scale, spec.head_dim)
-    out = _out(out, q, cache._storage)
+    arr = _out(out, q, cache._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
-                               bool(causal), out.reshape(q3.shape),
+                               bool(causal), arr.reshape(q3.shape),
                                None if lse is None else lse.reshape(q3.shape[:2]))
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
-    return (out, lse) if return_lse else out
+    return _result(arr if out is None else out, lse)
 
 
 def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse):
@@ -92,7 +92,7 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
     B = len(seqs)
     if len(set(seqs)) != B:
         raise StateError(f"decode_attention names a sequence twice: {seqs}")
-    check_ndarray("q", q)
+    q = check_ndarray("q", q)
     check_dtype("q", q, [np.float32])
     if counts is None:
         check_shape("q", q, [B, spec.num_heads, spec.head_dim])
@@ -119,14 +119,14 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
         pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
         tables[b, :len(pages)] = pages
     scale = _check_scale(scale, spec.head_dim)
-    out = _out(out, q, pool._storage)
+    arr = _out(out, q, pool._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
     status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
                                      np.array(lengths, np.int64),
                                      np.array(count_list, np.int64), scale, bool(causal),
-                                     out, lse)
+                                     arr, lse)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
@@ -140,16 +140,23 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
                                       n, scale, causal, layer, f"sequence {s}, ")
             at += t
         raise AssertionError("the batch overflowed, but no sequence alone does")
-    return (out, lse) if return_lse else out
+    return _result(arr if out is None else out, lse)
 
 
-def _check_q(q, spec) -> None:
-    check_ndarray("q", q)
+def _result(out, lse):
+    """What decode_attention returns: out (the caller's own out object when given), or
+    (out, lse) when lse was asked for."""
+    return out if lse is None else (out, lse)
+
+
+def _check_q(q, spec) -> np.ndarray:
+    q = check_ndarray("q", q)
     check_dtype("q", q, [np.float32])
     if q.ndim == 2:
         check_shape("q", q, [spec.num_heads, spec.head_dim])
     else:
         check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+    return q
 
 
 def _check_rows(T: int, spec) -> None:
@@ -161,12 +168,13 @@ def _check_rows(T: int, spec) -> None:
 
 
 def _out(out, q, storage) -> np.ndarray:
+    """The numpy array over the caller's out (checked), or a new one."""
     if out is None:
         return np.empty(q.shape, np.float32)
-    check_out("out", out, q.shape, [np.float32])
-    if np.shares_memory(out, storage):
+    arr = check_out("out", out, q.shape, [np.float32])
+    if np.shares_memory(arr, storage):
         raise ShapeError("out overlaps the cache's storage")
-    return out
+    return arr
 
 
 def _raise_non_finite(q) -> None:
@@ -234,8 +242,9 @@ def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
     lse = m + log(e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2), in float32; a
     row that neither side saw gets o = 0, lse = -inf.
     """
+    o1, lse1, o2, lse2 = (check_ndarray(name, x) for name, x in
+                          (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)))
     for name, x in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
-        check_ndarray(name, x)
         check_dtype(name, x, [np.float32])
     if o1.ndim < 2:
         raise ShapeError(f"invalid shape of o1: expected [..., Hq, D], got {list(o1.shape)}")
@@ -271,7 +280,7 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     turns by position * theta^(-2i/R) (theta a finite positive number), the angle
     computed in float64. Returns x. A refused call leaves x untouched.
     """
-    check_ndarray("x", x)
+    given, x = x, check_ndarray("x", x)
     check_dtype("x", x, [np.float32])
     if x.ndim not in (2, 3):
         raise ShapeError(f"invalid shape of x: expected [T, H, D] or [H, D], got "
@@ -285,9 +294,7 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
     theta = _check_theta(theta)
-    if isinstance(positions, np.ndarray):
-        check_ndarray("positions", positions)   # refuses masked arrays
-    pos = np.asarray(positions)
+    pos = np.asarray(check_ndarray("positions", positions) if is_array(positions) else positions)
     if pos.dtype.kind not in "iu":
         raise DTypeError(f"invalid dtype of positions: expected an integer type, got {pos.dtype}")
     x3 = x
@@ -307,7 +314,7 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
         raise NonFiniteError(f"non-finite value in x: x[{where}] = {x[idx]!s}")
     _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64),
                     _inv_freq(theta, int(R)), style == "neox")
-    return x
+    return given
 
 
 _INT64_MAX = np.iinfo(np.int64).max

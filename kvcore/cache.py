@@ -205,12 +205,12 @@ class KVCache:
             codes = self._regions[f"{which}_codes"][layer, :n]
             scales = self._regions.get(f"{which}_scales")
             if out is None:
-                out = np.empty(codes.shape, dtype=np.float32)
+                out = arr = np.empty(codes.shape, dtype=np.float32)
             else:
-                check_out("out", out, codes.shape, [np.float32])
-                self._check_outside("out", out)
+                arr = check_out("out", out, codes.shape, [np.float32])
+                self._check_outside("out", arr)
             _cache.decode_rows(self._spec.fmt.id, codes,
-                               None if scales is None else scales[layer, :n], out)
+                               None if scales is None else scales[layer, :n], arr)
         return out
 
     def _check_outside(self, name: str, arr: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from ._cache import decode_rows
 from ._guard import CallGuard
 from ._pages import PageTable
 from ._storage import Storage
-from ._validate import check_index, check_ndarray, check_out
+from ._validate import check_index, check_ndarray, check_out, is_array
 from .errors import CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError
 from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
@@ -91,8 +91,8 @@ class KVPool:
         with self._guard("append"):
             if layer.__class__ is not int or not 0 <= layer < self._num_layers:
                 layer = check_index("layer", layer, self._num_layers)
-            t = k.shape[0] if getattr(k, "ndim", 0) == 3 else 1
-            self._write(layer, [seq], [t], k, v)
+            k, v = check_ndarray("k", k), check_ndarray("v", v)
+            self._write(layer, [seq], [k.shape[0] if k.ndim == 3 else 1], k, v)
 
     def append_batch(self, layer: int, seqs: Sequence[int], k: np.ndarray, v: np.ndarray,
                      counts: Sequence[int] | np.ndarray | None = None) -> None:
@@ -105,8 +105,7 @@ class KVPool:
                 layer = check_index("layer", layer, self._num_layers)
             seqs = list(seqs)
             counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
-            check_ndarray("k", k)
-            check_ndarray("v", v)
+            k, v = check_ndarray("k", k), check_ndarray("v", v)
             if k.ndim != 3:
                 raise ShapeError(f"invalid shape of k: expected [T, {self._spec.num_kv_heads}, "
                                  f"{self._spec.head_dim}], got {list(k.shape)}")
@@ -146,17 +145,17 @@ class KVPool:
         with self._guard("slot_mapping"):
             seqs = list(seqs)
             counts = _counts(counts, len(seqs))
-            check_ndarray("out", out)
-            check_out("out", out, (out.shape[0],) if out.ndim == 1 else ("M",), [np.int64])
-            if out.shape[0] < sum(counts):
-                raise ShapeError(f"out holds {out.shape[0]} slots, the positions need "
+            arr = check_ndarray("out", out)
+            arr = check_out("out", arr, (arr.shape[0],) if arr.ndim == 1 else ("M",), [np.int64])
+            if arr.shape[0] < sum(counts):
+                raise ShapeError(f"out holds {arr.shape[0]} slots, the positions need "
                                  f"{sum(counts)}")
             plan = self._table.plan_write(None, seqs, counts)
             if plan.copies:
                 self._store.writer.copy_pages(np.array(plan.copies, np.int64) * self._ps, self._ps)
             self._table.commit_write(plan)
-            out[:len(plan.rows)] = plan.rows
-            out[len(plan.rows):] = -1
+            arr[:len(plan.rows)] = plan.rows
+            arr[len(plan.rows):] = -1
             return out
 
     # -- state ---------------------------------------------------------------------
@@ -220,15 +219,16 @@ class KVPool:
         with self._guard("block_tables"):
             seqs = list(seqs)
             tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
-            check_ndarray("out", out)
+            arr = check_ndarray("out", out)
             width = max((len(t) for t in tabs), default=0)
-            check_out("out", out, (len(seqs), out.shape[-1] if out.ndim == 2 else "M"), [np.int32])
-            if out.shape[1] < width:
+            arr = check_out("out", arr, (len(seqs), arr.shape[-1] if arr.ndim == 2 else "M"),
+                            [np.int32])
+            if arr.shape[1] < width:
                 raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
-                                 f"got {list(out.shape)}")
-            out[:] = fill
+                                 f"got {list(arr.shape)}")
+            arr[:] = fill
             for b, t in enumerate(tabs):
-                out[b, :len(t)] = t
+                arr[b, :len(t)] = t
             return out
 
     def csr(self, seqs: Sequence[int], indptr: np.ndarray, indices: np.ndarray,
@@ -243,21 +243,21 @@ class KVPool:
             tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
                     for s, n in ((s, self._held(s, layer)) for s in seqs)]
             nnz = sum(len(t) for t, _ in tabs)
-            check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
-            check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
-            check_ndarray("indices", indices)
-            check_out("indices", indices, (indices.shape[0] if indices.ndim == 1 else "nnz",),
-                      [np.int32])
-            if indices.shape[0] < nnz:
-                raise ShapeError(f"indices holds {indices.shape[0]} entries, the tables need "
+            ptr = check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
+            last = check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
+            idx = check_ndarray("indices", indices)
+            idx = check_out("indices", idx, (idx.shape[0] if idx.ndim == 1 else "nnz",),
+                            [np.int32])
+            if idx.shape[0] < nnz:
+                raise ShapeError(f"indices holds {idx.shape[0]} entries, the tables need "
                                  f"{nnz}")
             at = 0
-            indptr[0] = 0
+            ptr[0] = 0
             for b, (t, n) in enumerate(tabs):
-                indices[at:at + len(t)] = t
+                idx[at:at + len(t)] = t
                 at += len(t)
-                indptr[b + 1] = at
-                last_page_len[b] = n - (len(t) - 1) * self._ps if t else 0
+                ptr[b + 1] = at
+                last[b] = n - (len(t) - 1) * self._ps if t else 0
             return nnz
 
     # -- reads ---------------------------------------------------------------------
@@ -361,8 +361,9 @@ class KVPool:
 
 
 def _counts(counts, n: int) -> list[int]:
-    """counts as a list of n ints >= 0 (a list, tuple or integer array)."""
-    if isinstance(counts, np.ndarray):
+    """counts as a list of n ints >= 0 (a list, tuple or integer array of any library)."""
+    if is_array(counts):
+        counts = check_ndarray("counts", counts)
         if counts.dtype.kind not in "iu":
             raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
                              f"{counts.dtype}")

@@ -69,7 +69,7 @@ def quantize(x: np.ndarray, fmt: "str | Format", *,
     round to infinity; q8_0 |x| >= Q8_0_LIMIT), ShapeError / DTypeError for bad arrays.
     """
     f = get_format(fmt)
-    check_ndarray("x", x)
+    x = check_ndarray("x", x)
     check_dtype("x", x, float_input_dtypes())
     if x.ndim == 0:
         raise ShapeError("invalid shape of x: expected [..., D], got []")
@@ -82,10 +82,11 @@ def quantize(x: np.ndarray, fmt: "str | Format", *,
         scales = np.empty(scale_shape, dtype=f.scale_dtype) if f.quantized else None
         result = (codes.view(view_dtype(f)), scales)
     else:
-        result = _check_quantize_out(out, f, code_shape, scale_shape)
-        codes, scales = result[0].view(f.code_dtype), result[1]
-        if any(a is not None and np.shares_memory(x, a) for a in result):
+        codes, scales = _check_quantize_out(out, f, code_shape, scale_shape)
+        result = out
+        if any(a is not None and np.shares_memory(x, a) for a in (codes, scales)):
             raise ShapeError("out overlaps x")
+        codes = codes.view(f.code_dtype)
     work = np.empty((max_threads(), d), dtype=np.float32)
     walk = (x, *_row_walk(x), x.strides[-1], _input_kind(x), f.id, codes, scales, work)
     bad = _quant.quantize_rows(*walk, encode=out is None)
@@ -103,14 +104,15 @@ def _check_quantize_out(out, f: Format, code_shape, scale_shape):
                          f"got {type(out).__name__}")
     codes = check_out("out codes", out[0], code_shape,
                       list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
+    scales = None
     if f.quantized:
-        check_out("out scales", out[1], scale_shape, [f.scale_dtype])
+        scales = check_out("out scales", out[1], scale_shape, [f.scale_dtype])
     elif out[1] is not None:
         raise FormatError(f"format {f.name} has no scales: expected out scales None, "
                           f"got {type(out[1]).__name__}")
-    if out[1] is not None and np.shares_memory(codes, out[1]):
+    if scales is not None and np.shares_memory(codes, scales):
         raise ShapeError("out codes and scales overlap")
-    return out
+    return codes, scales
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format", *,
@@ -125,7 +127,7 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format"
     the value itself for the float formats.
     """
     f = get_format(fmt)
-    check_ndarray("codes", codes)
+    codes = check_ndarray("codes", codes)
     check_dtype("codes", codes, list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
     if codes.ndim == 0:
         raise ShapeError("invalid shape of codes: expected [..., D], got []")
@@ -133,7 +135,7 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format"
     f.check_head_dim(d)
     lead = codes.shape[:-1]
     if f.quantized:
-        check_ndarray("scales", scales)
+        scales = check_ndarray("scales", scales)
         check_dtype("scales", scales, [f.scale_dtype])
         check_shape("scales", scales, lead + (f.scales_per_row(d),))
         scales = np.ascontiguousarray(scales)
@@ -141,11 +143,11 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format"
         raise FormatError(f"format {f.name} has no scales: expected scales=None, "
                           f"got {type(scales).__name__}")
     if out is None:
-        out = np.empty(lead + (d,), dtype=np.float32)
+        out = arr = np.empty(lead + (d,), dtype=np.float32)
     else:
-        check_out("out", out, lead + (d,), [np.float32])
-        if np.shares_memory(out, codes) or (scales is not None and np.shares_memory(out, scales)):
+        arr = check_out("out", out, lead + (d,), [np.float32])
+        if np.shares_memory(arr, codes) or (scales is not None and np.shares_memory(arr, scales)):
             raise ShapeError("out overlaps codes or scales")
     codes = np.ascontiguousarray(codes).view(f.code_dtype)
-    _quant.dequantize_rows(f.id, codes, scales, out.reshape(math.prod(lead), d))
+    _quant.dequantize_rows(f.id, codes, scales, arr.reshape(math.prod(lead), d))
     return out
