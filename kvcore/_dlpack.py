@@ -49,12 +49,12 @@ class _DLManagedTensorVersionedHead(ctypes.Structure):
                 ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensorHead)]
 
 
-_capsule_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_valid.restype = ctypes.c_int
-_capsule_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# Function objects of our own, built from prototypes: the shared ctypes.pythonapi.* objects
+# carry whatever argtypes the last module to use them set.
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 class _Exported:
@@ -62,11 +62,11 @@ class _Exported:
 
     __slots__ = ("_capsule", "_device")
 
-    def __init__(self, capsule: object, device: tuple[int, int]):
+    def __init__(self, capsule: Any, device: tuple[int, int]):
         self._capsule = capsule
         self._device = device
 
-    def __dlpack__(self, **kwargs: Any) -> object:
+    def __dlpack__(self, **kwargs: Any) -> Any:
         return self._capsule
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -131,4 +131,5 @@ def _relabel(name: str, capsule: object) -> np.dtype | None:
         raise DTypeError(f"invalid dtype of {name}: {ml_name} arrays need ml_dtypes "
                          f"(pip install ml_dtypes), which is not installed") from None
     head.dtype.code = _DL_UINT
-    return np.dtype(getattr(ml_dtypes, ml_name))
+    dtype: np.dtype = np.dtype(getattr(ml_dtypes, ml_name))
+    return dtype

@@ -10,15 +10,15 @@ pages first), then committed to the table: a refused call changes no byte and no
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ._cache import decode_rows
 from ._guard import CallGuard
 from ._pages import PageTable
-from ._storage import Storage
-from ._validate import check_index, check_ndarray, check_out, is_array
+from ._storage import LayerArrays, Storage
+from ._validate import AnyArray, OutArray, check_index, check_ndarray, check_out, is_array
 from .errors import CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError
 from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
@@ -82,7 +82,7 @@ class KVPool:
 
     # -- writing -------------------------------------------------------------------
 
-    def append(self, seq: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, seq: int, layer: int, k: AnyArray, v: AnyArray) -> None:
         """Encodes T positions of one layer of one sequence after its held ones, pending
         until `advance`, as KVCache.append: k, v float32, float16 or bfloat16, [T, Hkv, D]
         or [Hkv, D], any strides. Atomic: a refused call (ShapeError, DTypeError,
@@ -94,8 +94,8 @@ class KVPool:
             k, v = check_ndarray("k", k), check_ndarray("v", v)
             self._write(layer, [seq], [k.shape[0] if k.ndim == 3 else 1], k, v)
 
-    def append_batch(self, layer: int, seqs: Sequence[int], k: np.ndarray, v: np.ndarray,
-                     counts: Sequence[int] | np.ndarray | None = None) -> None:
+    def append_batch(self, layer: int, seqs: Sequence[int], k: AnyArray, v: AnyArray,
+                     counts: Sequence[int] | AnyArray | None = None) -> None:
         """One layer's new positions of many sequences in one call: counts[b] positions
         (default 1 each) after the held ones of seqs[b], taken in order from k, v (float32,
         float16 or bfloat16, [sum counts, Hkv, D], any strides), pending until `advance`.
@@ -115,7 +115,8 @@ class KVPool:
                                  f"counts), got {list(k.shape)}")
             self._write(layer, seqs, counts, k, v)
 
-    def _write(self, layer, seqs, counts, k, v) -> None:
+    def _write(self, layer: int, seqs: list[int], counts: list[int], k: np.ndarray,
+               v: np.ndarray) -> None:
         plan = self._table.plan_write(layer, seqs, counts)
         ps = self._ps
         rows = np.array(plan.rows, np.int64) if plan.rows else _EMPTY_ROWS
@@ -133,10 +134,10 @@ class KVPool:
                 return self._table.advance(list(self._table.seqs))
             if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
                 return self._table.advance([int(seqs)])[0]
-            return self._table.advance(list(seqs))
+            return self._table.advance(list(seqs))  # type: ignore[arg-type]  # a bool: refused by the table
 
-    def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | np.ndarray,
-                     out: np.ndarray) -> np.ndarray:
+    def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | AnyArray,
+                     out: OutArray) -> OutArray:
         """Reserves and exports the storage rows ("slots", vLLM's slot_mapping) of the next
         counts[b] positions after the committed ones of seqs[b]: out int64 [M], C-contiguous,
         M >= sum counts, gets them in order, then -1 (skip) to its end. Pages are taken
@@ -211,8 +212,8 @@ class KVPool:
             return s.length
         return s.length + s.pending[check_index("layer", layer, self._num_layers)]
 
-    def block_tables(self, seqs: Sequence[int], out: np.ndarray, *, layer: int | None = None,
-                     fill: int = -1) -> np.ndarray:
+    def block_tables(self, seqs: Sequence[int], out: OutArray, *, layer: int | None = None,
+                     fill: int = -1) -> OutArray:
         """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
         positions (committed, plus `layer`'s pending ones when given), then `fill`
         (vLLM's block table). ShapeError when M is too small."""
@@ -231,8 +232,8 @@ class KVPool:
                 arr[b, :len(t)] = t
             return out
 
-    def csr(self, seqs: Sequence[int], indptr: np.ndarray, indices: np.ndarray,
-            last_page_len: np.ndarray, *, layer: int | None = None) -> int:
+    def csr(self, seqs: Sequence[int], indptr: AnyArray, indices: AnyArray,
+            last_page_len: AnyArray, *, layer: int | None = None) -> int:
         """The page tables of seqs in FlashInfer's CSR form, written into the caller's
         int32 arrays: indptr [B + 1], indices [>= nnz] (pages of seqs[b] at
         indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
@@ -268,7 +269,7 @@ class KVPool:
         n = s.length + (s.pending[layer] if pending else 0)
         return np.array(self._table.rows(seq, 0, n), np.int64)
 
-    def _gather(self, seq: int, layer: int, *, pending: bool = False) -> tuple:
+    def _gather(self, seq: int, layer: int, *, pending: bool = False) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of seq's positions in one layer, copied in
         position order (raw code dtype; scales None when S = 0). Internal (tests)."""
         return self._store.gather(layer, self._rows(seq, layer, pending))
@@ -333,7 +334,7 @@ class KVPool:
     # -- layout and memory ---------------------------------------------------------
 
     @property
-    def layout(self) -> dict:
+    def layout(self) -> dict[str, dict[str, Any]]:
         """The storage, region by region in address order: byte offset, byte count, shape
         [L, P * page_size, Hkv, D or S] and dtype (docs/formats.md)."""
         return self._store.layout
@@ -349,7 +350,7 @@ class KVPool:
         """Bytes of the storage: num_pages * page_size * spec.bytes_per_position."""
         return self._storage.nbytes
 
-    def _layer_arrays(self, layer: int):
+    def _layer_arrays(self, layer: int) -> LayerArrays:
         """Writable views of one layer's rows (as KVCache._layer_arrays, rows = P * ps)."""
         return self._store.layer_arrays(check_index("layer", layer, self._num_layers))
 
@@ -360,19 +361,19 @@ class KVPool:
                 f"used={self.num_used_pages}, sequences={len(self._table.seqs)})")
 
 
-def _counts(counts, n: int) -> list[int]:
+def _counts(counts: object, n: int) -> list[int]:
     """counts as a list of n ints >= 0 (a list, tuple or integer array of any library)."""
     if is_array(counts):
-        counts = check_ndarray("counts", counts)
-        if counts.dtype.kind not in "iu":
+        arr = check_ndarray("counts", counts)
+        if arr.dtype.kind not in "iu":
             raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
-                             f"{counts.dtype}")
-        counts = counts.tolist()
-    counts = list(counts)
-    if len(counts) != n:
+                             f"{arr.dtype}")
+        counts = arr.tolist()
+    values: list[Any] = list(counts)  # type: ignore[call-overload]  # not iterable: TypeError
+    if len(values) != n:
         raise ShapeError(f"invalid shape of counts: expected [{n}] (one per sequence), "
-                         f"got [{len(counts)}]")
-    for c in counts:
+                         f"got [{len(values)}]")
+    for c in values:
         if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
             raise ShapeError(f"counts must be ints >= 0, got {c!r}")
-    return [int(c) for c in counts]
+    return [int(c) for c in values]

@@ -39,8 +39,8 @@ class Exporter:
         self.calls += 1
         capsule = self.arr.__dlpack__(max_version=max_version)
         if self.code is not None:
-            get = ctypes.pythonapi.PyCapsule_GetPointer
-            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+                ("PyCapsule_GetPointer", ctypes.pythonapi))
             # DLManagedTensorVersioned: version (8 bytes), manager, deleter, flags (8 each),
             # then the DLTensor, which the legacy DLManagedTensor starts with. DLTensor: data
             # (8), device (8), ndim (4), then dtype {code u8, bits u8, lanes u16}.
@@ -341,3 +341,13 @@ def test_merge_attention_takes_tensors():
     ro, rl = kvcore.merge_attention(o1.numpy(), l1.numpy(), o2.numpy(), l2.numpy())
     np.testing.assert_array_equal(o, ro)
     np.testing.assert_array_equal(lse, rl)
+
+
+def test_dlpack_path_ignores_other_modules_ctypes_settings(monkeypatch):
+    """Another module (kvcore.gpu.memory does) may set argtypes on the shared
+    ctypes.pythonapi capsule functions; the DLPack path uses function objects of its own."""
+    for fn in ("PyCapsule_IsValid", "PyCapsule_GetPointer"):
+        monkeypatch.setattr(getattr(ctypes.pythonapi, fn), "argtypes",
+                            [ctypes.c_void_p, ctypes.c_char_p])
+    t = torch.arange(6, dtype=torch.float32).to(torch.bfloat16)
+    assert check_ndarray("k", t).astype(np.float32).tolist() == [0, 1, 2, 3, 4, 5]
