@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 import numpy as np
 
@@ -102,19 +103,25 @@ def model_pools(rng: np.random.Generator, n: int, kv_heads: int, q_heads: int,
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar, drawn only where a person watches: when the stream
+    (stderr by default) is a terminal. Into a log file or a pipe it writes nothing, so
+    no carriage-return debris lands in logs."""
 
-    def __init__(self, total: int, width: int = 30):
+    def __init__(self, total: int, width: int = 30, stream: TextIO | None = None):
         self.total, self.width, self.done = total, width, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.shown = self.stream.isatty()
 
     def step(self, label: str) -> None:
         self.done += 1
+        if not self.shown:
+            return
         filled = self.width * self.done // self.total
-        sys.stderr.write(f"\rdecode [{'#' * filled}{'-' * (self.width - filled)}] "
-                         f"{100 * self.done // self.total:3d}% {label:<10}")
+        self.stream.write(f"\rdecode [{'#' * filled}{'-' * (self.width - filled)}] "
+                          f"{100 * self.done // self.total:3d}% {label:<10}")
         if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self.stream.write("\n")
+        self.stream.flush()
 
 
 def decode_format(fmt: str, pools: tuple[np.ndarray, np.ndarray, np.ndarray], *,
