@@ -60,15 +60,23 @@ extensions = [
 ]
 
 
+# What ships under kvcore/_cuda/: the PTX the driver loads, and the CUDA sources with the
+# emulator's headers (cuda/emu/), from which kvcore.gpu.use_emulator() builds the CPU kernels.
+CUDA_DATA = ["*.ptx", "*.cu", "*.cuh", "emu/*"]
+
+
 class BuildPyWithPTX(build_py):
-    """Ships cuda/*.ptx inside the package as kvcore/_cuda/*.ptx."""
+    """Ships cuda/ (CUDA_DATA) inside the package as kvcore/_cuda/."""
 
     def run(self):
         super().run()
         target = os.path.join(self.build_lib, "kvcore", "_cuda")
-        os.makedirs(target, exist_ok=True)
-        for ptx in glob.glob("cuda/*.ptx"):
-            shutil.copy(ptx, target)
+        for pattern in CUDA_DATA:
+            for path in glob.glob(os.path.join("cuda", pattern)):
+                if os.path.isfile(path):
+                    dest = os.path.join(target, os.path.relpath(path, "cuda"))
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    shutil.copy(path, dest)
 
 
 setup(

@@ -83,6 +83,21 @@ template <> __device__ __forceinline__ void kv_dec_word<KV_FP8_E5M2>(uint32_t w,
 
 // ---- cp.async --------------------------------------------------------------------------
 
+#ifdef KVCORE_EMU
+// Host twins of the cp.async helpers below, for the CPU emulation (cuda/emu/kvemu.h).
+__device__ __forceinline__ void kv_cp16(void* smem, const void* gmem, int src_bytes) {
+    kvemu::cp_async((uint32_t)__cvta_generic_to_shared(smem), gmem, 16, src_bytes, __FILE__, __LINE__);
+}
+
+__device__ __forceinline__ void kv_cp4(void* smem, const void* gmem, int src_bytes) {
+    kvemu::cp_async((uint32_t)__cvta_generic_to_shared(smem), gmem, 4, src_bytes, __FILE__, __LINE__);
+}
+
+__device__ __forceinline__ void kv_cp_commit() { kvemu::cp_commit(); }
+
+template <int N>
+__device__ __forceinline__ void kv_cp_wait() { kvemu::cp_wait(N); }
+#else
 // 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing.
 __device__ __forceinline__ void kv_cp16(void* smem, const void* gmem, int src_bytes) {
     uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
@@ -98,6 +113,7 @@ __device__ __forceinline__ void kv_cp_commit() { asm volatile("cp.async.commit_g
 
 template <int N>
 __device__ __forceinline__ void kv_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif
 
 // ---- the split kernel ------------------------------------------------------------------
 

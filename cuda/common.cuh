@@ -49,6 +49,12 @@
 
 // ---- f16 / bf16 -----------------------------------------------------------------
 
+#ifdef KVCORE_EMU
+// Host twins of the inline-PTX helpers below, for the CPU emulation (cuda/emu/kvemu.h):
+// the same roundings in integer arithmetic.
+__device__ __forceinline__ uint16_t kv_f32_to_f16(float x) { return kvemu::f32_to_f16_rn(x); }
+__device__ __forceinline__ float kv_f16_to_f32(uint16_t h) { return kvemu::f16_to_f32(h); }
+#else
 // f32 -> IEEE binary16 bits, round to nearest even (overflow -> inf).
 __device__ __forceinline__ uint16_t kv_f32_to_f16(float x) {
     uint16_t h;
@@ -61,6 +67,7 @@ __device__ __forceinline__ float kv_f16_to_f32(uint16_t h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
     return x;
 }
+#endif
 
 // f32 -> bfloat16 bits, round to nearest even (finite input).
 __device__ __forceinline__ uint16_t kv_f32_to_bf16(float x) {

@@ -6,11 +6,15 @@
 //    is row (s * Hkv + h) * N + p.
 // 2. The write position comes from the device lengths, so one captured graph replays the
 //    same launches step after step; kv_advance commits the step afterwards.
-// 3. Errors never trap: a write that would pass capacity writes nothing anywhere and ORs
-//    KV_ERR_CAPACITY into *err; an input row holding NaN/inf is skipped and ORs
+// 3. Errors never trap, and stay with their slot: status int32[M] holds bits per slot. A
+//    write that would pass the slot's capacity writes nothing for that slot and ORs
+//    KV_ERR_CAPACITY into status[s]; an input row holding NaN/inf is skipped and ORs
 //    KV_ERR_NONFINITE, one holding a finite value past the format's range
-//    (kv_input_limit) KV_ERR_RANGE. kv_advance commits nothing while *err != 0, so a failed step never
-//    becomes visible; the host turns the flag into an exception at its next sync.
+//    (kv_input_limit) KV_ERR_RANGE. kv_advance does not commit a slot whose status is set,
+//    so its failed step never becomes visible, and commits the others; the host turns the
+//    bits into an exception naming the slots at its next sync, and clears them.
+// 4. active (int32[M], or null for every slot): with slot < 0, a slot whose entry is 0 is
+//    neither written nor committed (idle slots of a replayed graph).
 #include "common.cuh"
 
 #define WARP 32
@@ -68,15 +72,16 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
 // Appends one step to one layer.
 //   k_in, v_in [R][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
 //   k_codes, v_codes [M][Hkv][N][D] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
-//   lengths int32[M] (read only), err int32 (OR'ed)
-//   slot < 0: R = M, row r goes to slot r at position lengths[r]
+//   lengths int32[M] (read only), status int32[M] (OR'ed), active int32[M] or null
+//   slot < 0: R = M, row r goes to slot r at position lengths[r] (when active[r] != 0)
 //   slot >= 0: R = T rows go to slot `slot` at positions lengths[slot] + r
-// One warp per head row: warps [0, R*Hkv) write K, [R*Hkv, 2*R*Hkv) write V.
+// One warp per head row: warps [0, R*Hkv) write K, [R*Hkv, 2*R*Hkv) write V. Every value a
+// warp branches on is the same in all its lanes (one slot per warp).
 extern "C" __global__ void kv_append(
         const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
         long long s_r, long long s_h,
         void* k_codes, void* v_codes, void* k_scales, void* v_scales,
-        const int* __restrict__ lengths, int* err,
+        const int* __restrict__ lengths, int* status, const int* __restrict__ active,
         int fmt, int M, int Hkv, int N, int D, int slot, int T) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
@@ -84,23 +89,18 @@ extern "C" __global__ void kv_append(
     const long long rows = (long long)R * Hkv;
     if (warp >= 2 * rows) return;
 
-    // Capacity: the whole step or nothing, so every warp checks every slot it touches.
-    bool full = false;
-    if (slot < 0) {
-        for (int s = lane; s < M; s += WARP) full |= lengths[s] >= N;
-    } else {
-        full = lengths[slot] > N - T;
-    }
-    if (__any_sync(0xffffffffu, full)) {
-        if (warp == 0 && lane == 0) atomicOr(err, KV_ERR_CAPACITY);
-        return;
-    }
-
     const bool is_v = warp >= rows;
     const long long w = is_v ? warp - rows : warp;
     const int r = (int)(w / Hkv), h = (int)(w % Hkv);
     const int s = slot < 0 ? r : slot;
-    const int pos = lengths[s] + (slot < 0 ? 0 : r);
+    if (slot < 0 && active != nullptr && active[s] == 0) return;
+    // Capacity of this warp's slot only (the T rows of one slot: all of them or none).
+    const int len = lengths[s];
+    if (slot < 0 ? len >= N : len > N - T) {
+        if (lane == 0 && h == 0 && !is_v && (slot < 0 || r == 0)) atomicOr(&status[s], KV_ERR_CAPACITY);
+        return;
+    }
+    const int pos = len + (slot < 0 ? 0 : r);
     const long long row = ((long long)s * Hkv + h) * N + pos;
 
     const int cb = kv_code_bytes(fmt);
@@ -110,27 +110,25 @@ extern "C" __global__ void kv_append(
     char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
     const void* in = is_v ? v_in : k_in;
     const int refused = encode_row(in, in_dtype, r * s_r + h * s_h, D, fmt, codes, scales, lane);
-    if (refused && lane == 0) atomicOr(err, refused);
+    if (refused && lane == 0) atomicOr(&status[s], refused);
 }
 
-// Commits a step: slot < 0: lengths[s] += 1 for every slot; slot >= 0: lengths[slot] += T.
-//   lengths int32[M] (read/write), err int32 (read; OR'ed with KV_ERR_CAPACITY)
-// Commits nothing when *err != 0 or when a slot would pass N. One block.
-extern "C" __global__ void kv_advance(int* lengths, int* err, int M, int N, int slot, int T) {
-    bool full = false;
+// Commits a step: slot < 0: lengths[s] += 1 for every active slot; slot >= 0:
+// lengths[slot] += T.
+//   lengths int32[M] (read/write), status int32[M] (read; OR'ed with KV_ERR_CAPACITY),
+//   active int32[M] or null (slot < 0 only)
+// A slot whose status is set, or that would pass N (then KV_ERR_CAPACITY), is not
+// committed; the others are. One block.
+extern "C" __global__ void kv_advance(int* lengths, int* status, const int* active,
+                                      int M, int N, int slot, int T) {
     if (slot < 0) {
-        for (int s = threadIdx.x; s < M; s += blockDim.x) full |= lengths[s] >= N;
-    } else if (threadIdx.x == 0) {
-        full = lengths[slot] > N - T;
-    }
-    const int flag = *(volatile int*)err;
-    if (__syncthreads_or(full) || flag != 0) {
-        if (threadIdx.x == 0 && flag == 0) atomicOr(err, KV_ERR_CAPACITY);
-        return;
-    }
-    if (slot < 0) {
-        for (int s = threadIdx.x; s < M; s += blockDim.x) lengths[s] += 1;
-    } else if (threadIdx.x == 0) {
-        lengths[slot] += T;
+        for (int s = threadIdx.x; s < M; s += blockDim.x) {
+            if ((active != nullptr && active[s] == 0) || status[s] != 0) continue;
+            if (lengths[s] >= N) status[s] |= KV_ERR_CAPACITY;
+            else lengths[s] += 1;
+        }
+    } else if (threadIdx.x == 0 && status[slot] == 0) {
+        if (lengths[slot] > N - T) status[slot] |= KV_ERR_CAPACITY;
+        else lengths[slot] += T;
     }
 }

@@ -2,9 +2,9 @@
 
 Public API; everything else lives behind a leading underscore.
 """
-from .errors import (CapacityError, CudaError, DTypeError, FormatError, KVCacheError,
-                     NonFiniteError, OutOfRangeError, RangeError, ShapeError, SnapshotError,
-                     SpecError, StateError)
+from .errors import (CapacityError, ChunkError, CudaError, DTypeError, FormatError,
+                     KVCacheError, NonFiniteError, OutOfRangeError, RangeError, ShapeError,
+                     SnapshotError, SpecError, StateError, StoreError)
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
@@ -13,14 +13,18 @@ from ._parallel import max_threads, openmp_enabled, set_num_threads
 from .quant import dequantize, quantize
 from .snapshot import Snapshot, load_snapshot
 from .attention import apply_rope, decode_attention, merge_attention
+from .store import DirectoryBackend, KVStore, RedisBackend, StoreWriter
+from .rope import rope_frequencies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
     "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
-    "StateError", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
+    "StateError", "StoreError", "ChunkError", "KVStore", "DirectoryBackend", "RedisBackend",
+    "StoreWriter", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
     "KVPool",
     "max_threads", "openmp_enabled", "set_num_threads", "quantize", "dequantize",
-    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope", "__version__",
+    "Snapshot", "load_snapshot", "decode_attention", "merge_attention", "apply_rope",
+    "rope_frequencies", "__version__",
 ]

@@ -297,8 +297,8 @@ def merge_attention(o1: AnyArray, lse1: AnyArray, o2: AnyArray,
 
 
 def apply_rope(x: OutArray, positions: int | Sequence[int] | AnyArray, *,
-               theta: float = 10000.0, style: str = "neox",
-               rotary_dim: int | None = None) -> OutArray:
+               theta: float = 10000.0, style: str = "neox", rotary_dim: int | None = None,
+               inv_freq: AnyArray | None = None, attention_factor: float = 1.0) -> OutArray:
     """Rotary position embedding, in place.
 
     x: float32, shape [T, H, D] with positions an int array [T], or [H, D] with one int
@@ -307,6 +307,11 @@ def apply_rope(x: OutArray, positions: int | Sequence[int] | AnyArray, *,
     (adjacent), R = rotary_dim (default D, even, <= D); dims past R are left alone. Pair i
     turns by position * theta^(-2i/R) (theta a finite positive number), the angle
     computed in float64. Returns x. A refused call leaves x untouched.
+    inv_freq: float64 [R/2], finite, >= 0: a model's own table (Llama 3, linear, dynamic
+    NTK, YaRN, LongRoPE scaling: kvcore.rope_frequencies) used instead of theta; pair i
+    turns by position * inv_freq[i] and R defaults to 2 * len(inv_freq).
+    attention_factor: a finite positive number the R rotated dims are multiplied by, as
+    transformers multiplies cos and sin (YaRN, LongRoPE).
     """
     a = check_ndarray("x", x)
     check_dtype("x", a, [np.float32])
@@ -318,7 +323,8 @@ def apply_rope(x: OutArray, positions: int | Sequence[int] | AnyArray, *,
     if style not in ROPE_STYLES:
         raise FormatError(f"unknown rope style {style!r}: expected 'neox' or 'norm'")
     D = a.shape[-1]
-    R = D if rotary_dim is None else rotary_dim
+    freq = None if inv_freq is None else check_ndarray("inv_freq", inv_freq)
+    R = rotary_dim if rotary_dim is not None else D if freq is None else 2 * _len(freq)
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
     theta = _check_theta(theta)
@@ -340,9 +346,41 @@ def apply_rope(x: OutArray, positions: int | Sequence[int] | AnyArray, *,
         idx = np.unravel_index(int(np.argmin(finite)), a.shape)
         where = ", ".join(str(int(i)) for i in idx)
         raise NonFiniteError(f"non-finite value in x: x[{where}] = {a[idx]!s}")
-    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64),
-                    _inv_freq(theta, int(R)), style == "neox")
+    table = _inv_freq(theta, int(R)) if freq is None else _check_inv_freq(freq, int(R))
+    _check_attention_factor(attention_factor, x3[..., :R])
+    _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64), table,
+                    style == "neox")
+    if attention_factor != 1:
+        x3[..., :R] *= np.float32(attention_factor)
     return x
+
+
+def _len(inv_freq: np.ndarray) -> int:
+    return inv_freq.shape[0] if inv_freq.ndim == 1 else 0
+
+
+def _check_inv_freq(inv_freq: np.ndarray, rotary_dim: int) -> np.ndarray:
+    check_dtype("inv_freq", inv_freq, [np.float64])
+    check_shape("inv_freq", inv_freq, [rotary_dim // 2])
+    if not (np.isfinite(inv_freq).all() and (inv_freq >= 0).all()):
+        raise NonFiniteError("inv_freq must be finite and >= 0")
+    return np.ascontiguousarray(inv_freq)
+
+
+def _check_attention_factor(factor: object, rotated: np.ndarray) -> None:
+    """A finite positive number that keeps the rotated dims (|pair| <= sqrt(2) max|x|)
+    inside float32."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"invalid type of attention_factor: expected float, got "
+                         f"{type(factor).__name__}")
+    if not (math.isfinite(factor) and factor > 0):
+        raise RangeError(f"attention_factor must be a finite positive number, got {factor!r}")
+    if factor <= 1 or not rotated.size:
+        return
+    top = float(np.abs(rotated).max())
+    if math.sqrt(2) * top * factor > float(np.finfo(np.float32).max):
+        raise RangeError(f"attention_factor {factor!r} times |x| up to {top:.4g} passes the "
+                         f"float32 range (3.4028235e+38)")
 
 
 _INT64_MAX = np.iinfo(np.int64).max

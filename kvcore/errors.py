@@ -51,6 +51,17 @@ class SnapshotError(KVCacheError, ValueError):
     """A snapshot (object or file) is corrupt, inconsistent or does not fit the cache."""
 
 
+class StoreError(KVCacheError, OSError):
+    """A chunk store's backend failed: a server that cannot be reached or answered with an
+    error, a directory that cannot be read or written. The message names the backend (the
+    server's address or the directory) and the operation."""
+
+
+class ChunkError(KVCacheError, ValueError):
+    """A stored chunk value is truncated, corrupt, of another format or version, or does
+    not match its key, model, shapes or tokens (a chunk store reports it as a miss)."""
+
+
 class CudaError(KVCacheError, RuntimeError):
     """A CUDA driver call failed; the message names the call and the CUresult."""
 
@@ -58,5 +69,5 @@ class CudaError(KVCacheError, RuntimeError):
 __all__ = [
     "KVCacheError", "SpecError", "FormatError", "ShapeError", "DTypeError",
     "NonFiniteError", "CapacityError", "OutOfRangeError", "RangeError", "StateError",
-    "SnapshotError", "CudaError",
+    "SnapshotError", "StoreError", "ChunkError", "CudaError",
 ]

@@ -56,7 +56,8 @@ _DIGESTS: dict[str, Callable[[], _Hash]] = {"sha256": hashlib.sha256,
 _MAX_HEADER_BYTES = 16 * 2**20  # ours take ~1 KiB; a larger length field is a lie
 _DATA_ALIGN = 64  # the tensor data starts at a multiple of this offset in the file
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-              np.dtype(np.uint16): "U16", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8"}
+              np.dtype(np.uint16): "U16", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8",
+              np.dtype(np.int64): "I64"}  # I64: the token ids of store chunks
 _SPEC_KEYS = ("num_layers", "num_kv_heads", "head_dim", "capacity", "num_heads")
 _UINT = re.compile(r"0|[1-9][0-9]{0,18}")
 _PARALLEL_HASH_BYTES = 1 << 20  # below this, hashing on worker threads costs more than it saves

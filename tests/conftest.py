@@ -1,26 +1,127 @@
-"""Shared fixtures. Tests marked `gpu` skip cleanly where no device is usable;
-the device is asked about once, when the first such test runs, never at import."""
+"""Shared fixtures, and where `gpu`-marked tests run (`--gpu`, printed in the header):
+
+  auto    a real device when cuda-python finds one, else the emulator (kvcore.gpu.use_emulator)
+          when a C++ compiler exists, else off (the default)
+  device  a real device; gpu tests fail without one
+  emu     the emulator: kvcore's CUDA kernels compiled for the CPU, the emulated driver
+  off     gpu tests skip
+
+The choice is made once, at session start; the device is asked about then, never at import.
+Under the emulator, every gpu test must leave nothing live that it created (device memory,
+streams, events, graphs), checked after its teardown; `device`-marked tests need third-party
+CUDA arrays (torch, CuPy) and a real device, and skip under the emulator.
+"""
 import functools
+import gc
+import os
 import zlib
 
 import numpy as np
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu", choices=("auto", "device", "emu", "off"), default="auto",
+                     help="where gpu-marked tests run: a real device, the CPU emulator, or off "
+                          "(auto: a device when usable, else the emulator)")
+    parser.addoption("--gpu-seed", type=int, default=0,
+                     help="seed of the emulator's thread shuffling (use_emulator(seed=...))")
+
+
 @functools.cache
-def _gpu_reason() -> str | None:
-    try:
+def _real_device() -> bool:
+    from kvcore import gpu
+    return not gpu.using_emulator() and gpu.is_available()
+
+
+def _compiler() -> str | None:
+    from kvcore.gpu._emu import kernels
+    return kernels.compiler()
+
+
+@functools.cache
+def _mode(option: str) -> tuple[str, str | None]:
+    """(mode, reason): mode "device", "emu" or "off"; the reason gpu tests cannot run."""
+    if option in ("auto", "device") and _real_device():
+        return "device", None
+    if option == "device":
+        return "device", "--gpu=device, but no usable CUDA device (cuda-python, driver or GPU missing)"
+    if option in ("auto", "emu") and _compiler():
+        return "emu", None
+    if option == "off":
+        return "off", "--gpu=off"
+    return "off", "no usable CUDA device and no C++ compiler for the emulator"
+
+
+def pytest_report_header(config):
+    mode, reason = _mode(config.getoption("--gpu"))
+    if mode == "emu":
+        return (f"gpu: emu (kvcore.gpu.use_emulator: CPU kernels built by {_compiler()}, "
+                f"seed {config.getoption('--gpu-seed')})")
+    if mode == "device" and reason is None:
         from kvcore import gpu
-    except ImportError as e:  # the GPU layer itself failed to import
-        return f"kvcore.gpu unavailable: {e}"
-    return None if gpu.is_available() else "no usable CUDA device (cuda-python, driver or GPU missing)"
+        ctx = gpu.Context.get()
+        return f"gpu: device ({ctx.name}, cc {ctx.compute_capability[0]}.{ctx.compute_capability[1]})"
+    return f"gpu: {mode} ({reason})"
+
+
+_emulator_started = False
+_LEAK_MARK = pytest.StashKey[int]()
+
+
+def _start_emulator(config) -> None:
+    """use_emulator once per session, and every emulated kernel module built up front."""
+    global _emulator_started
+    if not _emulator_started:
+        from kvcore import gpu
+        from kvcore.gpu._emu import kernels
+        gpu.use_emulator(seed=config.getoption("--gpu-seed"))
+        kernels.build_all()
+        _emulator_started = True
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker("gpu") is not None:
-        reason = _gpu_reason()
-        if reason:
-            pytest.skip(reason)
+    if item.get_closest_marker("gpu") is None:
+        return
+    mode, reason = _mode(item.config.getoption("--gpu"))
+    if reason is not None:
+        if mode == "device":
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    if mode == "emu":
+        if item.get_closest_marker("device") is not None:
+            pytest.skip("needs CUDA arrays of torch/CuPy, which exist on a real device only")
+        _start_emulator(item.config)
+        from kvcore.gpu._emu import driver as emu
+        item.stash[_LEAK_MARK] = emu.live_serial()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and not report.passed:
+        item.stash[_LEAK_MARK] = None  # a failed test's leftovers are not reported twice
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    serial = item.stash.get(_LEAK_MARK, None)
+    if serial is None:
+        return result
+    from kvcore import gpu
+    from kvcore.gpu._emu import driver as emu
+    gc.collect()
+    # kvcore's per-context cache (the event order_after reuses) belongs to no test
+    cached = {int(c.order_event._handle) for c in gpu.Context._contexts.values()
+              if c.order_event is not None and c.order_event._handle is not None}
+    leaked = [x for x in emu.leaks_since(serial) if x.handle not in cached]
+    if leaked:
+        lines = "\n  ".join(str(x) for x in leaked)
+        pytest.fail(f"the test left {len(leaked)} emulated GPU resource(s) live:\n  {lines}",
+                    pytrace=False)
+    return result
 
 
 @pytest.fixture
@@ -29,3 +130,56 @@ def rng(request):
     in every run (a CRC, not hash(), which Python salts per process)."""
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------ Redis servers
+# Tests that need a server take these fixtures. In CI (CI=true) a server that cannot be
+# started fails them; elsewhere a machine without redis-server skips them, saying so.
+
+def _server_binaries():
+    from _servers import binaries
+    found = binaries()
+    if found is None:
+        reason = ("no redis-server (or valkey-server) on PATH: the README's test command "
+                  "installs Debian's redis-server package")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return found
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One redis-server for the session: Server (.url, .port)."""
+    from _servers import Server
+    server = Server(_server_binaries()[0], str(tmp_path_factory.mktemp("redis")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A three-master Redis Cluster for the session: Cluster (.url, .nodes)."""
+    from _servers import Cluster
+    binary, cli = _server_binaries()
+    cluster = Cluster(binary, cli, str(tmp_path_factory.mktemp("cluster")))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    """Starts servers of the test's own (to kill or to configure), stopped after it:
+    start(*args) a redis-server with extra arguments, start(cluster=True) a cluster."""
+    from _servers import Cluster, Server
+    binary, cli = _server_binaries()
+    started = []
+
+    def start(*args, cluster=False):
+        workdir = str(tmp_path / f"redis{len(started)}")
+        started.append(Cluster(binary, cli, workdir) if cluster
+                       else Server(binary, workdir, args=args))
+        return started[-1]
+    yield start
+    for s in started:
+        s.stop()

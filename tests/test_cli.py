@@ -38,6 +38,11 @@ def test_demo_reports_a_mismatch(rng, monkeypatch):
     assert _demo.run_format("int8", keys, vals, layers=1, capacity=4)[5] == "MISMATCH"
 
 
+def test_demo_store_round_trip_is_bit_identical():
+    row = _demo.store_demo(layers=2, prompt=3 * 16 + 5, chunk=16, fmt="q8_0")
+    assert row[:2] == [48, 3] and row[-1] == "bit-identical"
+
+
 def test_demo_serving_counts_pages_of_the_running_requests():
     requests = [(40, 3), (5, 6), (17, 2)]
     rows = _demo.serve(requests, layers=2, capacity=64, every=2, page_size=8, batch=2)

@@ -70,7 +70,8 @@ def dequantize(codes, scales, fmt):
         return x
     s = scales.astype(np.float64)
     if f.name == "q8_0":
-        return (x.reshape(*x.shape[:-1], -1, 32) * s[..., None]).reshape(x.shape)
+        # explicit block count: a -1 cannot be inferred for an empty slot (size 0)
+        return (x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32) * s[..., None]).reshape(x.shape)
     return x * s
 
 
@@ -287,8 +288,10 @@ def test_plan_validation(rng):
     with pytest.raises(StateError, match="make a new plan"):
         plan.run(q, out, 0)
     cache.free()
+    cache = GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1)
     with pytest.raises(FormatError, match="head_dim 64, 128 or 256"):
-        AttentionPlan(GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1))
+        AttentionPlan(cache)
+    cache.free()
 
 
 @pytest.mark.gpu

@@ -69,7 +69,7 @@ def test_layout_arithmetic(fmt, slots):
         assert lay.slot_offset("v_codes", 2, s) == off["v_codes"] + want
     m = lay.meta_offsets
     assert m["v_codes"] == 3 * slots * 8 and m["lengths"] == 4 * 3 * slots * 8
-    assert m["error"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["error"] + 4
+    assert m["status"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["status"] + 4 * slots
     assert lay.total_bytes == lay.data_bytes + lay.meta_bytes
 
 
@@ -140,3 +140,20 @@ def test_build_ptx_check():
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check"],
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):
+    # a non-editable install must be able to build the emulated kernels: every PTX, .cu,
+    # .cuh and the emulator's headers land in kvcore/_cuda/, the emulator's package beside
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    cuda = os.path.join(ROOT, "cuda")
+    assert os.path.isdir(os.path.join(cuda, "emu")), "cuda/emu/ (the emulator's headers) is missing"
+    wanted = [os.path.relpath(os.path.join(d, f), cuda) for d, _, files in os.walk(cuda) for f in files
+              if f.endswith((".ptx", ".cu", ".cuh")) or os.path.basename(d) == "emu"]
+    assert len([w for w in wanted if w.endswith(".ptx")]) == 10
+    missing = [w for w in wanted if not os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", w))]
+    assert not missing, missing
+    for module in ("__init__.py", "driver.py", "ptx.py", "kernels.py"):
+        assert os.path.isfile(os.path.join(tmp_path, "kvcore", "gpu", "_emu", module)), module

@@ -351,3 +351,13 @@ def test_dlpack_path_ignores_other_modules_ctypes_settings(monkeypatch):
                             [ctypes.c_void_p, ctypes.c_char_p])
     t = torch.arange(6, dtype=torch.float32).to(torch.bfloat16)
     assert check_ndarray("k", t).astype(np.float32).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_token_ids_from_a_tensor():
+    """Prefix keys (the chunk store's) take input ids as a torch tensor like a list."""
+    from kvcore._prefix_keys import token_array
+    ids = [5, 0, 2**40, 7]
+    for tokens in (torch.tensor(ids), torch.tensor([x for i in ids for x in (i, 1)])[::2], np.array(ids)):
+        np.testing.assert_array_equal(token_array(tokens), np.array(ids, np.int64))
+    with pytest.raises(DTypeError, match="expected a 1-D integer array"):
+        token_array(torch.zeros(3))

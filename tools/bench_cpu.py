@@ -1,6 +1,6 @@
 """CPU benchmarks, every section against peers measured in the same run.
 
-    python tools/bench_cpu.py [--only step,quant,attention,snapshot,pool,accuracy] [--plot DIR]
+    python tools/bench_cpu.py [--only step,quant,attention,snapshot,pool,store,accuracy] [--plot DIR]
 
 step: one decode step (append one position of K and V, [8, 128] float32, to each of 32
 layers, then advance) in KVCache against a preallocated numpy cache written by slice
@@ -159,7 +159,8 @@ def bench_step() -> None:
 
 
 SECTIONS = {"step": bench_step, "quant": "bench_quant", "attention": "bench_attention",
-            "snapshot": "bench_snapshot", "pool": "bench_pool", "accuracy": "bench_accuracy"}
+            "snapshot": "bench_snapshot", "pool": "bench_pool", "store": "bench_store",
+            "accuracy": "bench_accuracy"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,18 +52,24 @@ def capture(fn, stream: gpu.Stream):
     """fn's launches on `stream` captured into an instantiated graph; returns a replay
     function and a destroy function."""
     drv = driver.cuda()
-    driver.call("cuStreamBeginCapture", stream.handle,
-                drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
-        fn()
-    finally:
-        graph = driver.call("cuStreamEndCapture", stream.handle)
-    exe = driver.call("cuGraphInstantiate", graph, 0)
+    with stream.ctx:
+        driver.call("cuStreamBeginCapture", stream.handle,
+                    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        try:
+            fn()
+        finally:
+            graph = driver.call("cuStreamEndCapture", stream.handle)
+        exe = driver.call("cuGraphInstantiate", graph, 0)
 
     def destroy():
-        driver.call("cuGraphExecDestroy", exe)
-        driver.call("cuGraphDestroy", graph)
-    return (lambda: driver.call("cuGraphLaunch", exe, stream.handle)), destroy
+        with stream.ctx:
+            driver.call("cuGraphExecDestroy", exe)
+            driver.call("cuGraphDestroy", graph)
+
+    def replay():
+        with stream.ctx:
+            driver.call("cuGraphLaunch", exe, stream.handle)
+    return replay, destroy
 
 
 def bench_append() -> None:
@@ -87,10 +93,11 @@ def bench_append() -> None:
             cache.advance()
 
         def copy():
-            for l in range(L):
-                driver.call("cuMemcpyDtoDAsync", driver.cuda().CUdeviceptr(dst.ptr + l * layer_bytes),
-                            driver.cuda().CUdeviceptr(buf.ptr + l * layer_bytes), layer_bytes,
-                            cache.stream.handle)
+            with cache.ctx:
+                for l in range(L):
+                    driver.call("cuMemcpyDtoDAsync", driver.cuda().CUdeviceptr(dst.ptr + l * layer_bytes),
+                                driver.cuda().CUdeviceptr(buf.ptr + l * layer_bytes), layer_bytes,
+                                cache.stream.handle)
 
         def times(fn):
             return lambda: [fn() for _ in range(steps)]

@@ -36,13 +36,13 @@ stage() {  # stage NAME COMMAND...: runs it, tees its log, records pass/fail and
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.log"
 stage build python3 setup.py build_ext --inplace -q
-stage gpu-tests python3 -m pytest -m gpu -x -q -p no:cacheprovider "${TESTS[@]}"
+stage gpu-tests python3 -m pytest -m gpu --gpu=device -x -q -p no:cacheprovider "${TESTS[@]}"
 stage bench python3 tools/bench_gpu.py
 stage memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-    python3 -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}"
+    python3 -m pytest -m gpu --gpu=device -q -p no:cacheprovider "${TESTS[@]}"
 if [[ $RACECHECK -eq 1 ]]; then
     stage racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}"
+        python3 -m pytest -m gpu --gpu=device -q -p no:cacheprovider "${TESTS[@]}"
 fi
 
 echo

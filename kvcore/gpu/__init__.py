@@ -6,15 +6,20 @@ never needs cuda-python or a GPU; `is_available()` says whether one is usable).
         cache = gpu.GpuKVCache(spec, slots=64)
         cache.append(layer, k, v)      # k, v: device [M, Hkv, D] float32/float16/bfloat16
         cache.advance()
-        cache.check()                  # raises CapacityError / NonFiniteError from the device flag
+        cache.check()                  # raises CapacityError / NonFiniteError naming the slots
 
-See docs/gpu.md for layouts, the error flag and graph capture.
+Without a GPU, `gpu.use_emulator()` runs the same code on the CPU: kvcore's CUDA kernels
+compiled by the host C++ compiler, under an emulated driver with the real driver's rules.
+
+See docs/gpu.md for layouts, per-slot status, streams, contexts, graph capture and the
+emulator.
 """
 from .attention import AttentionPlan, apply_rope, decode_attention
 from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
 from .driver import Context, CudaError, Event, Stream, is_available
 from .graph import DecodeGraph
 from .memory import DeviceArray, DeviceBuffer, as_device_array
+from ._emu import use_emulator, using_emulator
 
 
 def live_bytes(device: int = 0) -> int:
@@ -24,4 +29,5 @@ def live_bytes(device: int = 0) -> int:
 
 
 __all__ = ["AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache",
-           "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes"]
+           "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes",
+           "use_emulator", "using_emulator"]

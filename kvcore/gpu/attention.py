@@ -34,6 +34,7 @@ THREADS = 128               # threads per block of the split kernel
 TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
 MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions
 MAX_SPLITS = 256
+MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
 _INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _ROPE_STYLES = {"norm": 0, "neox": 1}
 _LOG2E = 1.4426950408889634
@@ -76,15 +77,13 @@ def _input_dtype_id(name: str, x: DeviceArray) -> int:
                          f"got {x.dtype}") from None
 
 
-def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...], ctx) -> None:
+def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...]) -> None:
     if x.shape != shape:
         raise ShapeError(f"invalid shape of {name}: expected [{', '.join(map(str, shape))}], "
                          f"got [{', '.join(map(str, x.shape))}]")
     if not x.is_c_contiguous:
         raise ShapeError(f"invalid layout of {name}: expected C-contiguous, got strides "
                          f"{list(x.strides)} bytes")
-    if x.ctx is not ctx:
-        raise ShapeError(f"invalid device of {name}: expected the cache's device {ctx.ordinal}")
 
 
 class AttentionPlan:
@@ -105,9 +104,14 @@ class AttentionPlan:
         if q_dtype not in _INPUT_DTYPES:
             raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
         self.cache = cache
+        self.ctx = cache.ctx
         self.generation = cache.generation
         self.q_dtype = q_dtype
         M, Hkv, Hq, D = cache.slots, spec.num_kv_heads, spec.num_heads, spec.head_dim
+        if M > MAX_GRID_Z:
+            raise ShapeError(f"GPU decode attention takes at most {MAX_GRID_Z} slots (they are "
+                             f"the grid's z dimension), the cache has {M}: split the batch "
+                             f"over several caches")
         self.shape = (M, Hq, D)
         self.group = spec.group_size
         self.gb = heads_per_block(self.group)
@@ -118,7 +122,8 @@ class AttentionPlan:
         self._fn = kernels.function(f"attention_{spec.format}",
                                     f"kv_attn_{spec.format}_d{D}_g{self.gb}", ctx)
         self._fn_merge = kernels.function("attention", "kv_attn_merge", ctx)
-        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
+        with ctx:
+            per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
         self.resident = max(1, per_sm) * ctx.sm_count
         self.blocks = M * Hkv * (self.group // self.gb)
         bound = spec.capacity if max_length is None else check_index("max_length", max_length, spec.capacity + 1)
@@ -140,20 +145,23 @@ class AttentionPlan:
     def workspace_bytes(self) -> int:
         return 0 if self._ws is None else self._ws.nbytes
 
+    @driver.in_context
     def run(self, q, out, layer: int, *, pending: int = 0, stream=None) -> None:
         """out = softmax(scale * q K^T) V per slot and query head, for `layer` (launch only;
         capturable). q: [M, Hq, D] of the plan's q_dtype, C-contiguous; out: [M, Hq, D]
         float32, C-contiguous. pending: 0 or 1 uncommitted positions to include."""
         c = self.cache
+        if self.freed:
+            raise StateError("use of a freed AttentionPlan: make a new plan")
         if c.freed or c.generation != self.generation:
             raise StateError("the plan's GpuKVCache was freed or reallocated: make a new plan")
         layer = check_index("layer", layer, c.spec.num_layers)
         pending = check_index("pending", pending, 2)
         st = c.stream if stream is None else stream
-        q = as_device_array(q, "q", stream=st)
-        out = as_device_array(out, "out", stream=st)
-        _check_array("q", q, self.shape, c.ctx)
-        _check_array("out", out, self.shape, c.ctx)
+        q = as_device_array(q, "q", stream=st, ctx=c.ctx)
+        out = as_device_array(out, "out", stream=st, ctx=c.ctx)
+        _check_array("q", q, self.shape)
+        _check_array("out", out, self.shape)
         if q.dtype.name != self.q_dtype:
             raise DTypeError(f"invalid dtype of q: expected {self.q_dtype} (the plan's q_dtype), got {q.dtype}")
         if out.dtype != np.float32:
@@ -181,9 +189,15 @@ class AttentionPlan:
                 (self._ws_o, None), (self._ws_lse, None), (out_ptr, None),
                 (ns, ctypes.c_int), (D, ctypes.c_int),
             ], stream=stream)
+        c.launched_on(stream)
+
+    @property
+    def freed(self) -> bool:
+        return self.generation == -1
 
     def free(self) -> None:
-        """Releases the workspace (idempotent); the plan cannot run afterwards."""
+        """Releases the workspace (idempotent); the plan cannot run afterwards, nor a
+        DecodeGraph that captured it replay."""
         if self._ws is not None:
             self._ws.free()
         self.generation = -1
@@ -198,8 +212,13 @@ def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale:
     """One-off decode attention (plans, allocates `out` when None, runs, keeps no plan).
     Not capturable (it allocates): inside graphs use an AttentionPlan. Returns out, a
     DeviceArray float32 [M, Hq, D] when allocated here."""
+    with cache.ctx:
+        return _decode_attention(q, cache, layer, out, pending, scale, stream)
+
+
+def _decode_attention(q, cache, layer, out, pending, scale, stream):
     st = cache.stream if stream is None else stream
-    qa = as_device_array(q, "q", stream=st)
+    qa = as_device_array(q, "q", stream=st, ctx=cache.ctx)
     name = qa.dtype.name
     if name not in _INPUT_DTYPES:
         raise DTypeError(f"invalid dtype of q: expected float32, float16 or bfloat16, got {qa.dtype}")
@@ -239,7 +258,7 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
         if x is None:
             args += [(0, None), (0, ctypes.c_int), (0, ctypes.c_longlong), (0, ctypes.c_longlong), (0, ctypes.c_int)]
             continue
-        a = as_device_array(x, name, stream=st)
+        a = as_device_array(x, name, stream=st, ctx=cache.ctx)
         dt = _input_dtype_id(name, a)
         isz = a.dtype.itemsize
         if a.shape != (cache.slots, heads, s.head_dim):
@@ -251,7 +270,9 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
         args += [(a.ptr, None), (dt, ctypes.c_int), (a.strides[0] // isz, ctypes.c_longlong),
                  (a.strides[1] // isz, ctypes.c_longlong), (heads, ctypes.c_int)]
     fn = kernels.function("rope", "kv_rope", cache.ctx)
-    driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
-        (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
-        (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
-    ], stream=st)
+    with cache.ctx:
+        driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
+            (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
+            (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
+        ], stream=st)
+        cache.launched_on(st)

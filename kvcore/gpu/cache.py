@@ -6,14 +6,17 @@
        scales [L][M][Hkv][N][S]  scale dtype     (S = 0: the scale regions are empty)
    and one small metadata allocation: per layer the M slot base pointers of K codes, V codes,
    K scales, V scales (uint64 [L][M] each; 0 for formats without scales), the lengths
-   int32[M] and the error flag int32. Addresses never change while the cache lives.
+   int32[M] and the per-slot status int32[M]. Addresses never change while the cache lives.
 2. Launch path (graph-capturable, no sync): `append` quantizes on the device at the write
-   position read from the device lengths; `advance` commits. Errors set the device flag
-   (capacity: nothing written; a refused row: step not committed).
+   position read from the device lengths; `advance` commits. Errors set the slot's device
+   status (capacity: nothing written to that slot; a refused row: that slot's step not
+   committed); the other slots go on. `active` (device int32[M]) leaves slots alone.
 3. Sync path (refuses while capturing): `check`/`synchronize`, `length`, `truncate`,
-   `reset`, `scatter`, `snapshot`, `restore`; each turns a set flag into CapacityError,
-   NonFiniteError or FormatError (a value past the format's range, as on the CPU) and
-   clears it.
+   `reset`, `scatter`, `snapshot`, `restore`; each first waits for the cache's stream and
+   for every other stream kvcore launched work of this cache on (append/advance/attention/
+   RoPE with stream=, DecodeGraph replays: an event recorded after each); each turns a
+   set status into NonFiniteError, FormatError (a value past the format's range, as on
+   the CPU) or CapacityError naming the slots, and clears it.
 4. `generation` bumps on anything that moves an address (only `free()` here); graphs
    compare it before replay.
 """
@@ -36,7 +39,9 @@ from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 ALIGN = 256
-ERR_CAPACITY, ERR_NONFINITE, ERR_RANGE = 1, 2, 4  # bits of the device error flag (cuda/common.cuh)
+ERR_CAPACITY, ERR_NONFINITE, ERR_RANGE = 1, 2, 4  # bits of a slot's device status (cuda/common.cuh)
+_REASONS = ((ERR_NONFINITE, "non-finite input (NaN or inf)"), (ERR_RANGE, "a value out of range of format {fmt}"),
+            (ERR_CAPACITY, "capacity {cap} reached"))
 _APPEND_WARPS = 8                   # warps per block of kv_append (one warp per head row)
 
 
@@ -98,16 +103,16 @@ class GpuLayout:
         return 2 * _align(self.code_region_bytes) + 2 * _align(self.scale_region_bytes)
 
     # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
-    # then lengths int32[M], then the error flag int32
+    # then lengths int32[M], then the status int32[M] (error bits per slot)
     @property
     def meta_offsets(self) -> dict[str, int]:
         table = self.spec.num_layers * self.slots * 8
         return {"k_codes": 0, "v_codes": table, "k_scales": 2 * table, "v_scales": 3 * table,
-                "lengths": 4 * table, "error": 4 * table + 4 * self.slots}
+                "lengths": 4 * table, "status": 4 * table + 4 * self.slots}
 
     @property
     def meta_bytes(self) -> int:
-        return self.meta_offsets["error"] + 4
+        return self.meta_offsets["status"] + 4 * self.slots
 
     @property
     def total_bytes(self) -> int:
@@ -152,7 +157,7 @@ class GpuKVCache:
       keys(layer), values(layer)             [M, Hkv, N, D] code dtype
       key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
       k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
-      lengths                                int32[M];  error_flag  int32[1]
+      lengths                                int32[M];  status  int32[M] (error bits per slot)
     """
 
     def __init__(self, spec: KVSpec, slots: int = 1, *, device: int = 0, stream=None):
@@ -164,25 +169,27 @@ class GpuKVCache:
         self.slots = int(slots)
         self.layout = GpuLayout(spec, self.slots)
         self.ctx = Context.get(device)
+        with self.ctx:
+            self._create(stream)
+
+    def _create(self, stream) -> None:
+        # kernels first: a driver that cannot load them leaves nothing behind
+        self._fn_append = kernels.function("kv_append", "kv_append", self.ctx)
+        self._fn_advance = kernels.function("kv_append", "kv_advance", self.ctx)
         driver.refuse_while_capturing("GpuKVCache()", *(() if stream is None else (stream,)))
         free, _ = self.ctx.mem_get_info()
         if self.layout.total_bytes > free:
-            fit = max_slots_for_memory(spec, free)
+            fit = max_slots_for_memory(self.spec, free)
             raise SpecError(f"GpuKVCache of {self.slots} slots needs {self.layout.total_bytes} bytes, "
                             f"the device has {free} free: at most {fit} slots fit")
         self._own_stream = stream is None
         self.stream = Stream.create(self.ctx) if stream is None else (
             stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
         self.generation = 0
+        self._pending: dict[int, driver.Event] = {}  # other streams launched on -> event after it
         self._data = DeviceBuffer.alloc(self.layout.data_bytes, ctx=self.ctx)
-        try:
-            self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
-        except BaseException:
-            self._data.free()
-            raise
+        self._meta = DeviceBuffer.alloc(self.layout.meta_bytes, ctx=self.ctx)
         self._meta.copy_from_host(self._host_meta())
-        self._fn_append = kernels.function("kv_append", "kv_append", self.ctx)
-        self._fn_advance = kernels.function("kv_append", "kv_advance", self.ctx)
 
     @classmethod
     def fit(cls, spec: KVSpec, reserve_bytes: int = 0, *, device: int = 0, stream=None) -> "GpuKVCache":
@@ -205,8 +212,10 @@ class GpuKVCache:
         for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
             if region.endswith("scales") and not self.spec.fmt.quantized:
                 continue
-            ptrs = np.array([[base + lay.slot_offset(region, l, s) for s in range(M)]
-                             for l in range(L)], np.uint64)
+            strides = lay.code_strides if region.endswith("codes") else lay.scale_strides
+            ptrs = (np.uint64(base + lay.offsets[region])
+                    + np.arange(L, dtype=np.uint64)[:, None] * np.uint64(strides[0])
+                    + np.arange(M, dtype=np.uint64)[None, :] * np.uint64(strides[1]))
             off = lay.meta_offsets[region]
             out[off:off + ptrs.nbytes] = ptrs.view(np.uint8).ravel()
         return out
@@ -241,7 +250,7 @@ class GpuKVCache:
         self._alive()
         layer = check_index("layer", layer, self.spec.num_layers)
         off = self.layout.meta_offsets[region] + layer * self.slots * 8
-        return self._meta.view((self.slots,), np.uint64, offset=off)
+        return self._meta.view((self.slots,), np.uint64, offset=off, producer=self)
 
     def k_ptrs(self, layer: int) -> DeviceArray:
         """Device uint64[M]: the K code base pointer of every slot of `layer`."""
@@ -261,13 +270,16 @@ class GpuKVCache:
     def lengths(self) -> DeviceArray:
         """Device int32[M]: committed positions of every slot (what graphs read)."""
         self._alive()
-        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["lengths"])
+        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["lengths"],
+                               producer=self)
 
     @property
-    def error_flag(self) -> DeviceArray:
-        """Device int32[1]: bit 1 capacity, bit 2 non-finite input; cleared by check()."""
+    def status(self) -> DeviceArray:
+        """Device int32[M]: per slot, bit 1 capacity, bit 2 non-finite input, bit 4 out of
+        the format's range; a slot with a bit set is not committed; cleared by check()."""
         self._alive()
-        return self._meta.view((1,), np.int32, offset=self.layout.meta_offsets["error"])
+        return self._meta.view((self.slots,), np.int32, offset=self.layout.meta_offsets["status"],
+                               producer=self)
 
     def _region_view(self, region: str, layer) -> DeviceArray:
         self._alive()
@@ -279,7 +291,8 @@ class GpuKVCache:
             if not f.quantized:
                 raise FormatError(f"format {self.spec.format} has no scales")
             shape, dtype, strides = lay.scale_shape[1:], f.scale_dtype, lay.scale_strides
-        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0])
+        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0],
+                               producer=self)
 
     def keys(self, layer: int) -> DeviceArray:
         """K codes of `layer`, every slot, full capacity: [M, Hkv, N, D] code dtype."""
@@ -302,7 +315,8 @@ class GpuKVCache:
 
     # ------------------------------------------------------------------ launch path
 
-    def append(self, layer: int, k, v, *, slot: int | None = None, stream=None) -> None:
+    @driver.in_context
+    def append(self, layer: int, k, v, *, slot: int | None = None, active=None, stream=None) -> None:
         """Quantizes k and v into `layer` at each slot's current length (no sync; capturable).
 
         k, v: device arrays (DeviceArray, CuPy, torch, anything with
@@ -310,8 +324,11 @@ class GpuKVCache:
         and dtype, last axis contiguous, other strides free:
           slot None: [M, Hkv, D], one position for every slot;
           slot s:    [T, Hkv, D], T positions for slot s.
-        Runs on `stream` (default: the cache's). Past capacity nothing is written and the
-        error flag is set; a non-finite row sets it too (the step will not commit).
+        active (slot None only): a device int32[M], 0 for a slot to leave alone (neither
+        written nor committed by advance(active=)); None: every slot. Graphs replay with
+        another set by rewriting it. Runs on `stream` (default: the cache's). A slot past
+        capacity gets nothing written and its status bit set; a non-finite or out-of-range
+        row sets its slot's bit too; that slot's step will not commit, the others' will.
         """
         self._alive()
         s = self.spec
@@ -319,8 +336,8 @@ class GpuKVCache:
         if slot is not None:
             slot = check_index("slot", slot, self.slots)
         st = self.stream if stream is None else stream
-        k = as_device_array(k, "k", stream=st)
-        v = as_device_array(v, "v", stream=st)
+        k = as_device_array(k, "k", stream=st, ctx=self.ctx)
+        v = as_device_array(v, "v", stream=st, ctx=self.ctx)
         rows = self.slots if slot is None else "T"
         expected = [rows, s.num_kv_heads, s.head_dim]
         for name, x in (("k", k), ("v", v)):
@@ -344,16 +361,19 @@ class GpuKVCache:
             (base + lay.slot_offset("v_codes", layer, 0), None),
             (base + lay.slot_offset("k_scales", layer, 0) if s.fmt.quantized else 0, None),
             (base + lay.slot_offset("v_scales", layer, 0) if s.fmt.quantized else 0, None),
-            (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["error"], None),
+            (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["status"], None),
+            (self._active_ptr(active, slot), None),
             (s.fmt.id, ctypes.c_int), (self.slots, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
             (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
         ], stream=st)
+        self.launched_on(st)
 
-    def advance(self, *, slot: int | None = None, steps: int = 1, stream=None) -> None:
-        """Commits a step (no sync; capturable): slot None: every slot's length += 1;
-        slot s: length[s] += steps. Commits nothing while the error flag is set or when a
-        slot would pass capacity (then sets the flag)."""
+    @driver.in_context
+    def advance(self, *, slot: int | None = None, steps: int = 1, active=None, stream=None) -> None:
+        """Commits a step (no sync; capturable): slot None: every (active) slot's length
+        += 1; slot s: length[s] += steps. A slot whose status is set is not committed; one
+        that would pass capacity neither (its capacity bit is set); the others are."""
         self._alive()
         if slot is None:
             if steps != 1:
@@ -364,38 +384,90 @@ class GpuKVCache:
                 raise ShapeError(f"invalid steps: expected 1 <= steps <= {self.spec.capacity}, got {steps!r}")
         meta, off = self._meta.ptr, self.layout.meta_offsets
         driver.launch(self._fn_advance, (1, 1, 1), (min(1024, _round32(self.slots)), 1, 1), [
-            (meta + off["lengths"], None), (meta + off["error"], None),
-            (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
+            (meta + off["lengths"], None), (meta + off["status"], None),
+            (self._active_ptr(active, slot), None), (self.slots, ctypes.c_int), (self.spec.capacity, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (int(steps), ctypes.c_int),
         ], stream=self.stream if stream is None else stream)
+        self.launched_on(stream)
+
+    def _active_ptr(self, active, slot) -> int:
+        """The device address of `active` (int32[M] on the cache's device), or 0 for None."""
+        if active is None:
+            return 0
+        if slot is not None:
+            raise ShapeError("invalid active: it selects slots of a step of every slot (slot=None)")
+        a = as_device_array(active, "active", ctx=self.ctx)
+        if a.shape != (self.slots,) or a.dtype != np.int32 or not a.is_c_contiguous:
+            raise ShapeError(f"invalid active: expected a contiguous int32 [{self.slots}], got "
+                             f"{a.dtype} {list(a.shape)}")
+        return a.ptr
+
+    def launched_on(self, stream) -> None:
+        """Notes that work on this cache was queued on `stream` (None: the cache's own), so
+        that the synchronous calls wait for it too: an event is recorded there after the
+        work (not while the stream captures: a replay of the graph is noted instead)."""
+        if stream is None:
+            return
+        h = int(driver.stream_handle(stream))
+        if h == self.stream.ptr or driver.is_capturing(stream):
+            return
+        ev = self._pending.get(h)
+        if ev is None:
+            ev = self._pending[h] = driver.Event.create(self.ctx, timing=False)
+        ev.record(stream=stream)
+
+    @driver.in_context
+    def order_consumer(self, consumer) -> None:
+        """Makes stream `consumer` (a Stream or handle; 1 = legacy, 2 = per-thread) wait
+        for the work queued so far on this cache: its stream and the others kvcore
+        launched on (the exports' `__dlpack__(stream=)` calls it)."""
+        c = driver.stream_handle(consumer)
+        if int(c) != self.stream.ptr:
+            driver.order_after(self.stream.ptr, consumer, self.ctx, "the cache's work")
+        for ev in self._pending.values():
+            driver.call("cuStreamWaitEvent", c, ev.handle, 0)
+
+    def _wait_pending(self) -> None:
+        """The host waits for the work noted by launched_on on other streams."""
+        for ev in self._pending.values():
+            ev.synchronize()
 
     # ------------------------------------------------------------------ sync path
 
+    @driver.in_context
     def _sync(self, what: str) -> None:
         self._alive()
         driver.refuse_while_capturing(f"GpuKVCache.{what}", self.stream)
+        self._wait_pending()
         self.stream.synchronize()
-        flag = np.zeros(1, np.int32)
-        self._meta.copy_to_host(flag, offset=self.layout.meta_offsets["error"])
-        if flag[0]:
-            self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.layout.meta_offsets["error"])
-            if flag[0] & ERR_NONFINITE:
-                raise NonFiniteError("a GPU append got non-finite input (NaN or inf); that step "
-                                     "was not committed")
-            if flag[0] & ERR_RANGE:
-                raise FormatError(f"a GPU append got a value out of range of format "
-                                  f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}"
-                                  f"); that step was not committed")
-            raise CapacityError(f"a GPU append or advance would pass capacity {self.spec.capacity}; "
-                                f"that step was not written or committed")
+        off = self.layout.meta_offsets["status"]
+        status = self._meta.copy_to_host(np.zeros(self.slots, np.int32), offset=off)
+        bad = np.flatnonzero(status)
+        if not bad.size:
+            return
+        self._meta.copy_from_host(np.zeros(self.slots, np.int32), offset=off)
+        names = {"fmt": self.spec.format, "cap": self.spec.capacity}
+        why = "; ".join(f"slot {int(m)}: " + ", ".join(text.format(**names) for bit, text in _REASONS
+                                                       if status[m] & bit)
+                        for m in bad[:16]) + ("; ..." if bad.size > 16 else "")
+        every = int(np.bitwise_or.reduce(status))
+        detail = (f"GPU append/advance refused {bad.size} slot(s) ({why}); their step was not "
+                  f"committed, the other slots' was")
+        if every & ERR_NONFINITE:
+            raise NonFiniteError(detail)
+        if every & ERR_RANGE:
+            raise FormatError(f"{detail} (|x| >= {input_limit(self.spec.fmt.id)})")
+        raise CapacityError(f"{detail}: a step would pass capacity {self.spec.capacity}")
 
     def check(self) -> None:
-        """Synchronises the cache's stream; raises CapacityError / NonFiniteError /
-        FormatError (and clears the flag) when a launch since the last check failed."""
+        """Synchronises the cache's stream(s); raises NonFiniteError / FormatError /
+        CapacityError naming the slot(s) and why (and clears their status) when a launch
+        since the last check refused a slot."""
         self._sync("check")
 
     synchronize = check
 
+    @driver.in_context
     def lengths_host(self) -> np.ndarray:
         """A host copy of the lengths, int32[M] (synchronises)."""
         self._sync("lengths_host")
@@ -411,12 +483,14 @@ class GpuKVCache:
         self._meta.copy_from_host(np.array([n], np.int32),
                                   offset=self.layout.meta_offsets["lengths"] + 4 * slot)
 
+    @driver.in_context
     def truncate(self, slot: int, n: int) -> None:
         """Rolls `slot` back to its first n positions (0 <= n <= length)."""
         cur = self.length(slot)
         n = check_index("n", n, cur + 1)
         self._set_length(slot, n)
 
+    @driver.in_context
     def reset(self, slot: int | None = None) -> None:
         """Empties `slot` (every slot when None); codes are left, lengths become 0."""
         if slot is None:
@@ -460,6 +534,7 @@ class GpuKVCache:
         p.Depth = len(layers)
         driver.call("cuMemcpy3DAsync", p, self.stream.handle)
 
+    @driver.in_context
     def snapshot(self, slot: int) -> Snapshot:
         """Positions [0, length) of `slot`, all layers, as the token-major Snapshot the CPU
         cache gives (k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
@@ -499,6 +574,7 @@ class GpuKVCache:
         Checked by kvcore.snapshot.fit_snapshot, as the CPU cache's restore."""
         self.scatter(snapshot, slot, requantize=requantize)
 
+    @driver.in_context
     def scatter(self, src, slot: int, layer: int | None = None, *,
                 requantize: bool = False) -> None:
         """Copies positions [0, n) of `src` into `slot`: every layer, or only `layer`.
@@ -547,13 +623,18 @@ class GpuKVCache:
     def freed(self) -> bool:
         return self._data.freed
 
+    @driver.in_context
     def free(self) -> None:
         """Releases the device memory (and the cache's own stream); bumps `generation`.
         A second call does nothing; any other use afterwards raises StateError."""
         if self._data.freed:
             return
         driver.refuse_while_capturing("GpuKVCache.free", self.stream)
+        self._wait_pending()
         self.stream.synchronize()
+        for ev in self._pending.values():
+            ev.destroy()
+        self._pending.clear()
         self._meta.free()
         self._data.free()
         if self._own_stream:

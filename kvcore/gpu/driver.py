@@ -1,27 +1,38 @@
 """Checked calls into the CUDA driver API (cuda-python), and the handles built on it.
 
 1. cuda-python is imported lazily, on the first call that needs it: importing kvcore or
-   kvcore.gpu never needs it.
+   kvcore.gpu never needs it. `kvcore.gpu.use_emulator()` swaps in the emulated driver
+   (kvcore.gpu._emu.driver, the same calls on the CPU) for the whole process.
 2. Every driver call goes through `call(name, *args)`: a CUresult other than
    CUDA_SUCCESS raises CudaError("cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory").
-3. `Context.get(device)` retains the device's primary context once per process and makes
-   it current on the calling thread; `release()` gives it back.
+3. `Context.get(device)` retains the device's primary context once per process; it never
+   changes the calling thread's current context. Every public entry of the GPU layer runs
+   its driver calls inside `with ctx:` (cuCtxPushCurrent / cuCtxPopCurrent, or the
+   `in_context` decorator), so any thread may call it, and the thread's own current context
+   (torch's, say) is what it was afterwards. GC finalizers do the same. `release()` gives
+   the context back.
+5. Streams and events created here own their handle and destroy it when collected (a
+   weakref.finalize inside the context), so a dropped owner leaks nothing.
 4. Raw handles are exposed as plain ints (`ptr` / `handle`); a stream argument is
    keyword-only everywhere and may be a Stream, an int handle, or None (the cache's own).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
+import weakref
 
 from ..errors import CudaError, StateError
 
 _lock = threading.Lock()
 _driver_module = None
+_emulated = False
 
 
 def cuda():
-    """The cuda-python driver module (`cuda.bindings.driver`, or `cuda.cuda` before 12.6)."""
+    """The driver module every call goes to: cuda-python's (`cuda.bindings.driver`, or
+    `cuda.cuda` before 12.6), or the emulated one after `use_emulator()`."""
     global _driver_module
     if _driver_module is None:
         try:
@@ -32,13 +43,36 @@ def cuda():
     return _driver_module
 
 
+def use_backend(module, *, reset) -> None:
+    """Makes `module` (the emulated driver) the one every call goes to, after `reset()`
+    built its fresh state; forgets kvcore's contexts. Refused while kvcore holds contexts of
+    the real driver, or emulated device memory (the reset would pull it away)."""
+    global _driver_module, _available, _emulated
+    with _lock:
+        if Context._contexts and not _emulated:
+            raise StateError(f"cannot switch to the emulator: kvcore already opened contexts "
+                             f"on real device(s) {sorted(Context._contexts)}")
+        live = {d: c.live_bytes for d, c in Context._contexts.items() if c.live_bytes}
+        if live:
+            raise StateError(f"cannot reset the emulator: kvcore device memory is still live "
+                             f"(bytes per device: {live}); free it first")
+        reset()
+        Context._contexts.clear()
+        _driver_module, _available, _emulated = module, None, True
+
+
+def backend_is_emulator() -> bool:
+    return _emulated
+
+
 def _error_text(err) -> str:
     drv = cuda()
     name_res, name = drv.cuGetErrorName(err)
     text_res, text = drv.cuGetErrorString(err)
     name = name.decode() if name_res == drv.CUresult.CUDA_SUCCESS and name else f"CUresult {int(err)}"
     text = text.decode() if text_res == drv.CUresult.CUDA_SUCCESS and text else "unknown error"
-    return f"{name}: {text}"
+    detail = drv.error_detail(err) if _emulated else None  # the emulator says why it refused
+    return f"{name}: {text}" + (f" ({detail})" if detail else "")
 
 
 def check(name: str, result):
@@ -67,12 +101,22 @@ def device_count() -> int:
     return call("cuDeviceGetCount")
 
 
+def driver_version_text() -> str:
+    """The driver's CUDA version as "CUDA 12.2 (12020)" (cuDriverGetVersion)."""
+    try:
+        v = call("cuDriverGetVersion")
+    except CudaError as e:
+        return f"of unknown version ({e})"
+    return f"CUDA {v // 1000}.{v % 1000 // 10} ({v})"
+
+
 _available: bool | None = None
 
 
 def is_available() -> bool:
-    """True when cuda-python imports, the driver initialises and a device exists. Never
-    raises: whatever goes wrong on the way (no module, no libcuda, no device) is False."""
+    """True when cuda-python imports, the driver initialises and a device exists (always,
+    after use_emulator()). Never raises: whatever goes wrong on the way (no module, no
+    libcuda, no device) is False."""
     global _available
     if _available is None:
         try:
@@ -108,8 +152,8 @@ class Context:
 
     @classmethod
     def get(cls, device: int = 0) -> "Context":
-        """The primary context of device `device`, retained on first use and made current
-        on the calling thread."""
+        """The primary context of device `device`, retained on first use (the calling
+        thread's current context is left as it is; use `with ctx:` to run in it)."""
         with _lock:
             ctx = cls._contexts.get(device)
             if ctx is None:
@@ -119,10 +163,8 @@ class Context:
                                     f"expected 0 <= device < {n}")
                 dev = call("cuDeviceGet", device)
                 handle = call("cuDevicePrimaryCtxRetain", dev)
-                call("cuCtxSetCurrent", handle)
                 ctx = cls(device, dev, handle)
                 cls._contexts[device] = ctx
-        ctx.activate()
         return ctx
 
     @property
@@ -131,21 +173,26 @@ class Context:
             raise StateError(f"the primary context of device {self.ordinal} was released")
         return self._handle
 
-    def activate(self) -> None:
-        """Makes this context current on the calling thread (cuCtxSetCurrent)."""
-        call("cuCtxSetCurrent", self.handle)
+    def __enter__(self) -> "Context":
+        """Makes this context current on the calling thread until the `with` block ends
+        (cuCtxPushCurrent); the thread's previous context is current again afterwards."""
+        call("cuCtxPushCurrent", self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        call("cuCtxPopCurrent")
 
     def attribute(self, attr) -> int:
         return call("cuDeviceGetAttribute", attr, self._device)
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory (cuMemGetInfo)."""
-        self.activate()
-        return call("cuMemGetInfo")
+        with self:
+            return call("cuMemGetInfo")
 
     def synchronize(self) -> None:
-        self.activate()
-        call("cuCtxSynchronize")
+        with self:
+            call("cuCtxSynchronize")
 
     def release(self) -> None:
         """Releases the primary context; refuses while kvcore memory is live in it."""
@@ -165,26 +212,58 @@ class Context:
                 f"cc={cc}, live_bytes={self.live_bytes})")
 
 
+def in_context(method):
+    """Runs `method` with its object's context (`self.ctx`) current on the calling thread
+    (pushed before, popped after)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.ctx:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+def _destroy_in(ctx: Context, name: str, handle) -> None:
+    """GC finalizer of an owned handle: `name`(handle) inside ctx (skipped once the context
+    was released, which took the handle with it)."""
+    if ctx._handle is None:
+        return
+    with ctx:
+        call(name, handle)
+
+
+def owned_handle(owner, ctx: Context, destroy: str, handle) -> weakref.finalize:
+    """A finalizer that calls `destroy`(handle) inside ctx when `owner` is collected, or
+    when called (then never again); not run at interpreter exit."""
+    fin = weakref.finalize(owner, _destroy_in, ctx, destroy, handle)
+    fin.atexit = False
+    return fin
+
+
 # ---------------------------------------------------------------------------- streams
 
 class Stream:
     """A CUDA stream. `create()` owns a new one (destroyed by `destroy()`);
     `from_handle(h)` wraps one owned elsewhere (torch, CuPy)."""
 
+    _live: "weakref.WeakSet[Stream]" = weakref.WeakSet()  # every Stream alive (refuse_while_capturing)
+
     def __init__(self, ctx: Context, handle, owned: bool):
         self.ctx = ctx
         self._handle = handle
         self._owned = owned
+        self._finalizer = owned_handle(self, ctx, "cuStreamDestroy", handle) if owned else None
+        Stream._live.add(self)
 
     @classmethod
     def create(cls, ctx: Context | None = None, *, non_blocking: bool = False) -> "Stream":
         """A new stream; by default a blocking one, ordered after the legacy default
-        stream (where torch and CuPy queue their work unless told otherwise)."""
+        stream (where torch and CuPy queue their work unless told otherwise). Destroyed
+        by `destroy()` or when collected."""
         ctx = ctx or Context.get()
-        ctx.activate()
         f = cuda().CUstream_flags
         flags = f.CU_STREAM_NON_BLOCKING if non_blocking else f.CU_STREAM_DEFAULT
-        return cls(ctx, call("cuStreamCreate", flags), True)
+        with ctx:
+            return cls(ctx, call("cuStreamCreate", flags), True)
 
     @classmethod
     def from_handle(cls, handle: int, ctx: Context | None = None) -> "Stream":
@@ -200,17 +279,18 @@ class Stream:
     def ptr(self) -> int:
         return int(self.handle)
 
+    @in_context
     def synchronize(self) -> None:
         call("cuStreamSynchronize", self.handle)
 
+    @in_context
     def is_capturing(self) -> bool:
         return is_capturing(self)
 
     def destroy(self) -> None:
         """Destroys an owned stream (idempotent); wrapped handles are only forgotten."""
-        if self._handle is not None and self._owned:
-            self.ctx.activate()
-            call("cuStreamDestroy", self._handle)
+        if self._finalizer is not None:
+            self._finalizer()
         self._handle = None
 
     def __repr__(self):
@@ -243,12 +323,25 @@ def is_capturing(stream) -> bool:
 
 
 def refuse_while_capturing(what: str, *streams) -> None:
-    """Raises StateError when any of `streams` (or the legacy stream, implicitly) is
-    capturing: `what` would allocate or synchronise, which a capture cannot hold."""
+    """Raises StateError when a capture would refuse `what` (it allocates or synchronises,
+    which a capture cannot hold, and the driver would invalidate the capture): when any of
+    `streams`, the legacy stream (which reports a capturing blocking stream), or any live
+    kvcore Stream (of any context: a global-mode capture forbids these calls everywhere)
+    is capturing. Runs with the caller's context current. A capture on a foreign stream
+    that kvcore holds no Stream for, and that does not show on the legacy stream (a
+    non-blocking one), is not seen: the driver then refuses with CudaError."""
     for s in (*streams, 0):
         if is_capturing(s):
             raise StateError(f"{what} would synchronise or allocate, which is not allowed "
                              f"while a stream is capturing a CUDA graph")
+    for t in list(Stream._live):
+        if t._handle is None or t.ctx._handle is None:
+            continue
+        with t.ctx:
+            capturing = is_capturing(t)
+        if capturing:
+            raise StateError(f"{what} would synchronise or allocate, which is not allowed "
+                             f"while a stream is capturing a CUDA graph ({t!r} captures)")
 
 
 # ---------------------------------------------------------------------------- events
@@ -259,14 +352,15 @@ class Event:
     def __init__(self, ctx: Context, handle):
         self.ctx = ctx
         self._handle = handle
+        self._finalizer = owned_handle(self, ctx, "cuEventDestroy", handle)
 
     @classmethod
     def create(cls, ctx: Context | None = None, *, timing: bool = True) -> "Event":
         ctx = ctx or Context.get()
-        ctx.activate()
         flags = cuda().CUevent_flags
         f = flags.CU_EVENT_DEFAULT if timing else flags.CU_EVENT_DISABLE_TIMING
-        return cls(ctx, call("cuEventCreate", f))
+        with ctx:
+            return cls(ctx, call("cuEventCreate", f))
 
     @property
     def handle(self):
@@ -274,31 +368,42 @@ class Event:
             raise StateError("use of a destroyed event")
         return self._handle
 
+    @in_context
     def record(self, *, stream) -> None:
         call("cuEventRecord", self.handle, stream_handle(stream))
 
+    @in_context
     def synchronize(self) -> None:
         call("cuEventSynchronize", self.handle)
 
+    @in_context
     def elapsed_ms(self, end: "Event") -> float:
         """Milliseconds from this event to `end` (both recorded and complete)."""
         return call("cuEventElapsedTime", self.handle, end.handle)
 
     def destroy(self) -> None:
-        if self._handle is not None:
-            call("cuEventDestroy", self._handle)
+        self._finalizer()
         self._handle = None
 
 
-def order_after(producer: int, consumer) -> None:
+def order_after(producer: int, consumer, ctx: Context, what: str = "an input") -> None:
     """Makes `consumer` wait for the work queued so far on stream handle `producer`
-    (1 = legacy default stream, 2 = per-thread default), via an event recorded there."""
-    ctx = Context.get()
+    (1 = legacy default stream, 2 = per-thread default), via an event recorded there; both
+    streams of context `ctx`. While `consumer` captures, a producer outside that capture
+    (the default streams, a stream not capturing) cannot become a dependency of the graph:
+    StateError before anything is recorded (the driver would invalidate the capture)."""
     if ctx.order_event is None:
         ctx.order_event = Event.create(ctx, timing=False)
     ev = ctx.order_event.handle
-    call("cuEventRecord", ev, cuda().CUstream(producer))
-    call("cuStreamWaitEvent", stream_handle(consumer), ev, 0)
+    with ctx:
+        if is_capturing(consumer) and (producer in (1, 2) or not is_capturing(producer)):
+            name = {1: "the legacy default stream", 2: "the per-thread default stream"}.get(
+                producer, f"stream 0x{producer:x}")
+            raise StateError(f"{what} is pending on {name}, which is not part of the capture "
+                             f"on the stream it is used on: a graph cannot wait for it; "
+                             f"synchronise it before capturing")
+        call("cuEventRecord", ev, cuda().CUstream(producer))
+        call("cuStreamWaitEvent", stream_handle(consumer), ev, 0)
 
 
 # ---------------------------------------------------------------------------- launches

@@ -12,8 +12,10 @@
 3. `replay()` refuses (StateError) once the cache's `generation` changed or it was freed:
    the graph holds raw addresses. `step_eager()` launches the same sequence without the
    graph (for comparisons and benchmarks).
-4. Errors of the append (capacity, non-finite input) land in the cache's device flag;
-   `cache.check()` turns them into exceptions at the caller's next synchronisation.
+4. Errors of the append (capacity, non-finite input) land in the cache's per-slot status
+   (that slot's step is not committed, the others' are); `cache.check()` turns them into
+   exceptions naming the slots at the caller's next synchronisation. `active` (int32[M])
+   selects the slots a replay appends to and commits.
 """
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ class DecodeGraph:
                  max_length: int | None = None):
         if dtype not in _DTYPES:
             raise DTypeError(f"invalid dtype: expected float32, float16 or bfloat16, got {dtype!r}")
+        self.ctx = cache.ctx
+        with self.ctx:
+            self._build(cache, dtype, rope, theta, style, rotary_dim, scale, max_length)
+
+    def _build(self, cache, dtype, rope, theta, style, rotary_dim, scale, max_length) -> None:
         driver.refuse_while_capturing("DecodeGraph()", cache.stream)
         s = cache.spec
         self.cache = cache
@@ -66,14 +73,11 @@ class DecodeGraph:
         self._offsets = (0, _align(q_bytes), _align(q_bytes) + _align(kv_bytes),
                          _align(q_bytes) + 2 * _align(kv_bytes))
         self._buf = DeviceBuffer.zeros(L * self._layer_bytes, ctx=cache.ctx)
+        self._active = DeviceBuffer.from_numpy(np.ones(M, np.int32), ctx=cache.ctx)
         self._shapes = ((M, Hq, D), (M, Hkv, D), (M, Hkv, D), (M, Hq, D))
         self.stream = Stream.create(cache.ctx)
-        self._graph = self._exec = None
-        try:
-            self._capture()
-        except BaseException:
-            self.destroy()
-            raise
+        self._graph = self._exec = None  # finalizers (driver.owned_handle) once captured
+        self._capture()
 
     # ------------------------------------------------------------------ buffers
 
@@ -96,6 +100,14 @@ class DecodeGraph:
     def v(self, layer: int) -> DeviceArray:
         return self._view(2, layer)
 
+    @property
+    def active(self) -> DeviceArray:
+        """Device int32[M]: 1 for a slot the step appends to and commits, 0 for an idle slot
+        (left alone); all 1 at first. Rewrite it between replays (after synchronize())."""
+        if self._buf.freed:
+            raise StateError("use of a destroyed DecodeGraph")
+        return self._active.view((self.cache.slots,), np.int32)
+
     def out(self, layer: int) -> DeviceArray:
         """The attention output of `layer`: [M, Hq, D] float32."""
         return self._view(3, layer)
@@ -108,9 +120,9 @@ class DecodeGraph:
             q, k, v, out = (self._view(i, layer) for i in range(4))
             if self._rope is not None:
                 apply_rope(q, c, k=k, stream=stream, **self._rope)
-            c.append(layer, k, v, stream=stream)
+            c.append(layer, k, v, active=self.active, stream=stream)
             self.plan.run(q, out, layer, pending=1, stream=stream)
-        c.advance(stream=stream)
+        c.advance(active=self.active, stream=stream)
 
     def _capture(self) -> None:
         drv = driver.cuda()
@@ -123,24 +135,34 @@ class DecodeGraph:
             if err == drv.CUresult.CUDA_SUCCESS and graph is not None:
                 drv.cuGraphDestroy(graph)
             raise
-        self._graph = driver.call("cuStreamEndCapture", h)
-        self._exec = driver.call("cuGraphInstantiate", self._graph, 0)
+        graph = driver.call("cuStreamEndCapture", h)
+        self._graph = driver.owned_handle(self, self.ctx, "cuGraphDestroy", graph)
+        exec_ = driver.call("cuGraphInstantiate", graph, 0)
+        self._exec = driver.owned_handle(self, self.ctx, "cuGraphExecDestroy", exec_)
+        self._exec_handle = exec_
 
     def _check_live(self) -> None:
-        if self._exec is None:
+        if self._exec is None or not self._exec.alive:
             raise StateError("use of a destroyed DecodeGraph")
+        if self.plan.freed:
+            raise StateError("the DecodeGraph's AttentionPlan was freed: its graph would write "
+                             "to the freed workspace; capture a new DecodeGraph")
         c = self.cache
         if c.freed or c.generation != self.generation:
             raise StateError(f"the cache changed since the graph was captured (generation "
                              f"{self.generation} -> {c.generation}{', freed' if c.freed else ''}): "
                              f"capture a new DecodeGraph")
 
+    @driver.in_context
     def replay(self, *, stream=None) -> None:
         """Launches the captured step (no sync). StateError when the cache's generation
-        changed since capture."""
+        changed since capture, or the plan was freed."""
         self._check_live()
-        driver.call("cuGraphLaunch", self._exec, driver.stream_handle(self.stream if stream is None else stream))
+        st = self.stream if stream is None else stream
+        driver.call("cuGraphLaunch", self._exec_handle, driver.stream_handle(st))
+        self.cache.launched_on(st)
 
+    @driver.in_context
     def step_eager(self, *, stream=None) -> None:
         """The same step, launched kernel by kernel (no graph)."""
         self._check_live()
@@ -149,19 +171,19 @@ class DecodeGraph:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    @driver.in_context
     def destroy(self) -> None:
-        """Releases the graph, its buffers, plan and stream (idempotent)."""
-        if self._exec is not None:
-            driver.call("cuGraphExecDestroy", self._exec)
-            self._exec = None
-        if self._graph is not None:
-            driver.call("cuGraphDestroy", self._graph)
-            self._graph = None
+        """Releases the graph, its buffers, plan and stream (idempotent; also done when the
+        DecodeGraph is collected)."""
+        for fin in (self._exec, self._graph):
+            if fin is not None:
+                fin()
         if self.stream._handle is not None:
             self.stream.synchronize()
             self.stream.destroy()
         self.plan.free()
         self._buf.free()
+        self._active.free()
 
 
 def _align(n: int) -> int:

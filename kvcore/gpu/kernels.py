@@ -1,6 +1,7 @@
 """The shipped kernels: each PTX module (cuda/<name>.ptx, installed as kvcore/_cuda/) is
 loaded once per context with cuModuleLoadDataEx; a failed JIT raises CudaError carrying
-the JIT log. No compilation at run time beyond the driver's PTX JIT.
+the JIT log and the driver's version. No compilation at run time beyond the driver's PTX
+JIT. The PTX declares ISA 7.0 (tools/build_ptx.py), which drivers from CUDA 11.0 on read.
 
     fn = kernels.function("kv_append", "kv_append")
     driver.launch(fn, grid, block, [(ptr, None), (n, ctypes.c_int)], stream=s)
@@ -35,11 +36,12 @@ def _load(ctx: Context, module: str):
     opt = drv.CUjit_option
     log = bytearray(_LOG_BYTES)
     options = [opt.CU_JIT_ERROR_LOG_BUFFER, opt.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
-    ctx.activate()
-    err, handle = drv.cuModuleLoadDataEx(image, len(options), options, [log, _LOG_BYTES])
+    with ctx:
+        err, handle = drv.cuModuleLoadDataEx(image, len(options), options, [log, _LOG_BYTES])
     if err != drv.CUresult.CUDA_SUCCESS:
         jit = bytes(log).split(b"\0")[0].decode(errors="replace").strip()
-        raise CudaError(f"cuModuleLoadDataEx({module}.ptx): {driver._error_text(err)}"
+        raise CudaError(f"cuModuleLoadDataEx({module}.ptx): {driver._error_text(err)}; "
+                        f"the driver is {driver.driver_version_text()}"
                         + (f"\nJIT log:\n{jit}" if jit else ""))
     return handle
 
@@ -53,5 +55,6 @@ def function(module: str, kernel: str, ctx: Context | None = None):
     handle, functions = entry
     fn = functions.get(kernel)
     if fn is None:
-        fn = functions[kernel] = driver.call("cuModuleGetFunction", handle, kernel.encode())
+        with ctx:
+            fn = functions[kernel] = driver.call("cuModuleGetFunction", handle, kernel.encode())
     return fn

@@ -26,8 +26,8 @@ from .driver import Context, call
 
 
 def _free(ctx: Context, ptr: int, nbytes: int) -> None:
-    ctx.activate()
-    call("cuMemFree", driver.cuda().CUdeviceptr(ptr))
+    with ctx:
+        call("cuMemFree", driver.cuda().CUdeviceptr(ptr))
     ctx.live_bytes -= nbytes
 
 
@@ -48,9 +48,9 @@ class DeviceBuffer:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
             raise ShapeError(f"invalid size of device buffer: expected a positive int, got {nbytes!r}")
         ctx = ctx or Context.get()
-        driver.refuse_while_capturing("DeviceBuffer.alloc")
-        ctx.activate()
-        ptr = int(call("cuMemAlloc", int(nbytes)))
+        with ctx:
+            driver.refuse_while_capturing("DeviceBuffer.alloc")
+            ptr = int(call("cuMemAlloc", int(nbytes)))
         ctx.live_bytes += int(nbytes)
         return cls(ctx, ptr, int(nbytes))
 
@@ -81,12 +81,13 @@ class DeviceBuffer:
     def free(self) -> None:
         """Releases the allocation; a second call does nothing."""
         if self._finalizer.alive:
-            driver.refuse_while_capturing("DeviceBuffer.free")
+            with self.ctx:
+                driver.refuse_while_capturing("DeviceBuffer.free")
             self._finalizer()
 
+    @driver.in_context
     def fill(self, byte: int, *, stream=None) -> None:
         """Sets every byte to `byte` (cuMemsetD8; on `stream` when given)."""
-        self.ctx.activate()
         dptr = driver.cuda().CUdeviceptr(self.ptr)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.fill")
@@ -103,12 +104,12 @@ class DeviceBuffer:
             raise ShapeError(f"invalid range of {name}: bytes [{offset}, {offset + arr.nbytes}) "
                              f"outside the buffer's {self.nbytes}")
 
+    @driver.in_context
     def copy_from_host(self, arr: np.ndarray, *, offset: int = 0, stream=None) -> None:
         """Copies the bytes of C-contiguous `arr` to [offset, offset + arr.nbytes)."""
         self._host_range(arr, offset, "arr")
         if arr.nbytes == 0:
             return
-        self.ctx.activate()
         dst = driver.cuda().CUdeviceptr(self.ptr + offset)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.copy_from_host")
@@ -116,6 +117,7 @@ class DeviceBuffer:
         else:
             call("cuMemcpyHtoDAsync", dst, arr.ctypes.data, arr.nbytes, driver.stream_handle(stream))
 
+    @driver.in_context
     def copy_to_host(self, out: np.ndarray, *, offset: int = 0, stream=None) -> np.ndarray:
         """Copies bytes [offset, offset + out.nbytes) into C-contiguous `out`; returns out."""
         self._host_range(out, offset, "out")
@@ -123,7 +125,6 @@ class DeviceBuffer:
             raise ShapeError("invalid out: the array is read-only")
         if out.nbytes == 0:
             return out
-        self.ctx.activate()
         src = driver.cuda().CUdeviceptr(self.ptr + offset)
         if stream is None:
             driver.refuse_while_capturing("DeviceBuffer.copy_to_host")
@@ -132,15 +133,17 @@ class DeviceBuffer:
             call("cuMemcpyDtoHAsync", out.ctypes.data, src, out.nbytes, driver.stream_handle(stream))
         return out
 
-    def view(self, shape, dtype, *, offset: int = 0) -> "DeviceArray":
-        """A C-contiguous typed view [shape] dtype starting `offset` bytes in."""
+    def view(self, shape, dtype, *, offset: int = 0, producer=None) -> "DeviceArray":
+        """A C-contiguous typed view [shape] dtype starting `offset` bytes in; `producer`
+        as in DeviceArray."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if offset < 0 or offset % dtype.itemsize or offset + nbytes > self.nbytes:
             raise ShapeError(f"invalid view {list(shape)} {dtype} at byte {offset} of a "
                              f"{self.nbytes}-byte buffer")
-        return DeviceArray(self.ctx, lambda: self.ptr + offset, shape, dtype, owner=self)
+        return DeviceArray(self.ctx, lambda: self.ptr + offset, shape, dtype, owner=self,
+                           producer=producer)
 
     # a DeviceBuffer is its own uint8 [nbytes] array
     @property
@@ -165,8 +168,11 @@ class DeviceArray:
     when made by DeviceBuffer.view). Keeps `owner` (a DeviceBuffer or a foreign array)
     alive; a view of a freed DeviceBuffer raises StateError on use."""
 
-    def __init__(self, ctx: Context, ptr, shape, dtype, *, owner=None, strides=None):
+    def __init__(self, ctx: Context, ptr, shape, dtype, *, owner=None, strides=None, producer=None):
         self.ctx = ctx
+        # what queues work on this memory (a GpuKVCache): its `stream` and
+        # `order_consumer(stream)`, used by the exports to order a consumer after that work
+        self.producer = producer
         self._ptr = ptr if callable(ptr) else (lambda p=int(ptr): p)
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
@@ -201,11 +207,12 @@ class DeviceArray:
             raise ShapeError("invalid layout: to_numpy needs a C-contiguous view")
         out = np.empty(self.shape, self.dtype)
         if out.nbytes:
-            driver.refuse_while_capturing("DeviceArray.to_numpy")
-            self.ctx.activate()
-            call("cuMemcpyDtoH", out.ctypes.data, driver.cuda().CUdeviceptr(self.ptr), out.nbytes)
+            with self.ctx:
+                driver.refuse_while_capturing("DeviceArray.to_numpy")
+                call("cuMemcpyDtoH", out.ctypes.data, driver.cuda().CUdeviceptr(self.ptr), out.nbytes)
         return out
 
+    @driver.in_context
     def copy_from_numpy(self, arr: np.ndarray, *, stream=None) -> None:
         """Writes `arr` (same shape, cast to this dtype) into a C-contiguous view."""
         if not self.is_c_contiguous:
@@ -215,7 +222,6 @@ class DeviceArray:
         src = np.ascontiguousarray(arr, dtype=self.dtype)
         if not src.nbytes:
             return
-        self.ctx.activate()
         dst = driver.cuda().CUdeviceptr(self.ptr)
         if stream is None:
             driver.refuse_while_capturing("DeviceArray.copy_from_numpy")
@@ -228,15 +234,24 @@ class DeviceArray:
         typestr = self.dtype.str
         if self.dtype.kind == "V" or typestr[1] not in "iufb":  # ml_dtypes: export raw bits
             typestr = f"|u{self.dtype.itemsize}" if self.dtype.itemsize == 1 else f"<u{self.dtype.itemsize}"
+        # CAI v3: "stream" is where the producer's work is pending (the consumer syncs with
+        # it); None when kvcore queued none (a plain buffer)
+        stream = None if self.producer is None else self.producer.stream.ptr
         return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False),
                 "strides": None if self.is_c_contiguous else self.strides,
-                "version": 3, "stream": None}
+                "version": 3, "stream": stream}
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """A "dltensor" capsule. kvcore queues no work of its own on any stream, so there is
-        nothing to order against `stream`; the caller orders its own launches."""
+        """A "dltensor" capsule. `stream` (DLPack's rule for CUDA: None = the legacy default
+        stream, 1 legacy, 2 per-thread, any other a stream handle, -1 no ordering) waits
+        for the work kvcore queued on this memory (a GpuKVCache's) via events."""
         if copy:
             raise BufferError("kvcore DeviceArray exports without copying only (copy=True)")
+        if stream == 0:
+            raise BufferError("DLPack stream 0 is ambiguous: pass 1 (legacy default stream), "
+                              "2 (per-thread default stream) or a stream handle")
+        if self.producer is not None and stream != -1:
+            self.producer.order_consumer(1 if stream is None else int(stream))
         return _make_dlpack_capsule(self)
 
     def __dlpack_device__(self):
@@ -254,37 +269,64 @@ def _c_strides(shape, itemsize) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def as_device_array(obj, name: str = "array", *, stream=None) -> DeviceArray:
+def as_device_array(obj, name: str = "array", *, stream=None, ctx: Context | None = None) -> DeviceArray:
     """A DeviceArray view of `obj`: a DeviceArray / DeviceBuffer, anything with
     `__cuda_array_interface__` (CuPy, torch, Numba), or a DLPack producer on a CUDA device
-    (torch bfloat16, JAX). `stream` is the stream the caller will use it on: it waits for
-    the producer's pending work (the CAI "stream" entry, or DLPack's stream argument).
+    (torch bfloat16, JAX). Its device is read from the pointer (cuPointerGetAttribute) or
+    DLPack's device; `ctx` (the context the caller launches in) refuses another device
+    with ShapeError. `stream` is the stream the caller will use it on: it waits for the
+    producer's pending work (the CAI "stream" entry, or DLPack's stream argument).
     No copy is made."""
-    if isinstance(obj, DeviceArray):
-        return obj
     if isinstance(obj, DeviceBuffer):
-        return obj.view((obj.nbytes,), np.uint8)
+        obj = obj.view((obj.nbytes,), np.uint8)
+    if isinstance(obj, DeviceArray):
+        _same_device(name, obj.ctx.ordinal, ctx)
+        return obj
     if isinstance(obj, np.ndarray):
         raise DTypeError(f"invalid type of {name}: expected a device array, got numpy.ndarray "
                          f"(copy it with DeviceBuffer.from_numpy)")
-    ctx = Context.get()
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        # preferred: the producer orders `stream` after its own work (torch's CAI names
+        # no stream at all)
+        return _from_dlpack(obj, ctx, stream, name)
     cai = None
     try:
         cai = obj.__cuda_array_interface__
-    except (AttributeError, TypeError):  # torch raises TypeError for bfloat16
-        pass
+    except (AttributeError, TypeError, RuntimeError):  # torch: TypeError for bfloat16,
+        pass                                          # RuntimeError with requires_grad
     if cai is not None:
-        producer = cai.get("stream")
+        ptr = int(cai["data"][0])
+        actx = Context.get(_device_of(ptr, name)) if ptr else (ctx or Context.get())
+        _same_device(name, actx.ordinal, ctx)
+        producer = cai.get("stream")  # CAI v3: absent/None = no sync needed; 0 disallowed
+        if producer is not None and int(producer) == 0:
+            raise DTypeError(f"invalid __cuda_array_interface__ of {name}: stream 0 is "
+                             f"disallowed (1 = legacy default stream, 2 = per-thread)")
         if producer is not None and stream is not None and int(producer) != int(driver.stream_handle(stream)):
-            driver.order_after(int(producer), stream)
+            driver.order_after(int(producer), stream, actx, name)
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
-        return DeviceArray(ctx, int(cai["data"][0]), shape, dtype, owner=obj,
-                           strides=cai.get("strides"))
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, ctx, stream, name)
+        return DeviceArray(actx, ptr, shape, dtype, owner=obj, strides=cai.get("strides"))
     raise DTypeError(f"invalid type of {name}: expected a device array (DeviceArray, "
                      f"__cuda_array_interface__ or DLPack), got {type(obj).__name__}")
+
+
+def _device_of(ptr: int, name: str) -> int:
+    """The ordinal of the device whose memory `ptr` points into (cuPointerGetAttribute)."""
+    drv = driver.cuda()
+    driver.init()
+    err, ordinal = drv.cuPointerGetAttribute(
+        drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    if err != drv.CUresult.CUDA_SUCCESS or int(ordinal) < 0:
+        raise DTypeError(f"invalid {name}: 0x{ptr:x} is not device memory the CUDA driver "
+                         f"knows ({driver._error_text(err) if err else 'no device'})")
+    return int(ordinal)
+
+
+def _same_device(name: str, ordinal: int, ctx: Context | None) -> None:
+    if ctx is not None and ordinal != ctx.ordinal:
+        raise ShapeError(f"invalid device of {name}: the array is on device {ordinal}, "
+                         f"expected device {ctx.ordinal} (where it is used)")
 
 
 # ------------------------------------------------------------------------- DLPack (ctypes)
@@ -391,11 +433,13 @@ def _make_dlpack_capsule(arr: DeviceArray):
     return _capsule_new(addr, _DLTENSOR, _capsule_destructor)
 
 
-def _from_dlpack(obj, ctx: Context, stream, name: str) -> DeviceArray:
+def _from_dlpack(obj, ctx: Context | None, stream, name: str) -> DeviceArray:
     dev_type, dev_id = obj.__dlpack_device__()
-    if int(dev_type) != _KDL_CUDA or int(dev_id) != ctx.ordinal:
-        raise DTypeError(f"invalid device of {name}: expected CUDA device {ctx.ordinal}, "
-                         f"got DLPack device ({int(dev_type)}, {int(dev_id)})")
+    if int(dev_type) != _KDL_CUDA:
+        raise DTypeError(f"invalid device of {name}: expected a CUDA device, got DLPack "
+                         f"device ({int(dev_type)}, {int(dev_id)})")
+    _same_device(name, int(dev_id), ctx)
+    ctx = Context.get(int(dev_id))
     sh = -1 if stream is None else int(driver.stream_handle(stream))
     capsule = obj.__dlpack__(stream=sh if sh != 0 else 1)
     if not _capsule_is_valid(id(capsule), _DLTENSOR):

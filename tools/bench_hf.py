@@ -1,0 +1,178 @@
+"""End to end in transformers: `generate` on a random-weight Llama with the context in
+the cache, kvcore (KVCoreCache + the "kvcore" attention) in each format against
+DynamicCache + SDPA and transformers' QuantizedCache (fp8; quanto and hqq where they
+import), all on the same threads.
+
+    python tools/bench_hf.py [--contexts 1024,4096,16384] [--new 32] [--threads 2]
+                             [--layers 4] [--impls kvcore-int8,sdpa,...] [--rounds 1]
+
+Each row runs in its own process (peak memory is that process's ru_maxrss). The model:
+hidden 2048, 32 query heads, 8 kv heads, head_dim 128, MLP 4096, vocab 8000, float32,
+random weights, built from a config (no download). The context is written into the cache
+as random K/V of N positions (chunks of 512, QuantizedCache in one piece; a real prefill of 16k tokens takes minutes on
+2 cores, and is not what is measured), then `generate` runs on N + 1 prompt tokens: one
+forward of the last prompt token, then `--new` - 1 decode steps.
+tokens/s = 1 / the median time between two new tokens' logits (the first forward and
+generate's setup are not counted; the median keeps other processes' bursts out). peak MB: the process's peak RSS minus its RSS
+after the model was built (the cache plus whatever attention allocates: QuantizedCache
+decodes the whole history to floats every step). cache MB: the bytes the cache holds
+(kvcore: its storage; DynamicCache: its tensors; '-' where the backend hides them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchlib import print_table  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 2048, 32, 8, 128, 4096, 8000
+CHUNK = 512
+KVCORE_FORMATS = ["f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"]
+IMPLS = ([f"kvcore-{f}" for f in KVCORE_FORMATS] +
+         ["sdpa", "quantized-fp8", "quantized-quanto-int4", "quantized-hqq-int8"])
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def _cache(impl: str, model, capacity: int):
+    from transformers import DynamicCache, QuantizedCache
+    if impl.startswith("kvcore-"):
+        from kvcore.integrations.transformers import KVCoreCache
+        model.set_attn_implementation("kvcore")
+        return KVCoreCache(model.config, format=impl.removeprefix("kvcore-"), max_cache_len=capacity)
+    model.set_attn_implementation("sdpa")
+    if impl == "sdpa":
+        return DynamicCache(config=model.config)
+    if impl == "quantized-fp8":
+        return QuantizedCache("fp8", model.config)
+    _, backend, bits = impl.split("-")
+    return QuantizedCache(backend, model.config, nbits=int(bits.removeprefix("int")))
+
+
+def _cache_mb(cache) -> float | None:
+    from transformers import DynamicCache
+    if hasattr(cache, "memory_bytes"):
+        return cache.memory_bytes / 2**20
+    if type(cache) is DynamicCache:
+        return sum(l.keys.nbytes + l.values.nbytes for l in cache.layers) / 2**20
+    return None
+
+
+def child(impl: str, context: int, new: int, threads: int, layers: int) -> dict:
+    import torch
+    import kvcore
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+    torch.set_num_threads(threads)
+    kvcore.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, vocab_size=VOCAB, max_position_embeddings=32768)
+    model = LlamaForCausalLM(cfg).eval()
+    base_mb = _rss_mb()
+    cache = _cache(impl, model, context + new + 1)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        # QuantizedCache re-quantizes its whole history on updates past its residual
+        # window: it takes the context in one update per layer (the float copy that makes
+        # is no larger than the one it decodes at every step)
+        chunk = context if impl.startswith("quantized") else CHUNK
+        for start in range(0, context, chunk):
+            t = min(chunk, context - start)
+            for layer in range(layers):
+                k, v = (torch.randn(1, KV_HEADS, t, HEAD_DIM, generator=gen) for _ in "kv")
+                cache.update(k, v, layer)
+        del k, v
+        ids = torch.randint(0, VOCAB, (1, context + 1), generator=gen)
+        stamps = []
+
+        def stamp(input_ids, scores):   # a logits processor: called once per new token
+            stamps.append(time.perf_counter())
+            return scores
+
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([stamp]))
+    assert out.shape[1] == context + 1 + new and len(stamps) == new
+    step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"impl": impl, "context": context, "tokens_per_s": 1.0 / step,
+            "peak_mb": peak_mb - base_mb, "cache_mb": _cache_mb(cache)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="passes over the impls per context (every other one in reverse "
+                         "order); tokens/s is the best pass, its range is shown")
+    ap.add_argument("--child", nargs=2, metavar=("IMPL", "CONTEXT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], int(a.child[1]), a.new, a.threads, a.layers)))
+        return
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs; "
+          f"threads {a.threads}; model: {a.layers} layers, hidden {HIDDEN}, {HEADS} heads / "
+          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32; {a.new} new tokens")
+    rows = []
+    for context in map(int, a.contexts.split(",")):
+        impls = a.impls.split(",")
+        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+        for r in range(a.rounds):
+            for impl in impls if r % 2 == 0 else impls[::-1]:
+                result = _run_child(impl, context, a)
+                if result:
+                    runs[impl].append(result)
+        best = {impl: max(rs, key=lambda x: x["tokens_per_s"]) for impl, rs in runs.items() if rs}
+        ref = best.get("sdpa")
+        for impl, b in best.items():
+            speeds = [x["tokens_per_s"] for x in runs[impl]]
+            rows.append([impl, context, b["tokens_per_s"],
+                         f"{min(speeds):.3g}-{max(speeds):.3g}",
+                         b["tokens_per_s"] / ref["tokens_per_s"] if ref else "-",
+                         max(x["peak_mb"] for x in runs[impl]),
+                         "-" if b["cache_mb"] is None else b["cache_mb"]])
+    print_table("generate: tokens/s and memory", ["cache + attention", "context", "tokens/s",
+                f"range over {a.rounds} runs", "x DynamicCache+SDPA", "peak MB over the model",
+                "cache MB"], rows)
+
+
+def _run_child(impl: str, context: int, a) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, str(context),
+           "--new", str(a.new), "--threads", str(a.threads), "--layers", str(a.layers)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        err = (p.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"{impl} @ {context}: failed: {err}", file=sys.stderr)
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
