@@ -152,7 +152,7 @@ def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):
     assert os.path.isdir(os.path.join(cuda, "emu")), "cuda/emu/ (the emulator's headers) is missing"
     wanted = [os.path.relpath(os.path.join(d, f), cuda) for d, _, files in os.walk(cuda) for f in files
               if f.endswith((".ptx", ".cu", ".cuh")) or os.path.basename(d) == "emu"]
-    assert len([w for w in wanted if w.endswith(".ptx")]) == 10
+    assert len([w for w in wanted if w.endswith(".ptx")]) == 11
     missing = [w for w in wanted if not os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", w))]
     assert not missing, missing
     for module in ("__init__.py", "driver.py", "ptx.py", "kernels.py"):

@@ -19,6 +19,7 @@ from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
 from .driver import Context, CudaError, Event, Stream, is_available
 from .graph import DecodeGraph
 from .memory import DeviceArray, DeviceBuffer, as_device_array
+from .pool import GpuKVPool
 from ._emu import use_emulator, using_emulator
 
 
@@ -28,6 +29,6 @@ def live_bytes(device: int = 0) -> int:
     return 0 if ctx is None else ctx.live_bytes
 
 
-__all__ = ["AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache",
+__all__ = ["AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache", "GpuKVPool",
            "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes",
            "use_emulator", "using_emulator"]

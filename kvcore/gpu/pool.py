@@ -1,0 +1,565 @@
+"""GpuKVPool: the KVPool's pages in device memory, with graph-safe step metadata.
+
+1. Storage: one device allocation of four 256-byte-aligned regions [K codes][V codes]
+   [K scales][V scales], each token-major as the CPU pool's storage (kvcore/_storage.py):
+       codes  [L][P * page_size][Hkv][D]  code dtype
+       scales [L][P * page_size][Hkv][S]  scale dtype (S = 0: the scale regions are empty)
+   Page g is rows [g * page_size, (g + 1) * page_size) of every layer, as on the CPU, so a
+   page is the same bytes in both pools and a step's new position of every head is one
+   contiguous block (docs/gpu.md, "GpuKVPool", says why token-major).
+2. Bookkeeping: kvcore._pages.PageTable, the CPU pool's own class (sequences, page lists,
+   reference counts, fork with copy-on-write, truncate, free), kept on the host. Page
+   copies (copy-on-write) are cuMemcpy3DAsync device-to-device on the pool's stream.
+3. Step metadata, one device allocation of fixed address and capacity:
+       block_tables int32 [max_batch][max_pages_per_seq]  (-1 past a sequence's pages)
+       lengths      int32 [max_batch]     positions each row holds once the step is written
+       slot_mapping int64 [max_batch * max_tokens]  the slot of each input row, -1 padding
+       status       int32                  device error bits (kept apart from the rest)
+   `begin_step` writes them into a host staging array of the same layout and copies it in
+   one cuMemcpyHtoDAsync; `append` only launches (capturable); `advance` synchronises,
+   turns the status into an exception or commits the step's positions to the table.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+
+from ..attention import _check_scale
+from .._pages import PageTable
+from .._quant import input_limit
+from .._storage import zeroed_pages
+from .._validate import check_index
+from ..errors import (CapacityError, FormatError, NonFiniteError,
+                      OutOfRangeError, ShapeError, SpecError, StateError)
+from ..pool import _counts
+from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
+from ..spec import KVSpec
+from . import driver, kernels
+from .cache import _check_input
+from .driver import Context, Stream
+from .memory import DeviceArray, DeviceBuffer, as_device_array
+
+REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
+ERR_NONFINITE, ERR_RANGE, ERR_SLOT = 2, 4, 8     # status bits (cuda/paged.cu)
+_APPEND_WARPS = 4
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise SpecError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class GpuKVPool:
+    """num_pages pages of page_size positions of `spec` in device memory, shared by many
+    sequences (int ids, as KVPool's); see the module docstring for the layout.
+
+    max_batch, max_pages_per_seq and max_tokens (new positions per step, all sequences
+    together up to max_batch * max_tokens) fix the metadata buffers, whose addresses never
+    change: a graph captured over `append` replays after the tables changed.
+    """
+
+    def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
+                 max_pages_per_seq: int, max_tokens: int = 1, device: int = 0):
+        if not isinstance(spec, KVSpec):
+            raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
+        P, ps = _positive("num_pages", num_pages), _positive("page_size", page_size)
+        self.max_batch = _positive("max_batch", max_batch)
+        self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq)
+        self.max_tokens = _positive("max_tokens", max_tokens)
+        self.spec, self.page_size = spec, ps
+        self._table = PageTable(P, ps, spec.num_layers, spec.capacity)
+        f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
+        # region -> (row bytes, bytes of one layer, offset)
+        rows = P * ps
+        self._row = {"k_codes": H * f.code_row_bytes(D), "k_scales": H * f.scale_row_bytes(D)}
+        self._row["v_codes"], self._row["v_scales"] = self._row["k_codes"], self._row["k_scales"]
+        self.offsets, off = {}, 0
+        for region in REGIONS:
+            self.offsets[region] = off
+            off += _align(L * rows * self._row[region])
+        data_bytes = off
+        B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
+        self.meta_offsets = {"block_tables": 0, "lengths": _align(4 * B * M)}
+        self.meta_offsets["slot_mapping"] = self.meta_offsets["lengths"] + _align(4 * B)
+        self.meta_offsets["status"] = self.meta_offsets["slot_mapping"] + _align(8 * T)
+        meta_bytes = self.meta_offsets["status"] + 256
+        self.ctx = Context.get(device)
+        with self.ctx:
+            self._create(data_bytes, meta_bytes)
+
+    def _create(self, data_bytes: int, meta_bytes: int) -> None:
+        # kernels first: a driver that cannot load them leaves nothing behind
+        self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
+        self._fn_decode = kernels.function("paged", "kv_paged_decode", self.ctx)
+        driver.refuse_while_capturing("GpuKVPool()")
+        P, ps = self.num_pages, self.page_size
+        B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
+        free, _ = self.ctx.mem_get_info()
+        if data_bytes + meta_bytes > free:
+            raise SpecError(f"GpuKVPool of {P} pages of {ps} positions needs "
+                            f"{data_bytes + meta_bytes} bytes, the device has {free} free")
+        self.stream = Stream.create(self.ctx)
+        self.generation = 0
+        try:
+            self._data = DeviceBuffer.alloc(data_bytes, ctx=self.ctx)
+            self._meta = DeviceBuffer.zeros(meta_bytes, ctx=self.ctx)
+        except BaseException:
+            if hasattr(self, "_data"):
+                self._data.free()
+            self.stream.destroy()
+            raise
+        # host staging of [block tables][lengths][slot mapping], page-aligned
+        self._staging = zeroed_pages(self.meta_offsets["status"])
+        self._host_tables = self._view_staging("block_tables", (B, M), np.int32)
+        self._host_lengths = self._view_staging("lengths", (B,), np.int32)
+        self._host_slots = self._view_staging("slot_mapping", (T,), np.int64)
+        self._host_tables[:] = -1
+        self._host_slots[:] = -1
+        self._meta.copy_from_host(self._staging)
+        self._step: tuple[list[int], list[int]] | None = None
+
+    def _view_staging(self, name: str, shape, dtype) -> np.ndarray:
+        off = self.meta_offsets[name]
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self._staging[off:off + n].view(dtype).reshape(shape)
+
+    # ------------------------------------------------------------------ state
+
+    def _alive(self) -> None:
+        if self._data.freed:
+            raise StateError("GpuKVPool used after free()")
+
+    @property
+    def num_pages(self) -> int:
+        return self._table.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._table.free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self._table.num_pages - len(self._table.free)
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the live sequences, oldest first."""
+        return list(self._table.seqs)
+
+    def length(self, seq: int) -> int:
+        """Committed positions of seq."""
+        return self._table.get(seq).length
+
+    def page_table(self, seq: int) -> np.ndarray:
+        """The page ids seq holds, in position order: int32 (a copy)."""
+        return np.array(self._table.get(seq).pages, np.int32)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device bytes allocated (data and metadata)."""
+        return self._data.nbytes + self._meta.nbytes
+
+    # ------------------------------------------------------------------ device views
+
+    def _meta_view(self, name: str, shape, dtype) -> DeviceArray:
+        self._alive()
+        return self._meta.view(shape, dtype, offset=self.meta_offsets[name])
+
+    @property
+    def block_tables(self) -> DeviceArray:
+        """Device int32 [max_batch, max_pages_per_seq]: row b = the pages of the step's
+        b-th sequence, then -1 (written by begin_step)."""
+        return self._meta_view("block_tables", (self.max_batch, self.max_pages_per_seq), np.int32)
+
+    @property
+    def lengths(self) -> DeviceArray:
+        """Device int32 [max_batch]: positions row b holds once the step is written (0 past
+        the step's sequences)."""
+        return self._meta_view("lengths", (self.max_batch,), np.int32)
+
+    @property
+    def slot_mapping(self) -> DeviceArray:
+        """Device int64 [max_batch * max_tokens]: slot (page * page_size + offset) of each
+        input row of the step, -1 for padding."""
+        return self._meta_view("slot_mapping", (self.max_batch * self.max_tokens,), np.int64)
+
+    @property
+    def status(self) -> DeviceArray:
+        """Device int32 [1]: bit 2 non-finite input, 4 value out of range, 8 slot outside
+        the pool; raised and cleared by check()/advance()."""
+        return self._meta_view("status", (1,), np.int32)
+
+    def _region_view(self, region: str, layer: int) -> DeviceArray:
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        s, f = self.spec, self.spec.fmt
+        if region.endswith("scales") and not f.quantized:
+            raise FormatError(f"format {s.format} has no scales")
+        width = s.head_dim if region.endswith("codes") else f.scales_per_row(s.head_dim)
+        dtype = f.code_dtype if region.endswith("codes") else f.scale_dtype
+        rows = self.num_pages * self.page_size
+        return self._data.view((self.num_pages, self.page_size, s.num_kv_heads, width), dtype,
+                               offset=self.offsets[region] + layer * rows * self._row[region])
+
+    def keys(self, layer: int) -> DeviceArray:
+        """K codes of `layer`: [P, page_size, Hkv, D] code dtype."""
+        return self._region_view("k_codes", layer)
+
+    def values(self, layer: int) -> DeviceArray:
+        return self._region_view("v_codes", layer)
+
+    def key_scales(self, layer: int) -> DeviceArray:
+        """K scales of `layer`: [P, page_size, Hkv, S]; FormatError without scales."""
+        return self._region_view("k_scales", layer)
+
+    def value_scales(self, layer: int) -> DeviceArray:
+        return self._region_view("v_scales", layer)
+
+    # ------------------------------------------------------------------ page copies
+
+    def _regions(self) -> tuple[str, ...]:
+        return REGIONS if self.spec.fmt.quantized else REGIONS[:2]
+
+    def _copy_page(self, region: str, page: int, *, dst_page: int | None = None,
+                   host: np.ndarray | None = None, index: int = 0, to_host: bool = False) -> None:
+        """One page of `region`, every layer, in one cuMemcpy3DAsync: to page dst_page, or
+        between the device and page `index` of host [L][k * page_size][Hkv][W] (C order)."""
+        drv = driver.cuda()
+        L, ps = self.spec.num_layers, self.page_size
+        page_bytes = ps * self._row[region]
+        layer_bytes = self.num_pages * page_bytes
+        base = self._data.ptr + self.offsets[region]
+        p = drv.CUDA_MEMCPY3D()
+
+        def device_side(side, g):
+            setattr(p, side + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+            setattr(p, side + "Device", drv.CUdeviceptr(base + g * page_bytes))
+            setattr(p, side + "Pitch", layer_bytes)
+            setattr(p, side + "Height", L)
+
+        if host is None:
+            device_side("src", page)
+            device_side("dst", dst_page)
+        else:
+            h, d = ("dst", "src") if to_host else ("src", "dst")
+            setattr(p, h + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+            setattr(p, h + "Host", host.ctypes.data + index * page_bytes)
+            setattr(p, h + "Pitch", host.nbytes // L)
+            setattr(p, h + "Height", L)
+            device_side(d, page)
+        p.WidthInBytes = page_bytes
+        p.Height = L
+        p.Depth = 1
+        driver.call("cuMemcpy3DAsync", p, self.stream.handle)
+
+    def _copy_pages(self, copies) -> None:
+        for src, dst in copies:
+            for region in self._regions():
+                self._copy_page(region, src, dst_page=dst)
+
+    # ------------------------------------------------------------------ sequences
+
+    def _host_call(self, what: str) -> None:
+        """Checks that the pool is usable from the host now: alive, not capturing."""
+        self._alive()
+        driver.refuse_while_capturing(f"GpuKVPool.{what}", self.stream)
+
+    def _idle(self, what: str) -> None:
+        self._host_call(what)
+        if self._step is not None:
+            raise StateError(f"GpuKVPool.{what} inside a step: advance() it first")
+
+    @driver.in_context
+    def new_sequence(self) -> int:
+        """A new empty sequence (no page yet); returns its id."""
+        self._idle("new_sequence")
+        return self._table.new()
+
+    @driver.in_context
+    def free_sequence(self, seq: int) -> None:
+        """Releases seq's pages (a page shared with a fork stays with it)."""
+        self._idle("free_sequence")
+        self._table.free_seq(seq)
+
+    @driver.in_context
+    def truncate(self, seq: int, n: int) -> None:
+        """Keeps the first n positions of seq (0 <= n <= length), releasing later pages."""
+        self._idle("truncate")
+        self._table.truncate(seq, n)
+
+    @driver.in_context
+    def fork(self, seq: int) -> int:
+        """A new sequence holding seq's positions: full pages shared, the partial last page
+        copied on the device (CapacityError, nothing changed, when no page is free)."""
+        self._idle("fork")
+        t, copy = self._table.fork(seq)
+        if copy is not None:
+            self._copy_pages([copy])
+        return t
+
+    # ------------------------------------------------------------------ steps
+
+    @driver.in_context
+    def begin_step(self, seqs: Sequence[int], counts: Sequence[int] | None = None) -> None:
+        """Plans a step of counts[b] (default 1) new positions for seqs[b]: takes their pages
+        (copy-on-write of shared ones on the device), writes the block tables, lengths and
+        slot mapping (rows in seqs order, packed, then -1) into the metadata buffers with
+        one host-to-device copy. Synchronises the pool's stream first (the staging array
+        is reused). A refused call (StateError, ShapeError, CapacityError) changes nothing."""
+        self._idle("begin_step")
+        seqs = list(seqs)
+        counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
+        if len(seqs) > self.max_batch:
+            raise ShapeError(f"a step of {len(seqs)} sequences, the pool's max_batch is "
+                             f"{self.max_batch}")
+        T = self.max_batch * self.max_tokens
+        if sum(counts) > T:
+            raise ShapeError(f"a step of {sum(counts)} new positions, the slot mapping holds "
+                             f"{T} (max_batch x max_tokens)")
+        limit = self.max_pages_per_seq * self.page_size
+        for s, c in zip(seqs, counts):
+            if self._table.get(s).length + c > limit:
+                raise CapacityError(f"sequence {s} would hold {self._table.get(s).length + c} "
+                                    f"positions, the block tables hold {limit} "
+                                    f"({self.max_pages_per_seq} pages of {self.page_size})")
+        plan = self._table.plan_write(None, seqs, counts)
+        self.stream.synchronize()
+        self._copy_pages(plan.copies)
+        self._table.commit_write(plan)
+        self._host_tables[:] = -1
+        self._host_lengths[:] = 0
+        self._host_slots[:] = -1
+        for b, (s, c) in enumerate(zip(seqs, counts)):
+            pages = self._table.get(s).pages
+            n = self._table.get(s).length + c
+            used = -(-n // self.page_size)
+            self._host_tables[b, :used] = pages[:used]
+            self._host_lengths[b] = n
+        self._host_slots[:len(plan.rows)] = plan.rows
+        self._meta.copy_from_host(self._staging, stream=self.stream)
+        self._step = (seqs, counts)
+
+    @driver.in_context
+    def append(self, layer: int, k, v, *, stream=None) -> None:
+        """Quantizes input rows t of k, v (device float32/float16/bfloat16 [T, Hkv, D], last
+        axis contiguous, T <= max_batch * max_tokens) into `layer` at slot_mapping[t]
+        (-1: skipped). Launch only (no sync; capturable). A slot outside the pool writes
+        nothing and sets the status; so does (for its row) a non-finite or out-of-range value."""
+        self._alive()
+        s = self.spec
+        layer = check_index("layer", layer, s.num_layers)
+        st = self.stream if stream is None else stream
+        k = as_device_array(k, "k", stream=st)
+        v = as_device_array(v, "v", stream=st)
+        for name, x in (("k", k), ("v", v)):
+            _check_input(name, x, ["T", s.num_kv_heads, s.head_dim])
+        if v.shape != k.shape or v.dtype != k.dtype or v.strides != k.strides:
+            raise ShapeError(f"invalid v: expected the shape, dtype and strides of k "
+                             f"({list(k.shape)} {k.dtype}), got {list(v.shape)} {v.dtype}")
+        T = k.shape[0]
+        if not 1 <= T <= self.max_batch * self.max_tokens:
+            raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
+                             f"with 1 <= T <= {self.max_batch * self.max_tokens}, got {list(k.shape)}")
+        in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
+        isz = k.dtype.itemsize
+        rows = self.num_pages * self.page_size
+        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] for r in REGIONS]
+        if not s.fmt.quantized:
+            base[2] = base[3] = 0
+        meta = self._meta.ptr
+        warps = 2 * T * s.num_kv_heads
+        driver.launch(self._fn_append, ((warps + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1),
+                      (32 * _APPEND_WARPS, 1, 1), [
+            (k.ptr, None), (v.ptr, None), (in_dtype, ctypes.c_int),
+            (k.strides[0] // isz, ctypes.c_longlong), (k.strides[1] // isz, ctypes.c_longlong),
+            *((b, None) for b in base),
+            (meta + self.meta_offsets["slot_mapping"], None), (rows, ctypes.c_longlong),
+            (meta + self.meta_offsets["status"], None),
+            (s.fmt.id, ctypes.c_int), (T, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.head_dim, ctypes.c_int),
+        ], stream=st)
+
+    @driver.in_context
+    def decode_attention(self, q, out, layer: int, *, scale: float | None = None,
+                         stream=None) -> None:
+        """Attention of one new query token per row b of the step over positions
+        [0, lengths[b]) of `layer`, read through block_tables[b] in the storage's format
+        (rows past the step's sequences, and empty ones, give zeros). Launch only (no sync;
+        capturable): call it after `append` of the layer, before `advance`.
+        q, out: device float32 [max_batch, Hq, D], C-contiguous. scale: default 1/sqrt(D).
+        Needs D % 32 == 0 and D <= 256 (SpecError)."""
+        self._alive()
+        s = self.spec
+        layer = check_index("layer", layer, s.num_layers)
+        if s.head_dim % 32 or s.head_dim > 256:
+            raise SpecError(f"GpuKVPool.decode_attention needs head_dim a multiple of 32 up to "
+                            f"256, got {s.head_dim}")
+        scale = _check_scale(scale, s.head_dim)
+        st = self.stream if stream is None else stream
+        shape = (self.max_batch, s.num_heads, s.head_dim)
+        arrays = []
+        for name, x in (("q", q), ("out", out)):
+            x = as_device_array(x, name, stream=st)
+            if x.dtype != np.float32 or x.shape != shape or not x.is_c_contiguous:
+                raise ShapeError(f"invalid {name}: expected float32 {list(shape)} C-contiguous, "
+                                 f"got {x.dtype} {list(x.shape)} strides {list(x.strides)}")
+            arrays.append(x)
+        rows = self.num_pages * self.page_size
+        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] for r in REGIONS]
+        if not s.fmt.quantized:
+            base[2] = base[3] = 0
+        meta = self._meta.ptr
+        driver.launch(self._fn_decode, (s.num_heads, self.max_batch, 1), (128, 1, 1), [
+            (arrays[0].ptr, None), (arrays[1].ptr, None), *((b, None) for b in base),
+            (meta + self.meta_offsets["block_tables"], None),
+            (meta + self.meta_offsets["lengths"], None),
+            (self.max_pages_per_seq, ctypes.c_int), (self.page_size, ctypes.c_int),
+            (s.fmt.id, ctypes.c_int), (s.num_heads, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.head_dim, ctypes.c_int), (scale, ctypes.c_float),
+        ], stream=st)
+
+    @driver.in_context
+    def check(self) -> None:
+        """Synchronises the pool's stream; raises (and clears) a status set since: OutOfRangeError
+        (a slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
+        self._host_call("check")
+        self.stream.synchronize()
+        flag = np.zeros(1, np.int32)
+        self._meta.copy_to_host(flag, offset=self.meta_offsets["status"])
+        if not flag[0]:
+            return
+        self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.meta_offsets["status"])
+        if flag[0] & ERR_SLOT:
+            raise OutOfRangeError(f"a GPU paged append got a slot outside the pool's "
+                                  f"{self.num_pages * self.page_size} (or one below -1); "
+                                  f"nothing was written by that launch")
+        if flag[0] & ERR_NONFINITE:
+            raise NonFiniteError("a GPU paged append got non-finite input (NaN or inf); "
+                                 "its row was not written")
+        raise FormatError(f"a GPU paged append got a value out of range of format "
+                          f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}); its row "
+                          f"was not written")
+
+    @driver.in_context
+    def advance(self) -> list[int]:
+        """Ends the step begun by begin_step: synchronises and, when the status is clear,
+        commits its positions (returns the counts); else raises as check() and commits
+        nothing (the pages taken stay with their sequences, to be written again)."""
+        self._host_call("advance")
+        if self._step is None:
+            raise StateError("GpuKVPool.advance without begin_step")
+        seqs, counts = self._step
+        self._step = None
+        self.check()
+        for s, c in zip(seqs, counts):
+            self._table.get(s).length += c
+        return counts
+
+    # ------------------------------------------------------------------ snapshots, offload
+
+    def _gather(self, seq: int) -> dict[str, np.ndarray | None]:
+        """Every region of seq's held pages, [L][pages * page_size][Hkv][W] (host copies)."""
+        s, f = self.spec, self.spec.fmt
+        pages = self._table.get(seq).pages
+        out = dict.fromkeys(REGIONS)
+        for region in self._regions():
+            codes = region.endswith("codes")
+            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            host = np.empty((s.num_layers, len(pages) * self.page_size, s.num_kv_heads, width),
+                            f.code_dtype if codes else f.scale_dtype)
+            for i, g in enumerate(pages):
+                self._copy_page(region, g, host=host, index=i, to_host=True)
+            out[region] = host
+        self.stream.synchronize()
+        return out
+
+    @driver.in_context
+    def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
+        """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
+        kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        self._idle("snapshot")
+        self.stream.synchronize()
+        length = self.length(seq)
+        parts = self._gather(seq)
+        return snapshot_parts(self.spec, length, n, lambda layer, count: tuple(
+            None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
+
+    @driver.in_context
+    def restore(self, snapshot: Snapshot, *, seq: int | None = None,
+                requantize: bool = False) -> int:
+        """A sequence holding a snapshot's positions: a new one, or `seq`, whose content and
+        pages it replaces; returns its id. Checked as KVPool.restore (SnapshotError,
+        StateError, CapacityError with the numbers); a refused call changes nothing."""
+        self._idle("restore")
+        snap = fit_snapshot(self.spec, snapshot, requantize=requantize)
+        table = self._table
+        own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
+        need = -(-snap.length // self.page_size)
+        if need > len(table.free) + own:
+            raise CapacityError(f"pool out of pages: restoring {snap.length} positions needs "
+                                f"{need} pages, {len(table.free)} of {table.num_pages} are free"
+                                + (f" and sequence {seq} alone holds {own}" if own else ""))
+        self.stream.synchronize()
+        if seq is None:
+            seq = table.new()
+        else:
+            table.truncate(seq, 0)
+        table.commit_write(table.plan_write(None, [seq], [snap.length]))
+        pages = table.get(seq).pages
+        hosts = []
+        for region in self._regions():
+            part = getattr(snap, region)
+            host = np.zeros((part.shape[0], len(pages) * self.page_size) + part.shape[2:], part.dtype)
+            host[:, :snap.length] = part
+            hosts.append(host)                    # alive until the stream has copied it
+            for i, g in enumerate(pages):
+                self._copy_page(region, g, host=host, index=i)
+        self.stream.synchronize()
+        table.get(seq).length = snap.length
+        return seq
+
+    @driver.in_context
+    def offload(self, seq: int, host_pool) -> int:
+        """Copies seq's committed positions into a new sequence of the CPU KVPool `host_pool`
+        (same layers, heads, head_dim, format), bit-identical; returns its id there. seq
+        stays (free it to release its pages)."""
+        return host_pool.restore(self.snapshot(seq))
+
+    @driver.in_context
+    def bring_back(self, host_pool, host_seq: int, *, seq: int | None = None) -> int:
+        """Copies sequence host_seq of the CPU KVPool `host_pool` into this pool (a new
+        sequence, or in place of `seq`), bit-identical; returns its id here."""
+        return self.restore(host_pool.snapshot(host_seq), seq=seq)
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def freed(self) -> bool:
+        return self._data.freed
+
+    @driver.in_context
+    def free(self) -> None:
+        """Releases the device memory and the pool's stream; bumps `generation`. A second
+        call does nothing; any other use afterwards raises StateError."""
+        if self._data.freed:
+            return
+        driver.refuse_while_capturing("GpuKVPool.free", self.stream)
+        self.stream.synchronize()
+        self._meta.free()
+        self._data.free()
+        self.stream.destroy()
+        self.generation += 1
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"GpuKVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim="
+                f"{s.head_dim}, format={s.format!r}, pages={self.num_pages}x{self.page_size}, "
+                f"used={self.num_used_pages}, sequences={len(self._table.seqs)}"
+                + (", freed" if self.freed else "") + ")")
