@@ -8,7 +8,8 @@
    sequences in one call), after copying whole pages first when asked (copy-on-write,
    only once the input has passed every check).
 2. `RowWriter.write(layer, pos, k, v)` checks everything before it writes a byte: k and v
-   are numpy arrays of float32, float16 or ml_dtypes bfloat16 in native byte order, of
+   are arrays (numpy, or any array `_validate.check_ndarray` takes in place: DLPack, the
+   buffer protocol) of float32, float16 or ml_dtypes bfloat16 in native byte order, of
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
    [pos, pos + T) fit the capacity, and every value is finite and below the format's
    `_quant.input_limit` (f16, bf16, q8_0), tested on the raw input bits without conversion.
@@ -37,7 +38,6 @@ from kvcore._quant cimport decode_row, encode_row, input_limit_bits
 from kvcore._parallel cimport threads_for
 
 import numpy as np
-from numpy.ma import MaskedArray as _MaskedArray
 
 from .errors import CapacityError
 from ._validate import check_dtype, check_ndarray, check_shape, check_values, float_input_dtypes
@@ -152,8 +152,6 @@ cdef int _kind(object x):
     """IN_* of a numpy array we take, or -1."""
     if not cnp.PyArray_Check(x):
         return -1
-    if not cnp.PyArray_CheckExact(x) and isinstance(x, _MaskedArray):
-        return -1   # refused by check_ndarray: the data under the mask is anything
     cdef cnp.ndarray a = <cnp.ndarray>x
     if not cnp.PyArray_ISNOTSWAPPED(a):
         return -1
@@ -341,7 +339,12 @@ cdef class RowWriter:
         None): before the rows are written, rows [src, src + copy_rows) of every layer are
         copied to [dst, dst + copy_rows) for each (src, dst) (copy-on-write of a page).
         The caller checked layer, pos, rows and copies; this checks the rest, all before
-        writing a byte."""
+        writing a byte. k, v: any array _validate.check_ndarray takes (a torch tensor is
+        read in place)."""
+        if not cnp.PyArray_CheckExact(k):
+            k = check_ndarray("k", k)
+        if not cnp.PyArray_CheckExact(v):
+            v = check_ndarray("v", v)
         cdef int kk = _kind(k), kv = _kind(v)
         if kk < 0 or kv < 0:
             _raise_bad_input(k, v, self._H, self._D)

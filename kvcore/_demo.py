@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import TextIO
 
 import numpy as np
 
@@ -86,7 +87,8 @@ def run_format(fmt: str, keys: np.ndarray, vals: np.ndarray, *, layers: int = LA
                (cache.values(layer), cache.value_scales(layer))]
         for (codes, scales), (w_codes, w_scales) in zip(got, want):
             ok &= np.array_equal(codes.view(np.uint8), w_codes[order].view(np.uint8))
-            ok &= w_scales is None or np.array_equal(scales, w_scales[order])
+            ok &= w_scales is None or (scales is not None
+                                       and np.array_equal(scales, w_scales[order]))
     order = np.arange(capacity) % POOL
     err_k = _rel_rms(cache.dequantize(0, "k"), keys[order])
     err_v = _rel_rms(cache.dequantize(0, "v"), vals[order])
@@ -109,19 +111,25 @@ def model_pools(rng: np.random.Generator, n: int, kv_heads: int, q_heads: int,
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar, drawn only where a person watches: when the stream
+    (stderr by default) is a terminal. Into a log file or a pipe it writes nothing, so
+    no carriage-return debris lands in logs."""
 
-    def __init__(self, total: int, width: int = 30):
+    def __init__(self, total: int, width: int = 30, stream: TextIO | None = None):
         self.total, self.width, self.done = total, width, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.shown = self.stream.isatty()
 
     def step(self, label: str) -> None:
         self.done += 1
+        if not self.shown:
+            return
         filled = self.width * self.done // self.total
-        sys.stderr.write(f"\rdecode [{'#' * filled}{'-' * (self.width - filled)}] "
-                         f"{100 * self.done // self.total:3d}% {label:<10}")
+        self.stream.write(f"\rdecode [{'#' * filled}{'-' * (self.width - filled)}] "
+                          f"{100 * self.done // self.total:3d}% {label:<10}")
         if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self.stream.write("\n")
+        self.stream.flush()
 
 
 def decode_format(fmt: str, pools: tuple[np.ndarray, np.ndarray, np.ndarray], *,
@@ -157,7 +165,8 @@ def decode_format(fmt: str, pools: tuple[np.ndarray, np.ndarray, np.ndarray], *,
     return outs, time.perf_counter() - t0
 
 
-def decode_rows(formats: list[str], pools, **sizes) -> list[list[object]]:
+def decode_rows(formats: list[str], pools: tuple[np.ndarray, np.ndarray, np.ndarray],
+                **sizes: int) -> list[list[object]]:
     """One row per format: bytes/pos, ratio, attention error vs f32, tokens/s."""
     progress = Progress(len(formats) * sizes.get("steps", STEPS))
     results = {fmt: decode_format(fmt, pools, progress=progress, **sizes) for fmt in formats}
@@ -177,7 +186,7 @@ SERVE_REQUESTS = [(900, 12), (150, 20), (480, 8), (20, 28), (1300, 4), (250, 16)
 SERVE_EVERY, SERVE_PAGE, SERVE_BATCH = 4, 16, 4
 
 
-def serve(requests=SERVE_REQUESTS, *, layers: int = LAYERS, capacity: int = CAPACITY,
+def serve(requests: list[tuple[int, int]] = SERVE_REQUESTS, *, layers: int = LAYERS, capacity: int = CAPACITY,
           fmt: str = "int8", every: int = SERVE_EVERY, page_size: int = SERVE_PAGE,
           batch: int = SERVE_BATCH, seed: int = 1) -> list[list[object]]:
     """Requests decoding together from one pool: a request joins every `every` steps while
@@ -193,8 +202,9 @@ def serve(requests=SERVE_REQUESTS, *, layers: int = LAYERS, capacity: int = CAPA
     need = sum(-(-(p + n) // page_size) for p, n in requests)
     pool = kvcore.KVPool(spec, num_pages=need, page_size=page_size)
     page_mib = page_size * spec.bytes_per_position / 2**20
-    waiting, running, left = list(requests), [], {}
-    rows, step = [], 0
+    waiting, running, left = list(requests), list[int](), dict[int, int]()
+    rows: list[list[object]] = []
+    step = 0
     while waiting or running:
         changed = False
         if waiting and len(running) < batch and step % every == 0:

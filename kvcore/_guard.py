@@ -57,5 +57,5 @@ class CallGuard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

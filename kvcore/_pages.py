@@ -122,7 +122,7 @@ class PageTable:
     def get(self, s: object) -> Seq:
         try:
             if not isinstance(s, bool):
-                return self.seqs[s]
+                return self.seqs[s]  # type: ignore[index]  # any object: a miss is refused below
         except (KeyError, TypeError):
             pass
         raise StateError(f"unknown sequence {s!r}: never made by this pool, or freed")
@@ -401,7 +401,7 @@ def _count_groups(counts: list[int]) -> str:
 def _ranges(xs: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (xs sorted)."""
     out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
+    for a, b in zip(xs, xs[1:] + [-1]):
         if b != a + 1:
             out.append(str(start) if start == a else f"{start}-{a}")
             start = b

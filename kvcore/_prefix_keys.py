@@ -25,11 +25,11 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import numpy as np
 
-from ._validate import check_ndarray
+from ._validate import AnyArray, check_ndarray, is_array
 from .errors import DTypeError, RangeError
 
 KEY_BYTES = 32
@@ -39,11 +39,12 @@ _DOMAIN = b"kvcore-prefix-v1"
 Extra = Mapping[str, "str | bytes"]
 
 
-def token_array(tokens: Sequence[int] | np.ndarray, name: str = "tokens") -> np.ndarray:
-    """tokens as a 1-D int64 array (a copy when it is not one): ints in [0, 2**63).
+def token_array(tokens: Sequence[int] | AnyArray, name: str = "tokens") -> np.ndarray:
+    """tokens (a sequence of ints, or an integer array of any library: a torch tensor of
+    input ids) as a 1-D int64 array (a copy when it is not one): ints in [0, 2**63).
     DTypeError for a non-integer array or element, RangeError for a negative id."""
-    if isinstance(tokens, np.ndarray):
-        check_ndarray(name, tokens)
+    if is_array(tokens):
+        tokens = check_ndarray(name, tokens)
         if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
             raise DTypeError(f"invalid {name}: expected a 1-D integer array, got "
                              f"{tokens.ndim}-D {tokens.dtype}")
@@ -52,8 +53,8 @@ def token_array(tokens: Sequence[int] | np.ndarray, name: str = "tokens") -> np.
         arr = tokens.astype(np.int64, copy=False)
     else:
         try:
-            arr = np.array([operator.index(t) if not isinstance(t, bool) else None for t in tokens],
-                           dtype=np.int64)
+            arr = np.array([operator.index(t) if not isinstance(t, bool) else None
+                            for t in cast(Sequence[int], tokens)], dtype=np.int64)
         except (TypeError, ValueError, OverflowError) as e:
             raise DTypeError(f"invalid {name}: expected ints in [0, 2**63): {e}") from None
     if arr.size and int(arr.min()) < 0:

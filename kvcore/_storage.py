@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 from math import prod
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from .formats import view_dtype
 from .spec import KVSpec
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")   # the order of layer_arrays
+
+LayerArrays = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
+"""(k_codes, v_codes, k_scales, v_scales) of one layer; scales None when S = 0."""
 
 
 def zeroed_pages(nbytes: int) -> np.ndarray:
@@ -44,8 +48,10 @@ class Storage:
         fmt = spec.fmt
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
         S = fmt.scales_per_row(D)
-        shapes = [("k_scales", (L, rows, H, S), fmt.scale_dtype),
-                  ("v_scales", (L, rows, H, S), fmt.scale_dtype)] if S else []
+        shapes: list[tuple[str, tuple[int, ...], np.dtype]] = []
+        if fmt.scale_dtype is not None and S:
+            shapes += [("k_scales", (L, rows, H, S), fmt.scale_dtype),
+                       ("v_scales", (L, rows, H, S), fmt.scale_dtype)]
         shapes += [("k_codes", (L, rows, H, D), fmt.code_dtype),
                    ("v_codes", (L, rows, H, D), fmt.code_dtype)]
         self.array = zeroed_pages(rows * spec.bytes_per_position)
@@ -62,25 +68,28 @@ class Storage:
                                        r.get("k_scales"), r.get("v_scales"))
         # Views handed out come from an array over a read-only buffer of the same pages,
         # so that no view (nor any view of a view) can be made writable again.
-        frozen = np.frombuffer(memoryview(self.array).toreadonly(), np.uint8)
+        frozen = np.frombuffer(memoryview(self.array.data).toreadonly(), np.uint8)
         self.read_only = {
             name: frozen[self.offsets[name]:self.offsets[name] + arr.nbytes]
             .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
             for name, arr in r.items()}
 
-    def layer_arrays(self, layer: int):
+    def layer_arrays(self, layer: int) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable views of every
         row, codes [rows, Hkv, D] in the raw code dtype, scales [rows, Hkv, S] or None."""
         r = self.regions
-        return tuple(r[name][layer] if name in r else None for name in REGIONS)
+        sk, sv = r.get("k_scales"), r.get("v_scales")
+        return (r["k_codes"][layer], r["v_codes"][layer], None if sk is None else sk[layer],
+                None if sv is None else sv[layer])
 
-    def gather(self, layer: int, rows) -> tuple:
+    def gather(self, layer: int, rows: np.ndarray) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of the given rows of one layer, copied
         in their order: codes [n, Hkv, D], scales [n, Hkv, S] or None."""
-        return tuple(None if a is None else a[rows] for a in self.layer_arrays(layer))
+        kc, vc, ks, vs = self.layer_arrays(layer)
+        return kc[rows], vc[rows], None if ks is None else ks[rows], None if vs is None else vs[rows]
 
     @property
-    def layout(self) -> dict:
+    def layout(self) -> dict[str, dict[str, Any]]:
         return {name: {"offset": self.offsets[name], "nbytes": arr.nbytes,
                        "shape": arr.shape, "dtype": str(arr.dtype)}
                 for name, arr in self.regions.items()}

@@ -9,27 +9,79 @@ ValueError-family errors for bad values, TypeError-family for wrong types.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
+from numpy.typing import DTypeLike
 
+from ._dlpack import from_dlpack
 from .errors import DTypeError, FormatError, NonFiniteError, OutOfRangeError, ShapeError
 
 
-def _fmt_shape(shape: Iterable) -> str:
+if TYPE_CHECKING:
+    from .formats import Format
+
+
+class SupportsDLPack(Protocol):
+    """An array of another library that exports its memory through DLPack."""
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __dlpack_device__(self) -> Any: ...
+
+
+class SupportsBuffer(Protocol):
+    """An object with the buffer protocol (memoryview, array.array, bytearray)."""
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+AnyArray = Union[np.ndarray, SupportsDLPack, SupportsBuffer]
+"""What an array argument takes: a numpy array, or an array check_ndarray reads in place."""
+
+OutArray = TypeVar("OutArray", bound=AnyArray)
+"""An out= argument: returned as the caller passed it."""
+
+
+def _fmt_shape(shape: Iterable[object]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
 def check_ndarray(name: str, x: object) -> np.ndarray:
-    """Returns x when it is a numpy array; raises DTypeError naming what it is otherwise.
-    Masked arrays are refused: kernels read the data under the mask (NaN, inf, anything),
-    so the caller fills or drops the masked values first (`x.filled(...)`)."""
-    if not isinstance(x, np.ndarray):
-        raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got {type(x).__name__}")
-    if isinstance(x, np.ma.MaskedArray):
-        raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got MaskedArray "
-                         f"(masked arrays are not taken: fill them first, x.filled(value))")
-    return x
+    """x as a numpy array over the same memory, never a copy: a numpy array itself; an
+    array of another library through DLPack (`__dlpack__`: torch, JAX, CuPy, array-API
+    arrays; bfloat16 and float8 as ml_dtypes types; refused unless in host memory, so a
+    CUDA tensor passed to a CPU call raises here, naming its device); or any object with
+    the buffer protocol (memoryview, array.array). Writes through the result land in x.
+    Raises DTypeError for anything else, naming what it is. Masked arrays are refused:
+    kernels read the data under the mask (NaN, inf, anything), so the caller fills or
+    drops the masked values first (`x.filled(...)`)."""
+    if isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):
+            raise DTypeError(f"invalid type of {name}: expected numpy.ndarray, got MaskedArray "
+                             f"(masked arrays are not taken: fill them first, x.filled(value))")
+        return x
+    if hasattr(x, "__dlpack__"):
+        return from_dlpack(name, x)
+    try:
+        view = memoryview(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise DTypeError(f"invalid type of {name}: expected an array (numpy, DLPack or the "
+                         f"buffer protocol), got {type(x).__name__}") from None
+    try:
+        return np.asarray(view)
+    except (TypeError, ValueError) as e:   # a buffer format numpy does not read
+        raise DTypeError(f"invalid dtype of {name}: numpy does not read this "
+                         f"{type(x).__name__}'s buffer (format {view.format!r}): {e}") from e
+
+
+def is_array(x: object) -> bool:
+    """Whether check_ndarray would take x as an array rather than refuse its type: for
+    arguments that are an array or a plain sequence (positions, counts)."""
+    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
+        return True
+    try:
+        memoryview(x)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def check_shape(name: str, x: np.ndarray, expected: Sequence[int | str]) -> None:
@@ -41,23 +93,25 @@ def check_shape(name: str, x: np.ndarray, expected: Sequence[int | str]) -> None
                          f"got {_fmt_shape(x.shape)}")
 
 
-def check_dtype(name: str, x: np.ndarray, allowed: Sequence[np.dtype | str]) -> None:
-    allowed = [np.dtype(a) for a in allowed]
-    if x.dtype not in allowed:
-        names = [str(a) for a in allowed]
+def check_dtype(name: str, x: np.ndarray, allowed: Sequence[DTypeLike]) -> None:
+    dtypes = [np.dtype(a) for a in allowed]
+    if x.dtype not in dtypes:
+        names = [str(a) for a in dtypes]
         want = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
         raise DTypeError(f"invalid dtype of {name}: expected {want}, got {x.dtype}")
 
 
-def check_out(name: str, out: object, shape: Sequence[int], allowed: Sequence[np.dtype | str]) -> np.ndarray:
-    """An output array a caller passed: a numpy array of one of the allowed dtypes, of
-    exactly `shape`, C-contiguous and writable."""
-    check_ndarray(name, out)
-    check_dtype(name, out, allowed)
-    check_shape(name, out, shape)
-    if not out.flags.c_contiguous or not out.flags.writeable:
+def check_out(name: str, out: object, shape: Sequence[int | str],
+              allowed: Sequence[DTypeLike]) -> np.ndarray:
+    """An output array a caller passed (any array check_ndarray takes), of one of the
+    allowed dtypes, of exactly `shape`, C-contiguous and writable; returned as the numpy
+    array over its memory."""
+    arr = check_ndarray(name, out)
+    check_dtype(name, arr, allowed)
+    check_shape(name, arr, shape)
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
         raise ShapeError(f"{name} must be a writable C-contiguous array")
-    return out
+    return arr
 
 
 def check_index(name: str, value: object, limit: int) -> int:
@@ -72,7 +126,7 @@ def check_index(name: str, value: object, limit: int) -> int:
 
 def float_input_dtypes() -> list[np.dtype]:
     """float32, float16, and ml_dtypes bfloat16 when ml_dtypes is installed."""
-    out = [np.dtype(np.float32), np.dtype(np.float16)]
+    out: list[np.dtype] = [np.dtype(np.float32), np.dtype(np.float16)]
     try:
         import ml_dtypes
         out.append(np.dtype(ml_dtypes.bfloat16))
@@ -88,7 +142,7 @@ _LIMIT_REASON = {"f16": "it would round to float16 infinity",
                  "int8": "its decoded value 127 * (max|x|/127) would overflow float32"}
 
 
-def check_values(name: str, x: np.ndarray, fmt) -> None:
+def check_values(name: str, x: np.ndarray, fmt: Format) -> None:
     """Raises for the first value of x (C order) that format `fmt` (a formats.Format)
     refuses: NonFiniteError for NaN/inf, FormatError for |x| >= its input limit
     (kvcore._quant.input_limit). The kernels check on the raw bits; this is the cold path

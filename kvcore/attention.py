@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Any, Literal, Sequence, cast, overload
 
 import numpy as np
 
 from . import _attention
-from ._validate import check_dtype, check_index, check_ndarray, check_out, check_shape
+from ._storage import LayerArrays
+from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
+                        check_shape, is_array)
+from .formats import Format
+from .spec import KVSpec
 from .cache import KVCache
 from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
                      ShapeError, StateError)
@@ -18,12 +22,26 @@ from .pool import KVPool, _counts
 ROPE_STYLES = ("neox", "norm")
 
 
-def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
+@overload
+def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      seqs: Sequence[int] | None = None,
-                     counts: Sequence[int] | np.ndarray | None = None,
+                     counts: Sequence[int] | AnyArray | None = None,
                      scale: float | None = None, causal: bool = True,
-                     out: np.ndarray | None = None,
-                     return_lse: bool = False) -> "np.ndarray | tuple[np.ndarray, np.ndarray]":
+                     out: OutArray | None = None,
+                     return_lse: Literal[False] = False) -> np.ndarray | OutArray: ...
+@overload
+def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
+                     seqs: Sequence[int] | None = None,
+                     counts: Sequence[int] | AnyArray | None = None,
+                     scale: float | None = None, causal: bool = True,
+                     out: OutArray | None = None,
+                     return_lse: Literal[True]) -> tuple[np.ndarray | OutArray, np.ndarray]: ...
+def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
+                     seqs: Sequence[int] | None = None,
+                     counts: Sequence[int] | AnyArray | None = None,
+                     scale: float | None = None, causal: bool = True,
+                     out: OutArray | None = None,
+                     return_lse: bool = False) -> Any:
     """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
     KVPool, read in the storage's own format.
 
@@ -57,12 +75,13 @@ def decode_attention(q: np.ndarray, cache: "KVCache | KVPool", layer: int, *,
         return _attend(q, cache, layer, scale, causal, out, return_lse)
 
 
-def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
+def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal: bool,
+            out: AnyArray | None, return_lse: bool) -> Any:
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
-    _check_q(q, spec)
+    q = _check_q(q, spec)
     n = cache.length + cache.pending(layer)
-    q3 = q.reshape(-1, spec.num_heads, spec.head_dim) if q.ndim == 2 else q
+    q3 = q.reshape(-1, q.shape[-2], spec.head_dim) if q.ndim == 2 else q
     T = q3.shape[0]
     if n == 0:
         raise StateError(f"decode_attention on an empty cache: layer {layer} holds 0 positions")
@@ -71,19 +90,21 @@ def _attend(q, cache: KVCache, layer, scale, causal, out, return_lse):
                          f"layer {layer} holds {n}")
     _check_rows(T, spec)
     scale = _check_scale(scale, spec.head_dim)
-    out = _out(out, q, cache._storage)
+    arr = _out(out, q, cache._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
-                               bool(causal), out.reshape(q3.shape),
+                               bool(causal), arr.reshape(q3.shape),
                                None if lse is None else lse.reshape(q3.shape[:2]))
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
-    return (out, lse) if return_lse else out
+    return _result(arr if out is None else out, lse)
 
 
-def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse):
+def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] | None,
+                    counts: object, scale: float | None, causal: bool, out: AnyArray | None,
+                    return_lse: bool) -> Any:
     spec = pool.spec
     layer = check_index("layer", layer, spec.num_layers)
     if seqs is None:
@@ -92,14 +113,14 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
     B = len(seqs)
     if len(set(seqs)) != B:
         raise StateError(f"decode_attention names a sequence twice: {seqs}")
-    check_ndarray("q", q)
+    q = check_ndarray("q", q)
     check_dtype("q", q, [np.float32])
     if counts is None:
-        check_shape("q", q, [B, spec.num_heads, spec.head_dim])
+        check_shape("q", q, [B, _query_heads(spec), spec.head_dim])
         count_list = [1] * B
     else:
         count_list = _counts(counts, B)
-        check_shape("q", q, [sum(count_list), spec.num_heads, spec.head_dim])
+        check_shape("q", q, [sum(count_list), _query_heads(spec), spec.head_dim])
     table = pool._table
     lengths = []
     for s, t in zip(seqs, count_list):
@@ -119,14 +140,14 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
         pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
         tables[b, :len(pages)] = pages
     scale = _check_scale(scale, spec.head_dim)
-    out = _out(out, q, pool._storage)
+    arr = _out(out, q, pool._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
     status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
                                      np.array(lengths, np.int64),
                                      np.array(count_list, np.int64), scale, bool(causal),
-                                     out, lse)
+                                     arr, lse)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
@@ -134,25 +155,37 @@ def _pool_attention(q, pool, layer, seqs, counts, scale, causal, out, return_lse
             if t and _attention.attend_paged(
                     q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
                     np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
-                    np.empty((t, spec.num_heads, spec.head_dim), np.float32)
+                    np.empty((t,) + q.shape[1:], np.float32)
                     ) != _attention.ATTEND_OK:
                 raise _overflow_error(q[at:at + t], spec.fmt, pool._gather(s, layer, pending=True),
                                       n, scale, causal, layer, f"sequence {s}, ")
             at += t
         raise AssertionError("the batch overflowed, but no sequence alone does")
-    return (out, lse) if return_lse else out
+    return _result(arr if out is None else out, lse)
 
 
-def _check_q(q, spec) -> None:
-    check_ndarray("q", q)
-    check_dtype("q", q, [np.float32])
-    if q.ndim == 2:
-        check_shape("q", q, [spec.num_heads, spec.head_dim])
+def _result(out: object, lse: np.ndarray | None) -> Any:
+    """What decode_attention returns: out (the caller's own out object when given), or
+    (out, lse) when lse was asked for."""
+    return out if lse is None else (out, lse)
+
+
+def _check_q(q: AnyArray, spec: KVSpec) -> np.ndarray:
+    arr = check_ndarray("q", q)
+    check_dtype("q", arr, [np.float32])
+    if arr.ndim == 2:
+        check_shape("q", arr, [_query_heads(spec), spec.head_dim])
     else:
-        check_shape("q", q, ["T", spec.num_heads, spec.head_dim])
+        check_shape("q", arr, ["T", _query_heads(spec), spec.head_dim])
+    return arr
 
 
-def _check_rows(T: int, spec) -> None:
+def _query_heads(spec: KVSpec) -> int:
+    """Hq: spec.num_heads, an int once the spec is built."""
+    return cast(int, spec.num_heads)
+
+
+def _check_rows(T: int, spec: KVSpec) -> None:
     rows = T * spec.group_size
     if rows > _attention.ROWS_MAX:
         raise RangeError(f"decode_attention: T x Hq/Hkv = {T} x {spec.group_size} = {rows} "
@@ -160,16 +193,17 @@ def _check_rows(T: int, spec) -> None:
                          f"({_attention.ROWS_MAX})")
 
 
-def _out(out, q, storage) -> np.ndarray:
+def _out(out: AnyArray | None, q: np.ndarray, storage: np.ndarray) -> np.ndarray:
+    """The numpy array over the caller's out (checked), or a new one."""
     if out is None:
         return np.empty(q.shape, np.float32)
-    check_out("out", out, q.shape, [np.float32])
-    if np.shares_memory(out, storage):
+    arr = check_out("out", out, q.shape, [np.float32])
+    if np.shares_memory(arr, storage):
         raise ShapeError("out overlaps the cache's storage")
-    return out
+    return arr
 
 
-def _raise_non_finite(q) -> None:
+def _raise_non_finite(q: np.ndarray) -> None:
     """Raises NonFiniteError naming q's first non-finite value, if it has one (the kernel
     checks q as it reads it)."""
     if not np.isfinite(q).all():
@@ -177,7 +211,7 @@ def _raise_non_finite(q) -> None:
         raise NonFiniteError(f"non-finite value in q at index {tuple(int(i) for i in bad)}")
 
 
-def _check_scale(scale, head_dim: int) -> float:
+def _check_scale(scale: object, head_dim: int) -> float:
     """The softmax scale as the float32 the kernel uses: finite and positive."""
     if scale is None:
         return float(np.float32(1.0 / math.sqrt(head_dim)))
@@ -197,14 +231,15 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(s32)
 
 
-def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: int,
-                    where: str = "") -> RangeError:
+def _overflow_error(q3: np.ndarray, fmt: Format, arrays: LayerArrays, n: int, scale: float,
+                    causal: bool, layer: int, where: str = "") -> RangeError:
     """The error of an attention call whose float32 computation overflowed, with the
     numbers: the largest |scale * q.k| over the visible positions and the largest |V|,
     computed in float64 (the cold path of a refused call)."""
     from .quant import dequantize
-    k_codes, v_codes, k_scales, v_scales = (None if a is None else a[:n] for a in arrays)
-    k = dequantize(k_codes, k_scales, fmt).astype(np.float64)     # [n, Hkv, D]
+    k_codes, v_codes, k_scales, v_scales = arrays
+    k = dequantize(k_codes[:n], None if k_scales is None else k_scales[:n], fmt
+                   ).astype(np.float64)     # [n, Hkv, D]
     v = dequantize(v_codes, v_scales, fmt)
     T, Hq, D = q3.shape
     Hkv = k.shape[1]
@@ -222,8 +257,8 @@ def _overflow_error(q3, fmt, arrays, n: int, scale: float, causal: bool, layer: 
         f"{float(np.abs(v).max()):.4g} over {n} positions); float32 holds up to 3.4028235e+38")
 
 
-def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
-                    lse2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def merge_attention(o1: AnyArray, lse1: AnyArray, o2: AnyArray,
+                    lse2: AnyArray) -> tuple[np.ndarray, np.ndarray]:
     """Merges two attention results over disjoint sets of positions into the result over
     their union (FlashInfer's merge_state; cascade attention over a shared prefix).
 
@@ -234,8 +269,9 @@ def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
     lse = m + log(e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2), in float32; a
     row that neither side saw gets o = 0, lse = -inf.
     """
+    o1, lse1, o2, lse2 = (check_ndarray(name, x) for name, x in
+                          (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)))
     for name, x in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
-        check_ndarray(name, x)
         check_dtype(name, x, [np.float32])
     if o1.ndim < 2:
         raise ShapeError(f"invalid shape of o1: expected [..., Hq, D], got {list(o1.shape)}")
@@ -260,9 +296,9 @@ def merge_attention(o1: np.ndarray, lse1: np.ndarray, o2: np.ndarray,
     return o, lse
 
 
-def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 10000.0,
-               style: str = "neox", rotary_dim: int | None = None,
-               inv_freq: np.ndarray | None = None, attention_factor: float = 1.0) -> np.ndarray:
+def apply_rope(x: OutArray, positions: int | Sequence[int] | AnyArray, *,
+               theta: float = 10000.0, style: str = "neox", rotary_dim: int | None = None,
+               inv_freq: AnyArray | None = None, attention_factor: float = 1.0) -> OutArray:
     """Rotary position embedding, in place.
 
     x: float32, shape [T, H, D] with positions an int array [T], or [H, D] with one int
@@ -277,41 +313,40 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     attention_factor: a finite positive number the R rotated dims are multiplied by, as
     transformers multiplies cos and sin (YaRN, LongRoPE).
     """
-    check_ndarray("x", x)
-    check_dtype("x", x, [np.float32])
-    if x.ndim not in (2, 3):
+    a = check_ndarray("x", x)
+    check_dtype("x", a, [np.float32])
+    if a.ndim not in (2, 3):
         raise ShapeError(f"invalid shape of x: expected [T, H, D] or [H, D], got "
-                         f"[{', '.join(map(str, x.shape))}]")
-    if not x.flags.writeable:
+                         f"[{', '.join(map(str, a.shape))}]")
+    if not a.flags.writeable:
         raise ShapeError("x must be writable (apply_rope rotates in place)")
     if style not in ROPE_STYLES:
         raise FormatError(f"unknown rope style {style!r}: expected 'neox' or 'norm'")
-    D = x.shape[-1]
-    R = rotary_dim if rotary_dim is not None else D if inv_freq is None else 2 * _len(inv_freq)
+    D = a.shape[-1]
+    freq = None if inv_freq is None else check_ndarray("inv_freq", inv_freq)
+    R = rotary_dim if rotary_dim is not None else D if freq is None else 2 * _len(freq)
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 < R <= D or R % 2:
         raise ShapeError(f"rotary_dim must be an even int in [2, {D}], got {rotary_dim!r}")
     theta = _check_theta(theta)
-    if isinstance(positions, np.ndarray):
-        check_ndarray("positions", positions)   # refuses masked arrays
-    pos = np.asarray(positions)
+    pos = np.asarray(check_ndarray("positions", positions) if is_array(positions) else positions)
     if pos.dtype.kind not in "iu":
         raise DTypeError(f"invalid dtype of positions: expected an integer type, got {pos.dtype}")
-    x3 = x
-    if x.ndim == 2:
+    x3 = a
+    if a.ndim == 2:
         if pos.size != 1:
             raise ShapeError(f"invalid shape of positions: x [H, D] takes one position, "
                              f"got {pos.size}")
-        x3 = x[np.newaxis]
-    check_shape("positions", pos.reshape(-1) if x.ndim == 2 else pos, [x3.shape[0]])
+        x3 = a[np.newaxis]
+    check_shape("positions", pos.reshape(-1) if a.ndim == 2 else pos, [x3.shape[0]])
     if pos.size and (pos.min() < 0 or pos.max() > _INT64_MAX):
         bad = pos.reshape(-1)[(pos.reshape(-1) < 0) | (pos.reshape(-1) > _INT64_MAX)][0]
         raise OutOfRangeError(f"position {int(bad)} out of range: expected 0 <= position < 2**63")
-    finite = np.isfinite(x)
+    finite = np.isfinite(a)
     if not finite.all():
-        idx = np.unravel_index(int(np.argmin(finite)), x.shape)
+        idx = np.unravel_index(int(np.argmin(finite)), a.shape)
         where = ", ".join(str(int(i)) for i in idx)
-        raise NonFiniteError(f"non-finite value in x: x[{where}] = {x[idx]!s}")
-    table = _inv_freq(theta, int(R)) if inv_freq is None else _check_inv_freq(inv_freq, R)
+        raise NonFiniteError(f"non-finite value in x: x[{where}] = {a[idx]!s}")
+    table = _inv_freq(theta, int(R)) if freq is None else _check_inv_freq(freq, int(R))
     _check_attention_factor(attention_factor, x3[..., :R])
     _attention.rope(x3, np.ascontiguousarray(pos.reshape(-1), dtype=np.int64), table,
                     style == "neox")
@@ -320,12 +355,11 @@ def apply_rope(x: np.ndarray, positions: "int | np.ndarray", *, theta: float = 1
     return x
 
 
-def _len(inv_freq) -> int:
-    return inv_freq.shape[0] if isinstance(inv_freq, np.ndarray) and inv_freq.ndim == 1 else 0
+def _len(inv_freq: np.ndarray) -> int:
+    return inv_freq.shape[0] if inv_freq.ndim == 1 else 0
 
 
 def _check_inv_freq(inv_freq: np.ndarray, rotary_dim: int) -> np.ndarray:
-    check_ndarray("inv_freq", inv_freq)
     check_dtype("inv_freq", inv_freq, [np.float64])
     check_shape("inv_freq", inv_freq, [rotary_dim // 2])
     if not (np.isfinite(inv_freq).all() and (inv_freq >= 0).all()):
@@ -333,7 +367,7 @@ def _check_inv_freq(inv_freq: np.ndarray, rotary_dim: int) -> np.ndarray:
     return np.ascontiguousarray(inv_freq)
 
 
-def _check_attention_factor(factor, rotated: np.ndarray) -> None:
+def _check_attention_factor(factor: object, rotated: np.ndarray) -> None:
     """A finite positive number that keeps the rotated dims (|pair| <= sqrt(2) max|x|)
     inside float32."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
@@ -352,7 +386,7 @@ def _check_attention_factor(factor, rotated: np.ndarray) -> None:
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _check_theta(theta) -> float:
+def _check_theta(theta: object) -> float:
     if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer, np.floating)):
         raise DTypeError(f"invalid type of theta: expected float, got {type(theta).__name__}")
     try:

@@ -12,13 +12,16 @@ from the storage; the checked writes are `_cache.RowWriter`'s.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import _cache
 from ._guard import CallGuard
 from ._pages import _count_groups
 from ._storage import Storage as _Storage
-from ._validate import check_index, check_out
+from ._storage import LayerArrays
+from ._validate import AnyArray, OutArray, check_index, check_out
 from .errors import OutOfRangeError, ShapeError, SpecError, StateError
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
@@ -86,12 +89,12 @@ class KVCache:
 
     # -- writing -------------------------------------------------------------------
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, layer: int, k: AnyArray, v: AnyArray) -> None:
         """Encodes T positions of one layer after its held ones; they stay pending (seen
         only with `pending=True`) until `advance()`.
 
-        k, v: float32, float16 or ml_dtypes bfloat16, shape [T, Hkv, D] or [Hkv, D]
-        (T = 1), any strides; the same shape (dtypes may differ). Atomic: a refused call
+        k, v: float32, float16 or bfloat16 (ml_dtypes; or a torch / DLPack / buffer-protocol
+        CPU array, read in place), shape [T, Hkv, D] or [Hkv, D] (T = 1), any strides; the same shape (dtypes may differ). Atomic: a refused call
         (ShapeError, DTypeError, NonFiniteError, CapacityError, OutOfRangeError, and
         FormatError for a value past the format's range: f16 |x| >= 65520, bf16 past
         its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing.
@@ -195,7 +198,7 @@ class KVCache:
         return self._view("v_scales", layer, pending) if "v_scales" in self._regions else None
 
     def dequantize(self, layer: int, which: str, *, pending: bool = False,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: OutArray | None = None) -> np.ndarray | OutArray:
         """K (which="k") or V ("v") of the held positions decoded: float32 [n, Hkv, D], a
         new array, or out (float32 of that shape, C-contiguous, writable)."""
         if which not in ("k", "v"):
@@ -205,20 +208,20 @@ class KVCache:
             codes = self._regions[f"{which}_codes"][layer, :n]
             scales = self._regions.get(f"{which}_scales")
             if out is None:
-                out = np.empty(codes.shape, dtype=np.float32)
+                arr = np.empty(codes.shape, dtype=np.float32)
             else:
-                check_out("out", out, codes.shape, [np.float32])
-                self._check_outside("out", out)
+                arr = check_out("out", out, codes.shape, [np.float32])
+                self._check_outside("out", arr)
             _cache.decode_rows(self._spec.fmt.id, codes,
-                               None if scales is None else scales[layer, :n], out)
-        return out
+                               None if scales is None else scales[layer, :n], arr)
+        return arr if out is None else out
 
     def _check_outside(self, name: str, arr: np.ndarray) -> None:
         """Raises ShapeError when arr (an output array) overlaps the storage."""
         if np.shares_memory(arr, self._storage):
             raise ShapeError(f"{name} overlaps the cache's storage")
 
-    def _layer_arrays(self, layer: int):
+    def _layer_arrays(self, layer: int) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable full-capacity
         views, codes [N, Hkv, D] in the raw code dtype, scales [N, Hkv, S] or None.
         Positions [0, length + pending(layer)) are valid. Internal (docs/design.md)."""
@@ -227,7 +230,7 @@ class KVCache:
     # -- layout and memory ---------------------------------------------------------
 
     @property
-    def layout(self) -> dict:
+    def layout(self) -> dict[str, dict[str, Any]]:
         """The storage, region by region in address order: byte offset, byte count,
         shape and dtype. Codes [L, N, Hkv, D], scales [L, N, Hkv, S] (token-major)."""
         return self._store.layout

@@ -106,7 +106,7 @@ def get_format(fmt: "str | Format") -> Format:
             f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}") from None
 
 
-def _fields(f: Format) -> tuple:
+def _fields(f: Format) -> tuple[object, ...]:
     """Every field of f, compared with exact types (a dtype-like object that claims
     equality with anything does not pass)."""
     return tuple((type(v), v.str if isinstance(v, np.dtype) else v)
@@ -123,5 +123,6 @@ def view_dtype(fmt: "str | Format") -> np.dtype:
             import ml_dtypes
         except ImportError:
             return f.code_dtype
-        return np.dtype(getattr(ml_dtypes, extra[f.name]))
+        dtype: np.dtype = np.dtype(getattr(ml_dtypes, extra[f.name]))
+        return dtype
     return f.code_dtype

@@ -16,7 +16,7 @@ cached until a write needs a page and none is free (docs/design.md, Prefix cache
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,8 +25,8 @@ from ._guard import CallGuard
 from ._pages import PageTable
 from ._prefix import PrefixIndex
 from ._prefix_keys import encode_extra, token_array
-from ._storage import Storage
-from ._validate import check_index, check_ndarray, check_out
+from ._storage import LayerArrays, Storage
+from ._validate import AnyArray, OutArray, check_index, check_ndarray, check_out, is_array
 from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
                      StateError)
 from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
@@ -131,7 +131,7 @@ class KVPool:
 
     # -- writing -------------------------------------------------------------------
 
-    def append(self, seq: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, seq: int, layer: int, k: AnyArray, v: AnyArray) -> None:
         """Encodes T positions of one layer of one sequence after its held ones, pending
         until `advance`, as KVCache.append: k, v float32, float16 or bfloat16, [T, Hkv, D]
         or [Hkv, D], any strides. Atomic: a refused call (ShapeError, DTypeError,
@@ -140,11 +140,11 @@ class KVPool:
         with self._guard("append"):
             if layer.__class__ is not int or not 0 <= layer < self._num_layers:
                 layer = check_index("layer", layer, self._num_layers)
-            t = k.shape[0] if getattr(k, "ndim", 0) == 3 else 1
-            self._write(layer, [seq], [t], k, v)
+            k, v = check_ndarray("k", k), check_ndarray("v", v)
+            self._write(layer, [seq], [k.shape[0] if k.ndim == 3 else 1], k, v)
 
-    def append_batch(self, layer: int, seqs: Sequence[int], k: np.ndarray, v: np.ndarray,
-                     counts: Sequence[int] | np.ndarray | None = None) -> None:
+    def append_batch(self, layer: int, seqs: Sequence[int], k: AnyArray, v: AnyArray,
+                     counts: Sequence[int] | AnyArray | None = None) -> None:
         """One layer's new positions of many sequences in one call: counts[b] positions
         (default 1 each) after the held ones of seqs[b], taken in order from k, v (float32,
         float16 or bfloat16, [sum counts, Hkv, D], any strides), pending until `advance`.
@@ -154,8 +154,7 @@ class KVPool:
                 layer = check_index("layer", layer, self._num_layers)
             seqs = list(seqs)
             counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
-            check_ndarray("k", k)
-            check_ndarray("v", v)
+            k, v = check_ndarray("k", k), check_ndarray("v", v)
             if k.ndim != 3:
                 raise ShapeError(f"invalid shape of k: expected [T, {self._spec.num_kv_heads}, "
                                  f"{self._spec.head_dim}], got {list(k.shape)}")
@@ -165,7 +164,8 @@ class KVPool:
                                  f"counts), got {list(k.shape)}")
             self._write(layer, seqs, counts, k, v)
 
-    def _write(self, layer, seqs, counts, k, v) -> None:
+    def _write(self, layer: int, seqs: list[int], counts: list[int], k: np.ndarray,
+               v: np.ndarray) -> None:
         plan = self._table.plan_write(layer, seqs, counts)
         ps = self._ps
         rows = np.array(plan.rows, np.int64) if plan.rows else _EMPTY_ROWS
@@ -194,8 +194,8 @@ class KVPool:
             counts = self._table.advance(ids, tokens)
             return counts[0] if one else counts
 
-    def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | np.ndarray,
-                     out: np.ndarray) -> np.ndarray:
+    def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | AnyArray,
+                     out: OutArray) -> OutArray:
         """Reserves and exports the storage rows ("slots", vLLM's slot_mapping) of the next
         counts[b] positions after the committed ones of seqs[b]: out int64 [M], C-contiguous,
         M >= sum counts, gets them in order, then -1 (skip) to its end. Pages are taken
@@ -204,17 +204,17 @@ class KVPool:
         with self._guard("slot_mapping"):
             seqs = list(seqs)
             counts = _counts(counts, len(seqs))
-            check_ndarray("out", out)
-            check_out("out", out, (out.shape[0],) if out.ndim == 1 else ("M",), [np.int64])
-            if out.shape[0] < sum(counts):
-                raise ShapeError(f"out holds {out.shape[0]} slots, the positions need "
+            arr = check_ndarray("out", out)
+            arr = check_out("out", arr, (arr.shape[0],) if arr.ndim == 1 else ("M",), [np.int64])
+            if arr.shape[0] < sum(counts):
+                raise ShapeError(f"out holds {arr.shape[0]} slots, the positions need "
                                  f"{sum(counts)}")
             plan = self._table.plan_write(None, seqs, counts)
             if plan.copies:
                 self._store.writer.copy_pages(np.array(plan.copies, np.int64) * self._ps, self._ps)
             self._table.commit_write(plan)
-            out[:len(plan.rows)] = plan.rows
-            out[len(plan.rows):] = -1
+            arr[:len(plan.rows)] = plan.rows
+            arr[len(plan.rows):] = -1
             return out
 
     # -- state ---------------------------------------------------------------------
@@ -285,27 +285,28 @@ class KVPool:
             return s.length
         return s.length + s.pending[check_index("layer", layer, self._num_layers)]
 
-    def block_tables(self, seqs: Sequence[int], out: np.ndarray, *, layer: int | None = None,
-                     fill: int = -1) -> np.ndarray:
+    def block_tables(self, seqs: Sequence[int], out: OutArray, *, layer: int | None = None,
+                     fill: int = -1) -> OutArray:
         """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
         positions (committed, plus `layer`'s pending ones when given), then `fill`
         (vLLM's block table). ShapeError when M is too small."""
         with self._guard("block_tables"):
             seqs = list(seqs)
             tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
-            check_ndarray("out", out)
+            arr = check_ndarray("out", out)
             width = max((len(t) for t in tabs), default=0)
-            check_out("out", out, (len(seqs), out.shape[-1] if out.ndim == 2 else "M"), [np.int32])
-            if out.shape[1] < width:
+            arr = check_out("out", arr, (len(seqs), arr.shape[-1] if arr.ndim == 2 else "M"),
+                            [np.int32])
+            if arr.shape[1] < width:
                 raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
-                                 f"got {list(out.shape)}")
-            out[:] = fill
+                                 f"got {list(arr.shape)}")
+            arr[:] = fill
             for b, t in enumerate(tabs):
-                out[b, :len(t)] = t
+                arr[b, :len(t)] = t
             return out
 
-    def csr(self, seqs: Sequence[int], indptr: np.ndarray, indices: np.ndarray,
-            last_page_len: np.ndarray, *, layer: int | None = None) -> int:
+    def csr(self, seqs: Sequence[int], indptr: AnyArray, indices: AnyArray,
+            last_page_len: AnyArray, *, layer: int | None = None) -> int:
         """The page tables of seqs in FlashInfer's CSR form, written into the caller's
         int32 arrays: indptr [B + 1], indices [>= nnz] (pages of seqs[b] at
         indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
@@ -316,21 +317,21 @@ class KVPool:
             tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
                     for s, n in ((s, self._held(s, layer)) for s in seqs)]
             nnz = sum(len(t) for t, _ in tabs)
-            check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
-            check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
-            check_ndarray("indices", indices)
-            check_out("indices", indices, (indices.shape[0] if indices.ndim == 1 else "nnz",),
-                      [np.int32])
-            if indices.shape[0] < nnz:
-                raise ShapeError(f"indices holds {indices.shape[0]} entries, the tables need "
+            ptr = check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
+            last = check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
+            idx = check_ndarray("indices", indices)
+            idx = check_out("indices", idx, (idx.shape[0] if idx.ndim == 1 else "nnz",),
+                            [np.int32])
+            if idx.shape[0] < nnz:
+                raise ShapeError(f"indices holds {idx.shape[0]} entries, the tables need "
                                  f"{nnz}")
             at = 0
-            indptr[0] = 0
+            ptr[0] = 0
             for b, (t, n) in enumerate(tabs):
-                indices[at:at + len(t)] = t
+                idx[at:at + len(t)] = t
                 at += len(t)
-                indptr[b + 1] = at
-                last_page_len[b] = n - (len(t) - 1) * self._ps if t else 0
+                ptr[b + 1] = at
+                last[b] = n - (len(t) - 1) * self._ps if t else 0
             return nnz
 
     # -- reads ---------------------------------------------------------------------
@@ -341,7 +342,7 @@ class KVPool:
         n = s.length + (s.pending[layer] if pending else 0)
         return np.array(self._table.rows(seq, 0, n), np.int64)
 
-    def _gather(self, seq: int, layer: int, *, pending: bool = False) -> tuple:
+    def _gather(self, seq: int, layer: int, *, pending: bool = False) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of seq's positions in one layer, copied in
         position order (raw code dtype; scales None when S = 0). Internal (tests)."""
         return self._store.gather(layer, self._rows(seq, layer, pending))
@@ -407,7 +408,7 @@ class KVPool:
     # -- layout and memory ---------------------------------------------------------
 
     @property
-    def layout(self) -> dict:
+    def layout(self) -> dict[str, dict[str, Any]]:
         """The storage, region by region in address order: byte offset, byte count, shape
         [L, P * page_size, Hkv, D or S] and dtype (docs/formats.md)."""
         return self._store.layout
@@ -423,7 +424,7 @@ class KVPool:
         """Bytes of the storage: num_pages * page_size * spec.bytes_per_position."""
         return self._storage.nbytes
 
-    def _layer_arrays(self, layer: int):
+    def _layer_arrays(self, layer: int) -> LayerArrays:
         """Writable views of one layer's rows (as KVCache._layer_arrays, rows = P * ps)."""
         return self._store.layer_arrays(check_index("layer", layer, self._num_layers))
 
@@ -435,18 +436,19 @@ class KVPool:
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
 
-def _counts(counts, n: int) -> list[int]:
-    """counts as a list of n ints >= 0 (a list, tuple or integer array)."""
-    if isinstance(counts, np.ndarray):
-        if counts.dtype.kind not in "iu":
+def _counts(counts: object, n: int) -> list[int]:
+    """counts as a list of n ints >= 0 (a list, tuple or integer array of any library)."""
+    if is_array(counts):
+        arr = check_ndarray("counts", counts)
+        if arr.dtype.kind not in "iu":
             raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
-                             f"{counts.dtype}")
-        counts = counts.tolist()
-    counts = list(counts)
-    if len(counts) != n:
+                             f"{arr.dtype}")
+        counts = arr.tolist()
+    values: list[Any] = list(counts)  # type: ignore[call-overload]  # not iterable: TypeError
+    if len(values) != n:
         raise ShapeError(f"invalid shape of counts: expected [{n}] (one per sequence), "
-                         f"got [{len(counts)}]")
-    for c in counts:
+                         f"got [{len(values)}]")
+    for c in values:
         if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
             raise ShapeError(f"counts must be ints >= 0, got {c!r}")
-    return [int(c) for c in counts]
+    return [int(c) for c in values]

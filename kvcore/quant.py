@@ -5,19 +5,23 @@ The rules and byte layouts are in docs/formats.md; the kernels in _quant.pyx.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import numpy as np
 
 from . import _quant
 from ._parallel import max_threads
-from ._validate import (check_dtype, check_ndarray, check_out, check_shape, check_values,
-                        float_input_dtypes)
+from ._validate import (AnyArray, OutArray, check_dtype, check_ndarray, check_out, check_shape,
+                        check_values, float_input_dtypes)
 from .errors import DTypeError, FormatError, ShapeError
 from .formats import BF16, F16, F32, Format, get_format, view_dtype
 
 Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
 """q8_0 refuses |x| >= Q8_0_LIMIT (8321040.0 = 65520 * 127): the block scale
 max|x| / 127 would round to float16 infinity."""
+
+_QuantOut = TypeVar("_QuantOut", bound="tuple[AnyArray, AnyArray | None]")
+"""quantize's out=: (codes, scales) arrays, returned as the caller passed them."""
 
 _INPUT_KIND = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}
 
@@ -49,13 +53,12 @@ def _row_walk(x: np.ndarray) -> tuple[np.ndarray, int, int]:
     return outer.reshape(-1), n_inner, inner_stride
 
 
-def quantize(x: np.ndarray, fmt: "str | Format", *,
-             out: tuple[np.ndarray, np.ndarray | None] | None = None,
-             ) -> tuple[np.ndarray, np.ndarray | None]:
+def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
+             ) -> tuple[np.ndarray, np.ndarray | None] | _QuantOut:
     """Encodes rows of D values in a storage format.
 
     x: float32, float16 or bfloat16 (ml_dtypes), shape [..., D], any strides (read in
-    place: no copy of x is made). fmt: a format name or Format; q8_0 needs D % 32 == 0.
+    place: no copy of x is made; a torch / DLPack / buffer-protocol CPU array too). fmt: a format name or Format; q8_0 needs D % 32 == 0.
     Returns (codes, scales), both new C-contiguous arrays:
       codes [..., D] of view_dtype(fmt): int8, float16, float32, or ml_dtypes
         bfloat16 / float8_e4m3fn / float8_e5m2 (uint16 / uint8 without ml_dtypes);
@@ -69,7 +72,7 @@ def quantize(x: np.ndarray, fmt: "str | Format", *,
     round to infinity; q8_0 |x| >= Q8_0_LIMIT), ShapeError / DTypeError for bad arrays.
     """
     f = get_format(fmt)
-    check_ndarray("x", x)
+    x = check_ndarray("x", x)
     check_dtype("x", x, float_input_dtypes())
     if x.ndim == 0:
         raise ShapeError("invalid shape of x: expected [..., D], got []")
@@ -77,15 +80,17 @@ def quantize(x: np.ndarray, fmt: "str | Format", *,
     f.check_head_dim(d)
     lead = x.shape[:-1]
     code_shape, scale_shape = lead + (d,), lead + (f.scales_per_row(d),)
+    result: tuple[np.ndarray, np.ndarray | None] | _QuantOut
     if out is None:
         codes = np.empty(code_shape, dtype=f.code_dtype)
-        scales = np.empty(scale_shape, dtype=f.scale_dtype) if f.quantized else None
+        scales = None if f.scale_dtype is None else np.empty(scale_shape, dtype=f.scale_dtype)
         result = (codes.view(view_dtype(f)), scales)
     else:
-        result = _check_quantize_out(out, f, code_shape, scale_shape)
-        codes, scales = result[0].view(f.code_dtype), result[1]
-        if any(a is not None and np.shares_memory(x, a) for a in result):
+        codes, scales = _check_quantize_out(out, f, code_shape, scale_shape)
+        result = out
+        if any(a is not None and np.shares_memory(x, a) for a in (codes, scales)):
             raise ShapeError("out overlaps x")
+        codes = codes.view(f.code_dtype)
     work = np.empty((max_threads(), d), dtype=np.float32)
     walk = (x, *_row_walk(x), x.strides[-1], _input_kind(x), f.id, codes, scales, work)
     bad = _quant.quantize_rows(*walk, encode=out is None)
@@ -97,24 +102,26 @@ def quantize(x: np.ndarray, fmt: "str | Format", *,
     return result
 
 
-def _check_quantize_out(out, f: Format, code_shape, scale_shape):
+def _check_quantize_out(out: object, f: Format, code_shape: tuple[int, ...],
+                        scale_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
     if not isinstance(out, tuple) or len(out) != 2:
         raise DTypeError(f"invalid type of out: expected a (codes, scales) tuple, "
                          f"got {type(out).__name__}")
     codes = check_out("out codes", out[0], code_shape,
                       list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
-    if f.quantized:
-        check_out("out scales", out[1], scale_shape, [f.scale_dtype])
+    scales = None
+    if f.scale_dtype is not None:
+        scales = check_out("out scales", out[1], scale_shape, [f.scale_dtype])
     elif out[1] is not None:
         raise FormatError(f"format {f.name} has no scales: expected out scales None, "
                           f"got {type(out[1]).__name__}")
-    if out[1] is not None and np.shares_memory(codes, out[1]):
+    if scales is not None and np.shares_memory(codes, scales):
         raise ShapeError("out codes and scales overlap")
-    return out
+    return codes, scales
 
 
-def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format", *,
-               out: np.ndarray | None = None) -> np.ndarray:
+def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
+               out: OutArray | None = None) -> np.ndarray | OutArray:
     """Decodes codes and scales back to float32.
 
     codes: shape [..., D], fmt's code dtype (raw or its ml_dtypes view dtype).
@@ -125,27 +132,28 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, fmt: "str | Format"
     the value itself for the float formats.
     """
     f = get_format(fmt)
-    check_ndarray("codes", codes)
-    check_dtype("codes", codes, list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
-    if codes.ndim == 0:
+    c = check_ndarray("codes", codes)
+    check_dtype("codes", c, list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
+    if c.ndim == 0:
         raise ShapeError("invalid shape of codes: expected [..., D], got []")
-    d = codes.shape[-1]
+    d = c.shape[-1]
     f.check_head_dim(d)
-    lead = codes.shape[:-1]
-    if f.quantized:
-        check_ndarray("scales", scales)
-        check_dtype("scales", scales, [f.scale_dtype])
-        check_shape("scales", scales, lead + (f.scales_per_row(d),))
-        scales = np.ascontiguousarray(scales)
+    lead = c.shape[:-1]
+    s = None
+    if f.scale_dtype is not None:
+        s = check_ndarray("scales", scales)
+        check_dtype("scales", s, [f.scale_dtype])
+        check_shape("scales", s, lead + (f.scales_per_row(d),))
+        s = np.ascontiguousarray(s)
     elif scales is not None:
         raise FormatError(f"format {f.name} has no scales: expected scales=None, "
                           f"got {type(scales).__name__}")
     if out is None:
-        out = np.empty(lead + (d,), dtype=np.float32)
+        arr = np.empty(lead + (d,), dtype=np.float32)
     else:
-        check_out("out", out, lead + (d,), [np.float32])
-        if np.shares_memory(out, codes) or (scales is not None and np.shares_memory(out, scales)):
+        arr = check_out("out", out, lead + (d,), [np.float32])
+        if np.shares_memory(arr, c) or (s is not None and np.shares_memory(arr, s)):
             raise ShapeError("out overlaps codes or scales")
-    codes = np.ascontiguousarray(codes).view(f.code_dtype)
-    _quant.dequantize_rows(f.id, codes, scales, out.reshape(math.prod(lead), d))
-    return out
+    _quant.dequantize_rows(f.id, np.ascontiguousarray(c).view(f.code_dtype), s,
+                           arr.reshape(math.prod(lead), d))
+    return arr if out is None else out

@@ -9,6 +9,7 @@ against them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from .errors import FormatError, ShapeError
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
-def rope_frequencies(rope_parameters: dict, head_dim: int, *,
+def rope_frequencies(rope_parameters: dict[str, Any], head_dim: int, *,
                      max_position_embeddings: int | None = None,
                      seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """(inv_freq, attention_factor) of a model's rotary embedding.
@@ -64,7 +65,7 @@ def rope_frequencies(rope_parameters: dict, head_dim: int, *,
     return inv_freq, float(attention_factor)
 
 
-def _need(p: dict, rope_type: str, key: str):
+def _need(p: dict[str, Any], rope_type: str, key: str) -> Any:
     if p.get(key) is None:
         raise FormatError(f"rope_parameters of rope_type {rope_type!r} need {key!r}")
     return p[key]
@@ -76,7 +77,7 @@ def _need_mpe(max_position_embeddings: int | None, rope_type: str) -> int:
     return max_position_embeddings
 
 
-def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
+def _llama3(inv_freq: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth ramp between."""
     factor = float(_need(p, "llama3", "factor"))
     low = float(_need(p, "llama3", "low_freq_factor"))
@@ -90,7 +91,7 @@ def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-def _yarn(base: float, dim: int, exponents: np.ndarray, p: dict,
+def _yarn(base: float, dim: int, exponents: np.ndarray, p: dict[str, Any],
           max_position_embeddings: int | None) -> tuple[np.ndarray, float]:
     """YaRN: interpolated (divided by factor) and extrapolated tables blended by a linear
     ramp over the pairs between the beta_fast and beta_slow rotation counts."""
@@ -125,7 +126,7 @@ def _yarn(base: float, dim: int, exponents: np.ndarray, p: dict,
     return inv_freq, attention_factor
 
 
-def _longrope(base: float, exponents: np.ndarray, p: dict, max_position_embeddings: int | None,
+def _longrope(base: float, exponents: np.ndarray, p: dict[str, Any], max_position_embeddings: int | None,
               seq_len: int | None) -> tuple[np.ndarray, float]:
     """LongRoPE: per-pair factors, long_factor past the original length, short_factor below."""
     original = float(_need(p, "longrope", "original_max_position_embeddings"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import secrets
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 import xxhash
@@ -33,7 +34,7 @@ from .errors import (DTypeError, FormatError, KVCacheError, OutOfRangeError,
                      SnapshotError, SpecError)
 from ._quant import max_scale
 from ._validate import check_ndarray
-from .formats import get_format
+from .formats import Format, get_format
 from .spec import KVSpec
 
 if TYPE_CHECKING:
@@ -42,7 +43,16 @@ if TYPE_CHECKING:
 FILE_VERSION = 2  # 2 adds the XXH3-128 digests; version 1 files (SHA-256 only) still load
 # Per-tensor digests in the metadata (hex, fixed width): SHA-256, the content address any
 # tool can recompute, and XXH3-128, which load checks by default (over 10x faster).
-_DIGESTS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+class _Hash(Protocol):
+    """What save and load use of a hash object (hashlib's and xxhash's)."""
+    @property
+    def digest_size(self) -> int: ...
+    def update(self, data: memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+_DIGESTS: dict[str, Callable[[], _Hash]] = {"sha256": hashlib.sha256,
+                                            "xxh3_128": xxhash.xxh3_128}
 _MAX_HEADER_BYTES = 16 * 2**20  # ours take ~1 KiB; a larger length field is a lie
 _DATA_ALIGN = 64  # the tensor data starts at a multiple of this offset in the file
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
@@ -71,7 +81,7 @@ class Snapshot:
     k_scales: np.ndarray | None = None
     v_scales: np.ndarray | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
             raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(self.spec).__name__}")
         if isinstance(self.length, bool) or not isinstance(self.length, (int, np.integer)):
@@ -88,7 +98,7 @@ class Snapshot:
             _check_part(name, getattr(self, name), code_shape, f.code_dtype)
         for name in ("k_scales", "v_scales"):
             arr = getattr(self, name)
-            if f.quantized:
+            if f.scale_dtype is not None:
                 _check_part(name, arr, scale_shape, f.scale_dtype)
             elif arr is not None:
                 raise SnapshotError(f"snapshot of format {f.name} has no scales, got {name}")
@@ -99,7 +109,7 @@ class Snapshot:
         return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales)
                    if a is not None)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the snapshot to `path` as a safetensors file (docs/snapshots.md).
 
         Atomic: the bytes go to a temporary file in the same directory, which is fsynced
@@ -136,7 +146,7 @@ class Snapshot:
         _fsync_dir(os.path.dirname(path) or ".")
 
 
-def _check_part(name: str, arr, shape, dtype) -> None:
+def _check_part(name: str, arr: object, shape: tuple[int, ...], dtype: np.dtype) -> None:
     if not isinstance(arr, np.ndarray):
         raise SnapshotError(f"snapshot {name} must be a numpy array, got {type(arr).__name__}")
     check_ndarray(f"snapshot {name}", arr)   # refuses masked arrays
@@ -157,7 +167,8 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
         None if a is None else a[:count] for a in cache._layer_arrays(layer)))
 
 
-def snapshot_parts(spec: KVSpec, length: int, n: int | None, layer_parts) -> Snapshot:
+def snapshot_parts(spec: KVSpec, length: int, n: int | None,
+                   layer_parts: Callable[[int, int], Iterable[np.ndarray | None]]) -> Snapshot:
     """A Snapshot of positions [0, n) (n defaults to length; OutOfRangeError unless
     0 <= n <= length) of a sequence of `spec`: layer_parts(layer, n) gives (k_codes,
     v_codes, k_scales, v_scales) of that layer's first n positions, token-major
@@ -244,17 +255,20 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> S
 _PART_NAMES = ("k_codes", "v_codes", "k_scales", "v_scales")  # the order of _layer_arrays
 
 
-def _bad_codes(codes: np.ndarray, fmt) -> np.ndarray:
+def _bad_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:
     """Mask of codes the format's encoder never produces from finite input."""
+    bad: np.ndarray
     if fmt.name in ("f32", "f16"):
-        return ~np.isfinite(codes)
-    if fmt.name == "bf16":
-        return (codes & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
-    if fmt.name == "fp8_e4m3":
-        return (codes & 0x7F) == 0x7F  # E4M3FN's only NaN; it has no inf
-    if fmt.name == "fp8_e5m2":
-        return (codes & 0x7F) >= 0x7C  # inf and NaN
-    return codes == -128  # int8, q8_0: codes lie in [-127, 127]
+        bad = ~np.isfinite(codes)
+    elif fmt.name == "bf16":
+        bad = (codes & 0x7F80) == 0x7F80  # exponent all ones: inf or NaN
+    elif fmt.name == "fp8_e4m3":
+        bad = (codes & 0x7F) == 0x7F  # E4M3FN's only NaN; it has no inf
+    elif fmt.name == "fp8_e5m2":
+        bad = (codes & 0x7F) >= 0x7C  # inf and NaN
+    else:
+        bad = codes == -128  # int8, q8_0: codes lie in [-127, 127]
+    return bad
 
 
 def _check_values(snap: Snapshot) -> None:
@@ -272,12 +286,12 @@ def _check_values(snap: Snapshot) -> None:
                    else ~(np.isfinite(part) & (part >= 0) & (part <= top)))
             if bad.any():
                 idx = np.unravel_index(int(np.argmax(bad)), part.shape)
-                where = ", ".join(str(int(i)) for i in (layer, *idx))
+                where = ", ".join(str(i) for i in (layer, *map(int, idx)))
                 raise SnapshotError(f"snapshot {name}[{where}] = {part[idx]!r} is not a value "
                                     f"format {fmt.name} stores")
 
 
-def _requantize(snap: Snapshot, fmt) -> Snapshot:
+def _requantize(snap: Snapshot, fmt: Format) -> Snapshot:
     """snap decoded to float32 and re-encoded in `fmt`, layer by layer."""
     from .quant import dequantize, quantize
     spec, src = snap.spec.replace(format=fmt.name), snap.spec.fmt
@@ -304,8 +318,8 @@ def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dt
     before codes), so every tensor starts aligned to its element size."""
     f, s = spec.fmt, spec
     codes = (s.num_layers, length, s.num_kv_heads, s.head_dim)
-    out = []
-    if f.quantized:
+    out: list[tuple[str, tuple[int, ...], np.dtype]] = []
+    if f.scale_dtype is not None:
         scales = (s.num_layers, length, s.num_kv_heads, f.scales_per_row(s.head_dim))
         out += [("k_scales", scales, f.scale_dtype), ("v_scales", scales, f.scale_dtype)]
     return out + [("k_codes", codes, f.code_dtype), ("v_codes", codes, f.code_dtype)]
@@ -327,7 +341,7 @@ def _metadata_digest(meta: dict[str, str]) -> str:
                           .encode()).hexdigest()
 
 
-def _encode_header(meta: dict[str, str], parts) -> bytes:
+def _encode_header(meta: dict[str, str], parts: list[tuple[str, np.ndarray]]) -> bytes:
     """The 8-byte length plus the JSON header, space-padded so the data starts at a
     multiple of _DATA_ALIGN."""
     table: dict[str, object] = {"__metadata__": meta}
@@ -342,10 +356,10 @@ def _encode_header(meta: dict[str, str], parts) -> bytes:
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
-def _pwrite_all(fd: int, buf, offset: int) -> None:
+def _pwrite_all(fd: int, buf: bytes | memoryview, offset: int) -> None:
     view = memoryview(buf)
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
@@ -396,12 +410,12 @@ def _write_hashed(fd: int, offset: int, arrays: list[np.ndarray]) -> list[dict[s
     return [{algo: h.hexdigest() for algo, h in per_algo.items()} for per_algo in hashes]
 
 
-def _update(hashes: dict, data: memoryview) -> None:
+def _update(hashes: dict[str, _Hash], data: memoryview) -> None:
     for h in hashes.values():
         h.update(data)  # update() releases the GIL on large data; the constructor does not
 
 
-def _find_sync_file_range():
+def _find_sync_file_range() -> Any:
     """libc's sync_file_range (Linux), or None where there is none."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -423,7 +437,7 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _read_hashed(f, views: list[memoryview], starts: list[int],
+def _read_hashed(f: io.BufferedReader, views: list[memoryview], starts: list[int],
                  algo: str | None) -> list[str | None]:
     """Fills each view with the file's bytes from its start offset and returns each
     view's hex digest (None when algo is None), hashed over the bytes just read into it,
@@ -446,7 +460,7 @@ def _read_hashed(f, views: list[memoryview], starts: list[int],
         return list(pool.map(one, views, starts))
 
 
-def _pread_into(f, view: memoryview, offset: int) -> None:
+def _pread_into(f: io.BufferedReader, view: memoryview, offset: int) -> None:
     """Fills view with the file's bytes from offset (os.preadv where there is one: no
     shared file position, so threads may read at once)."""
     while view.nbytes:
@@ -461,7 +475,7 @@ def _pread_into(f, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def load_snapshot(path: str | os.PathLike, *, verify: bool | str = True) -> Snapshot:
+def load_snapshot(path: str | os.PathLike[str], *, verify: bool | str = True) -> Snapshot:
     """Reads a snapshot file written by `Snapshot.save` into memory of its own.
 
     Everything is checked before a byte of data is read: the header length against the
@@ -499,7 +513,7 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool | str = True) -> Snap
             raise SnapshotError(f"snapshot file {path!r}: {e}") from None
         layout = _layout(spec, length)
         data = np.empty(size - 8 - header_len, np.uint8)
-        views = [memoryview(data[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize])
+        views = [data[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].data
                  for name, shape, dtype in layout]
         algo = None
         if verify:
@@ -511,13 +525,13 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool | str = True) -> Snap
             raise SnapshotError(
                 f"snapshot file {path!r}: the bytes of {name} do not match their {algo} "
                 f"(header {meta[f'{algo}_{name}']}, data {digest}): corrupt data")
-    frozen = np.frombuffer(memoryview(data).toreadonly(), np.uint8)
+    frozen = np.frombuffer(data.data.toreadonly(), np.uint8)
     arrays = {name: frozen[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize]
               .view(dtype).reshape(shape) for name, shape, dtype in layout}
     return Snapshot(spec, length, **arrays)
 
 
-def _parse_header(raw: bytes, data_len: int):
+def _parse_header(raw: bytes, data_len: int) -> tuple[KVSpec, int, dict[str, str], dict[str, int]]:
     """Validates the JSON header against the data section's size; returns
     (spec, length, metadata, {tensor name: offset in the data section})."""
     try:
@@ -552,7 +566,7 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
     if version < 1:
         raise SnapshotError(f"unknown file version {version}: expected 1..{FILE_VERSION}")
     try:
-        fmt = get_format(meta.get("format"))
+        fmt = get_format(meta.get("format"))  # type: ignore[arg-type]  # None: refused
     except FormatError as e:
         raise SnapshotError(f"metadata format: {e}") from None
     names = ["k_scales", "v_scales"] * fmt.quantized + ["k_codes", "v_codes"]
@@ -575,7 +589,8 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
     return spec, length
 
 
-def _parse_table(table: dict, layout, data_len: int) -> dict[str, int]:
+def _parse_table(table: dict[str, Any], layout: list[tuple[str, tuple[int, ...], np.dtype]],
+                 data_len: int) -> dict[str, int]:
     """Checks each tensor entry against the layout the metadata implies, and that the
     entries tile the data section exactly; returns each tensor's offset."""
     names = [name for name, _, _ in layout]
@@ -615,5 +630,5 @@ def _parse_table(table: dict, layout, data_len: int) -> dict[str, int]:
     return {name: begin for begin, _, name in spans}
 
 
-def _all_ints(values: list) -> bool:
+def _all_ints(values: list[Any]) -> bool:
     return all(type(v) is int for v in values)

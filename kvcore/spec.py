@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 from .errors import SpecError
 from .formats import Format, get_format
@@ -41,7 +42,7 @@ class KVSpec:
     num_heads: int | None = None
     format: str = "f16"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "capacity"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         hq = self.num_kv_heads if self.num_heads is None else _positive_int("num_heads", self.num_heads)
@@ -65,7 +66,7 @@ class KVSpec:
     @property
     def group_size(self) -> int:
         """Query heads per K/V head (GQA ratio)."""
-        return self.num_heads // self.num_kv_heads
+        return cast(int, self.num_heads) // self.num_kv_heads   # an int once built
 
     @property
     def rows_per_position(self) -> int:
@@ -91,9 +92,9 @@ class KVSpec:
     def compression_ratio(self) -> float:
         return self.fp32_equivalent_bytes / self.memory_bytes
 
-    def replace(self, **changes) -> "KVSpec":
+    def replace(self, **changes: Any) -> "KVSpec":
         """A copy with some fields changed (validated again)."""
-        fields = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+        fields: dict[str, Any] = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                       head_dim=self.head_dim, capacity=self.capacity,
                       num_heads=self.num_heads, format=self.format)
         fields.update(changes)

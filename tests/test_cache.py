@@ -427,7 +427,7 @@ BAD_CALLS = {
                 r"dtype of v: .* got float64"),
     "big-endian": (lambda c: c.append(0, _good().astype(">f4"), _good()), DTypeError, r"got >f4"),
     "list": (lambda c: c.append(0, [[0.0] * 128] * 8, _good()), DTypeError,
-             r"invalid type of k: expected numpy.ndarray, got list"),
+             r"invalid type of k: expected an array \(numpy, DLPack or the buffer protocol\), got list"),
     "nan k first": (lambda c: c.append(1, _with(np.nan, (0, 0, 0)), _good((2, 8, 128))),
                     NonFiniteError, r"non-finite value in k: k\[0, 0, 0\] = nan"),
     "inf k last": (lambda c: c.append(1, _with(np.inf, (1, 7, 127)), _good((2, 8, 128))),

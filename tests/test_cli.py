@@ -1,6 +1,8 @@
 """python -m kvcore demo | info."""
+import io
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -80,3 +82,35 @@ def test_module_entry_point():
     assert run.returncode == 0 and "formats (per head row, head_dim 128)" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "kvcore", "bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'bogus'" in bad.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_only_on_a_terminal():
+    """Drawn on a terminal, ending with a newline; nothing into a file or a pipe."""
+    tty, log = _Terminal(), io.StringIO()
+    for stream in (tty, log):
+        bar = _demo.Progress(4, width=8, stream=stream)
+        for _ in range(4):
+            bar.step("int8")
+    assert tty.getvalue().count("\r") == 4 and tty.getvalue().endswith("\n")
+    assert "\rdecode [########] 100% int8" in tty.getvalue()
+    assert log.getvalue() == ""
+
+
+def test_decode_rows_write_no_progress_into_a_pipe():
+    """The demo's decode table run with stderr a pipe (as under a CI log) writes no bar."""
+    code = """
+        import numpy as np
+        from kvcore import _demo
+        pools = _demo.model_pools(np.random.default_rng(0), 8, 2, 4, 32)
+        rows = _demo.decode_rows(["f32", "int8"], pools, layers=2, prompt=4, steps=3)
+        print(len(rows))
+    """
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "2", run.stderr
+    assert run.stderr == ""

@@ -458,7 +458,7 @@ def test_bad_arguments():
     with pytest.raises(DTypeError, match=r"invalid dtype of x: expected float32, float16 or "
                                          r"bfloat16, got float64"):
         kvcore.quantize(np.ones((2, 32)), "int8")
-    with pytest.raises(DTypeError, match=r"expected numpy.ndarray, got list"):
+    with pytest.raises(DTypeError, match=r"expected an array \(numpy, DLPack or the buffer protocol\), got list"):
         kvcore.quantize([1.0, 2.0], "int8")
     with pytest.raises(ShapeError, match=r"expected \[\.\.\., D\], got \[\]"):
         kvcore.quantize(np.ones((), F32), "int8")
@@ -470,8 +470,8 @@ def test_bad_arguments():
         kvcore.dequantize(codes, scales.astype(F32), "q8_0")
     with pytest.raises(DTypeError, match=r"invalid dtype of codes: expected int8, got uint8"):
         kvcore.dequantize(codes.view(np.uint8), scales, "q8_0")
-    with pytest.raises(DTypeError, match=r"invalid type of scales: expected numpy.ndarray, "
-                                         r"got NoneType"):
+    with pytest.raises(DTypeError, match=r"invalid type of scales: expected an array "
+                                         r"\(numpy, DLPack or the buffer protocol\), got NoneType"):
         kvcore.dequantize(codes, None, "int8")
     with pytest.raises(FormatError, match=r"format f16 has no scales"):
         kvcore.dequantize(np.ones(4, np.float16), np.ones(1, F32), "f16")

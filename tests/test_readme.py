@@ -5,13 +5,16 @@ import io
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _quick_start(section: str = "Quick start") -> str:
+    """The first python block of a section, after its prose."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    return re.search(rf"## {section}\n\n```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"## {section}\n\n[^#]*?```python\n(.*?)```", text, re.S).group(1)
 
 
 def test_quick_start_prints_what_its_comments_say(tmp_path, monkeypatch):
@@ -24,6 +27,11 @@ def test_pool_example_prints_what_its_comments_say(tmp_path, monkeypatch):
 
 def test_prefix_example_prints_what_its_comments_say(tmp_path, monkeypatch):
     _runs_as_printed(_quick_start("Prefix cache"), tmp_path, monkeypatch)
+
+
+def test_interop_example_prints_what_its_comments_say(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    _runs_as_printed(_quick_start("Arrays from any library"), tmp_path, monkeypatch)
 
 
 def _runs_as_printed(code: str, tmp_path, monkeypatch) -> None:

@@ -106,9 +106,10 @@ def _torch_calls(torch, k: np.ndarray, v: np.ndarray, q: np.ndarray):
     return [lambda kk=kk, vv=vv: sdpa(qt, kk, vv, enable_gqa=True) for kk, vv in sets], nbytes
 
 
-def main(argv: Sequence[str] = ()) -> None:
+def main(argv: Sequence[str] = ()) -> dict[str, object]:
     """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
-    calls it that way)."""
+    calls it that way). Returns the figures: {"times": {(implementation, threads):
+    {context: (seconds, bytes read)}}, "copy_GBps": np.copyto bandwidth} (for --plot)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -161,6 +162,7 @@ def main(argv: Sequence[str] = ()) -> None:
             secs, nbytes = results[(f"kvcore {fmt}", goal_t)][goal_n]
             print(f"goal @{goal_n}, {goal_t} threads, {fmt}: {torch_secs / secs:.2f}x torch "
                   f"(goal 2x), {nbytes / secs / 1e9 / copy:.0%} of copy bandwidth (goal 50%)")
+    return {"times": results, "copy_GBps": copy}
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """CPU benchmarks, every section against peers measured in the same run.
 
-    python tools/bench_cpu.py [--only step,quant,attention,snapshot,pool,prefix,store]
+    python tools/bench_cpu.py [--only step,quant,attention,snapshot,pool,prefix,store,accuracy] [--plot DIR]
 
 step: one decode step (append one position of K and V, [8, 128] float32, to each of 32
 layers, then advance) in KVCache against a preallocated numpy cache written by slice
 assignment and against growth by np.concatenate (how HF's DynamicCache grows). As in
 decoding, every step writes positions that were never written before (the caches' pages
 are touched first, so no page faults are timed); plus the time of one `append` call. The other sections live in bench_<section>.py beside
-this file, each with a main().
+this file, each with a main(). --plot DIR writes PNGs (matplotlib, the `bench` extra) of
+the sections that draw: attention (GB/s against context per format, beside the peers)
+and accuracy (round-trip and attention error per format), captioned with the command
+and the machine.
 """
 from __future__ import annotations
 
@@ -157,26 +160,55 @@ def bench_step() -> None:
 
 SECTIONS = {"step": bench_step, "quant": "bench_quant", "attention": "bench_attention",
             "snapshot": "bench_snapshot", "pool": "bench_pool", "prefix": "bench_prefix",
-            "store": "bench_store"}
+            "store": "bench_store",
+            "accuracy": "bench_accuracy"}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections of: {', '.join(SECTIONS)}")
-    wanted = parser.parse_args(argv).only.split(",")
+    parser.add_argument("--plot", metavar="DIR",
+                        help="write PNG figures of the attention and accuracy sections here")
+    args = parser.parse_args(argv)
+    wanted = args.only.split(",")
     unknown = [s for s in wanted if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section {', '.join(unknown)}: expected {', '.join(SECTIONS)}")
+    if args.plot:
+        import _plots
+        _plots._pyplot()   # refuse now, not after the benchmarks, when matplotlib is missing
     b = kvcore._cache.build_info()
-    print(f"kvcore {kvcore.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
-          f"OpenMP {'on' if kvcore.openmp_enabled() else 'off'}, ISA {' '.join(b['isa'])}")
+    machine = (f"{_cpu_model()}, {os.cpu_count()} CPUs, kvcore {kvcore.__version__} "
+               f"(OpenMP {'on' if kvcore.openmp_enabled() else 'off'}, ISA {' '.join(b['isa'])})")
+    print(f"{machine}, numpy {np.__version__}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    results = {}
     for name in wanted:
         section = SECTIONS[name]
         if callable(section):
-            section()
+            results[name] = section()
         else:
-            importlib.import_module(section).main()
+            results[name] = importlib.import_module(section).main()
+    if args.plot:
+        command = "python tools/bench_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        if load is not None:   # other work on the machine moves the timings: say how much
+            machine += f"; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+        for path in _plots.write(results, args.plot, f"{command}\n{machine}"):
+            print(f"wrote {path}")
+
+
+def _cpu_model() -> str:
+    """The CPU's name (Linux /proc/cpuinfo; platform.processor() elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
