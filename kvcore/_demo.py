@@ -242,7 +242,7 @@ SYSTEM = 1000                                   # the shared system prompt's tok
 SHARED_REQUESTS = [40, 200, 7, 120]             # each request's own tokens after it
 
 
-def shared_prompt(own=SHARED_REQUESTS, *, system: int = SYSTEM, layers: int = LAYERS,
+def shared_prompt(own: list[int] = SHARED_REQUESTS, *, system: int = SYSTEM, layers: int = LAYERS,
                   fmt: str = "int8", page_size: int = 16, seed: int = 2) -> list[list[object]]:
     """Requests of `system` shared tokens and own[i] tokens each, one after another into one
     prefix-cached pool (each stays running); K/V of a position is a function of its token

@@ -16,6 +16,7 @@ from the free list first, then from the cached ones in eviction order (`_Taker`)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class _Taker:
     def __init__(self, free: list[int], prefix: PrefixIndex | None):
         self.free, self.nfree, self.prefix = free, len(free), prefix
         self.cached = len(prefix.lru) if prefix is not None else 0
-        self.victims = None
+        self.victims: Iterator[int] | None = None
         self.evicted: list[int] = []
 
     def __call__(self, t: int) -> int:
@@ -77,6 +78,7 @@ class _Taker:
         if i > self.cached:
             return -1
         if self.victims is None:
+            assert self.prefix is not None      # cached > 0 only with a prefix index
             self.victims = self.prefix.victims()
         while len(self.evicted) < i:
             self.evicted.append(next(self.victims))
@@ -182,21 +184,27 @@ class PageTable:
             copy = (seq.pages[full], dst)
         return t, copy
 
+    @property
+    def _index(self) -> PrefixIndex:
+        """The prefix index, on the paths that run only when the pool has one."""
+        assert self.prefix is not None
+        return self.prefix
+
     def _take_one(self) -> int:
         """Takes one page (the caller checked available()): a free one, else evicts."""
         if self.free:
             return self.free.pop()
-        g = next(self.prefix.victims())
-        self.prefix.evict([g])
+        g = next(self._index.victims())
+        self._index.evict([g])
         return g
 
-    def match(self, tokens, extra: bytes) -> tuple[int, int]:
+    def match(self, tokens: np.ndarray, extra: bytes) -> tuple[int, int]:
         """A new sequence holding the longest run of cached full pages that starts tokens
         (int64 [T]), at most T - 1 positions; returns (id, positions)."""
-        ps, index, refs = self.page_size, self.prefix, self.refs
+        ps, index, refs = self.page_size, self._index, self.refs
         raw = tokens.astype("<i8", copy=False).tobytes()
         limit = max(0, (tokens.size - 1) // ps)
-        parent, pages, keys = ROOT, [], []
+        parent, pages, keys = ROOT, list[int](), list[bytes]()
         for i in range(limit):
             key = chain_key(parent, tokens[i * ps:(i + 1) * ps], extra)
             g = index.find(parent, key, raw[8 * i * ps:8 * (i + 1) * ps], extra)
@@ -217,7 +225,7 @@ class PageTable:
             refs[g] += 1
         return s, seq.length
 
-    def advance(self, ids: list[int], tokens: list | None = None) -> list[int]:
+    def advance(self, ids: list[int], tokens: list[np.ndarray] | None = None) -> list[int]:
         """Commits the pending positions of each sequence; all are checked first (every
         layer of a sequence must hold the same number: StateError names the layers).
         With a prefix cache, tokens[b] (int64 [pending]) are the ids of sequence ids[b]'s
@@ -240,12 +248,14 @@ class PageTable:
                 seq.length += t
                 seq.pending = [0] * self.num_layers
                 if seq.ids is not None:
+                    assert tokens is not None       # _check_tokens: a keyed sequence has them
                     seq.ids += tokens[b].astype("<i8", copy=False).tobytes()
                     self._register(seq)
             out.append(t)
         return out
 
-    def _check_tokens(self, ids: list[int], seqs: list[Seq], tokens: list | None) -> None:
+    def _check_tokens(self, ids: list[int], seqs: list[Seq],
+                      tokens: list[np.ndarray] | None) -> None:
         if self.prefix is None:
             raise StateError("advance got tokens, but this pool has no prefix cache "
                              "(KVPool(..., prefix_cache=True))")
@@ -265,12 +275,13 @@ class PageTable:
     def _register(self, seq: Seq) -> None:
         """Keys and registers the full pages of seq past those it has keys for."""
         ps, keys, raw = self.page_size, seq.keys, seq.ids
+        assert raw is not None                  # only keyed sequences register
         parent = keys[-1] if keys else ROOT
         for i in range(len(keys), seq.length // ps):
             ids = bytes(raw[8 * i * ps:8 * (i + 1) * ps])
             key = chain_key(parent, np.frombuffer(ids, "<i8"), seq.extra)
             keys.append(key)
-            self.prefix.register(seq.pages[i], key, parent, ids, seq.extra)
+            self._index.register(seq.pages[i], key, parent, ids, seq.extra)
             parent = key
 
     # -- writes --------------------------------------------------------------------
@@ -281,7 +292,7 @@ class PageTable:
         it; changes nothing. Raises StateError (unknown or repeated sequence),
         CapacityError (a sequence past `capacity`, or too few free pages for the call)."""
         ps, refs, table = self.page_size, self.refs, self.seqs
-        pick = None                  # a _Taker, made when a page is needed
+        pick: _Taker | None = None   # made when a page is needed
         plan = WritePlan(layer, [], [])
         rows, changes = plan.rows, plan.changes
         try:
@@ -338,13 +349,14 @@ class PageTable:
             else:
                 rows.extend([pages[p // ps] * ps + p % ps for p in range(end, stop)])
             changes.append((seq, new, t))
-        if take and take > pick.nfree + pick.cached:
-            need = ", ".join(f"sequence {s}: {k}" for s, k in short)
-            raise CapacityError(f"pool out of pages: the write needs {take} new pages ({need}), "
-                                f"{self._short()}")
-        plan.take = take
         if take:
+            assert pick is not None          # made when the first page was needed
+            if take > pick.nfree + pick.cached:
+                need = ", ".join(f"sequence {s}: {k}" for s, k in short)
+                raise CapacityError(f"pool out of pages: the write needs {take} new pages "
+                                    f"({need}), {self._short()}")
             plan.evict = pick.evicted[:max(0, take - pick.nfree)]
+        plan.take = take
         return plan
 
     def commit_write(self, plan: WritePlan) -> None:
@@ -366,7 +378,7 @@ class PageTable:
         if plan.take:
             del self.free[len(self.free) - (plan.take - len(plan.evict)):]
             if plan.evict:
-                self.prefix.evict(plan.evict)
+                self._index.evict(plan.evict)
 
     # -- reads ---------------------------------------------------------------------
 
@@ -384,7 +396,7 @@ class PageTable:
             refs[g] -= 1
             if refs[g] == 0:
                 if g in cached:
-                    self.prefix.lru[g] = None
+                    self._index.lru[g] = None
                 else:
                     free.append(g)
 

@@ -31,7 +31,7 @@ class Entry:
 class PrefixIndex:
     """Content keys of full pages, and the cached (unheld) ones in LRU order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_key: dict[bytes, int] = {}          # key -> page
         self.entries: dict[int, Entry] = {}         # page -> its entry
         self.children: dict[bytes, int] = {}        # key -> registered pages it is parent of

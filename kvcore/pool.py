@@ -16,7 +16,7 @@ cached until a write needs a page and none is free (docs/design.md, Prefix cache
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -174,7 +174,8 @@ class KVPool:
         self._table.commit_write(plan)
 
     def advance(self, seqs: int | Iterable[int] | None = None, *,
-                tokens=None) -> int | list[int]:
+                tokens: Sequence[int] | AnyArray | Sequence[Sequence[int] | AnyArray] | None = None
+                ) -> int | list[int]:
         """Commits the pending positions of one sequence (returns the count), of several
         (returns their counts) or of every sequence (None; counts in `sequences` order).
         Every layer of a sequence must hold the same number pending (StateError names
@@ -185,13 +186,18 @@ class KVPool:
         page that fills is registered. Required for a sequence that has ids (every one
         but those restored from a snapshot)."""
         with self._guard("advance"):
-            one = isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool)
-            ids = (list(self._table.seqs) if seqs is None else [int(seqs)] if one
-                   else list(seqs))
+            if seqs is None:
+                one, ids = False, list(self._table.seqs)
+            elif isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+                one, ids = True, [int(seqs)]
+            else:
+                one, ids = False, list(seqs)   # type: ignore[arg-type]  # a bool: the table refuses it
+            arrays = None
             if tokens is not None:
-                tokens = ([token_array(tokens)] if one else
-                          [token_array(t, f"tokens[{b}]") for b, t in enumerate(tokens)])
-            counts = self._table.advance(ids, tokens)
+                many = cast(Sequence[Sequence[int] | AnyArray], tokens)
+                arrays = ([token_array(cast(Sequence[int] | AnyArray, tokens))] if one else
+                          [token_array(t, f"tokens[{b}]") for b, t in enumerate(many)])
+            counts = self._table.advance(ids, arrays)
             return counts[0] if one else counts
 
     def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | AnyArray,
