@@ -56,3 +56,18 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
     }
     return 0;
 }
+
+// Quantizes input row `base` of K (is_v false) or V into storage row `row` of a layer:
+// codes at row * D * code bytes, scales at row * S * scale bytes (S = 0: none). Returns
+// encode_row's status.
+__device__ __forceinline__ int encode_row_into(const void* k_in, const void* v_in, int in_dtype,
+                                               long long base, int D, int fmt, bool is_v,
+                                               void* k_codes, void* v_codes, void* k_scales,
+                                               void* v_scales, long long row, int lane) {
+    const int cb = kv_code_bytes(fmt);
+    const int S = fmt == KV_Q8_0 ? D / KV_Q8_0_BLOCK : (fmt >= KV_INT8 ? 1 : 0);
+    const int sb = fmt == KV_Q8_0 ? 2 : 4;
+    char* codes = (char*)(is_v ? v_codes : k_codes) + row * D * cb;
+    char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
+    return encode_row(is_v ? v_in : k_in, in_dtype, base, D, fmt, codes, scales, lane);
+}

@@ -51,13 +51,8 @@ extern "C" __global__ void kv_append(
     const int pos = len + (slot < 0 ? 0 : r);
     const long long row = ((long long)s * Hkv + h) * N + pos;
 
-    const int cb = kv_code_bytes(fmt);
-    const int S = fmt == KV_Q8_0 ? D / KV_Q8_0_BLOCK : (fmt >= KV_INT8 ? 1 : 0);
-    const int sb = fmt == KV_Q8_0 ? 2 : 4;
-    char* codes = (char*)(is_v ? v_codes : k_codes) + row * D * cb;
-    char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
-    const void* in = is_v ? v_in : k_in;
-    const int refused = encode_row(in, in_dtype, r * s_r + h * s_h, D, fmt, codes, scales, lane);
+    const int refused = encode_row_into(k_in, v_in, in_dtype, r * s_r + h * s_h, D, fmt, is_v,
+                                        k_codes, v_codes, k_scales, v_scales, row, lane);
     if (refused && lane == 0) atomicOr(&status[s], refused);
 }
 
