@@ -280,6 +280,9 @@ def _check_values(snap: Snapshot) -> None:
         arr = getattr(snap, name)
         if arr is None:
             continue
+        if name.endswith("codes") and fmt.name in ("int8", "q8_0") and arr.size \
+                and int(arr.min()) > -128:
+            continue  # one reduction, no mask: the common case of a valid int8 snapshot
         for layer in range(snap.spec.num_layers):
             part = arr[layer]
             bad = (_bad_codes(part, fmt) if name.endswith("codes")
