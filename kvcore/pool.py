@@ -520,17 +520,15 @@ class KVPool:
 
     def _put_rows(self, rows: np.ndarray, parts: dict[str, np.ndarray], skip: int) -> None:
         """Copies positions skip.. of a chunk's parts ([L, C, Hkv, D or S]) into rows,
-        one slice per run of consecutive rows (a whole chunk when its pages are)."""
+        every layer at once, one slice per run of consecutive rows (one run when the
+        chunk's pages are consecutive, as a fresh pool's are)."""
         cut = np.flatnonzero(np.diff(rows) != 1) + 1
         runs = list(zip([0, *cut.tolist()], [*cut.tolist(), rows.size]))
         starts = rows[[a for a, _ in runs]].tolist()
-        for layer in range(self._num_layers):
-            for name, dst in zip(_PART_NAMES, self._store.layer_arrays(layer)):
-                if dst is None:
-                    continue
-                src = parts[name][layer]
-                for r, (a, b) in zip(starts, runs):
-                    dst[r:r + b - a] = src[skip + a:skip + b]
+        for name, dst in self._store.regions.items():     # [L, rows, Hkv, D or S]
+            src = parts[name]
+            for r, (a, b) in zip(starts, runs):
+                dst[:, r:r + b - a] = src[:, skip + a:skip + b]
 
     def _queue_chunks(self, s: int, added: int) -> None:
         """Queues to the store writer the whole chunks of sequence s that its last
