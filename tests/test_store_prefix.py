@@ -135,6 +135,19 @@ def test_a_pool_short_of_pages_keeps_the_chunks_that_fit(tmp_path, rng):
     assert pool.num_free_pages == 1
 
 
+def test_load_into_a_prefix_cache_pool_registers_the_loaded_pages(tmp_path, rng):
+    spec = spec_of()
+    prompt = rng.integers(0, 50000, 2 * C + 3)
+    store = _store(tmp_path, spec)
+    store.save(_computed(spec, prompt, [])[0].snapshot(), prompt)
+    pool = KVPool(spec, num_pages=20, page_size=PAGE, prefix_cache=True)  # no store attached
+    result = store.load_into(pool, prompt)
+    assert (result.positions, result.snapshot, result.miss) == (2 * C, None, None)
+    prefill(pool, prompt[2 * C:], result.seq)       # a keyed sequence: advance takes ids
+    pool.free(result.seq)
+    assert pool.match_prefix(prompt)[1] == 2 * C and pool.stats.hits == 2 * PER
+
+
 def test_attaching_a_store_is_checked(tmp_path):
     spec = spec_of()
     store = _store(tmp_path, spec)

@@ -212,25 +212,28 @@ class KVStore:
     def load_into(self, target, tokens: Sequence[int] | np.ndarray,
                   extra: Extra | None = None) -> LoadResult:
         """load, then restore what was found: into a new sequence of a KVPool (its id in
-        result.seq; none is made when nothing was found) or into a KVCache (replacing its
-        content when something was found). The target is written only with chunks that
-        passed every check; a refused load leaves it unchanged (a pool with too few free
-        pages raises its CapacityError, the pool unchanged). A pool's page_size must
-        divide chunk_tokens; a pool with a prefix cache registers the loaded pages (the
-        sequence then takes token ids at advance, as one from match_prefix)."""
+        result.seq; none is made when nothing was found; the chunks are copied straight
+        into its pages) or into a KVCache (replacing its content when something was
+        found; a GPU cache or pool: its own restore). The target is written only with
+        chunks that passed every check; a refused load leaves it unchanged (a pool with
+        too few free pages raises its CapacityError, the pool unchanged). A pool's
+        page_size must divide chunk_tokens; a KVPool with a prefix cache registers the
+        loaded pages (the sequence then takes token ids at advance, as one from
+        match_prefix)."""
         page_size = getattr(target, "page_size", None)
         if page_size is not None and self.chunk_tokens % page_size:
             raise RangeError(f"chunk_tokens {self.chunk_tokens} is not a multiple of the "
                              f"pool's page_size {page_size}")
-        if page_size is not None:   # a KVPool: the chunks go straight into its pages
+        if hasattr(target, "_restore_stored"):   # a KVPool: chunks go straight into pages
             ids, extra_bytes = token_array(tokens), encode_extra(extra)
             fetch = self._fetch(ids, extra_bytes, 0, min(self._limit(tokens),
                                                          target.spec.capacity))
             seq, n = target._restore_stored(fetch, ids, extra_bytes)
             return LoadResult(n, n // self.chunk_tokens, None, fetch.miss, seq)
-        result = self.load(tokens, extra)
+        result = self.load(tokens, extra)   # a KVCache, a GPU cache or pool: its restore
         if result.snapshot is not None:
-            target.restore(result.snapshot)
+            seq = target.restore(result.snapshot)
+            result.seq = seq if isinstance(seq, int) else None
         return result
 
 
