@@ -11,7 +11,7 @@ from kvcore.errors import SpecError
 from kvcore.store import DirectoryBackend, KVStore, RedisBackend, StoreWriter
 
 from _toy_model import decode, prefill
-from test_store import C, share_through_server, spec_of
+from test_store import C, _GatedBackend, share_through_server, spec_of
 
 PAGE = 8
 PER = C // PAGE  # pages per chunk
@@ -146,6 +146,26 @@ def test_load_into_a_prefix_cache_pool_registers_the_loaded_pages(tmp_path, rng)
     prefill(pool, prompt[2 * C:], result.seq)       # a keyed sequence: advance takes ids
     pool.free(result.seq)
     assert pool.match_prefix(prompt)[1] == 2 * C and pool.stats.hits == 2 * PER
+
+
+def test_a_full_or_closed_writer_drops_chunks_and_advance_goes_on(tmp_path, rng):
+    spec = spec_of()
+    prompt = rng.integers(0, 50000, 5 * C)
+    backend = _GatedBackend(tmp_path)               # writes wait at the gate
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C, page_size=PAGE)
+    writer = StoreWriter(store, max_pending=1)
+    pool = KVPool(spec, num_pages=40, page_size=PAGE, prefix_cache=True, store=store,
+                  store_writer=writer)
+    s, _ = pool.match_prefix(prompt)
+    prefill(pool, prompt[:4 * C], s)    # 4 chunks: one at the gate, one queued, 2 dropped
+    assert writer.stats.submitted == 4 and writer.stats.dropped >= 2
+    backend.gate.set()
+    writer.close()
+    written = writer.stats.chunks_written
+    assert written == 4 - writer.stats.dropped and writer.stats.failed == 0
+    prefill(pool, prompt[4 * C:], s)    # the writer is closed: dropped, advance goes on
+    assert writer.stats.dropped == 5 - written and pool.length(s) == 5 * C
+    assert sum(backend.contains_prefix([k]) for k in store.keys(prompt)) == written
 
 
 def test_attaching_a_store_is_checked(tmp_path):
