@@ -91,8 +91,8 @@ class KVStore:
         self.page_size = page_size
         self._kind = ChunkKind(_check_name("model", model), spec, chunk_tokens)
         self._key_head = (f"{prefix}:{KEY_VERSION}:{model}:{spec.format}:{LAYOUT}:"
-                          f"L{spec.num_layers}.H{spec.num_kv_heads}.D{spec.head_dim}.C{chunk_tokens}."
-                          f"P{page_size}:")
+                          f"L{spec.num_layers}.H{spec.num_kv_heads}.D{spec.head_dim}."
+                          f"C{chunk_tokens}.P{page_size}:")
 
     @property
     def model(self) -> str:
