@@ -27,8 +27,9 @@ over a GpuKVCache (M slots) or a GpuKVPool (max_batch rows of a paged step).
 4. Errors of the append land in the storage's status; the cache's `check()` (per slot) or
    the pool's `advance()`/`check()` turn them into exceptions.
 5. One call at a time (a CallGuard, docs/design.md "Threads"): replay, step_eager and
-   destroy refuse a second thread; a replay over a pool also holds the pool's guard (it
-   reads the tables that the pool's host calls write).
+   destroy refuse a second thread; over a pool, the capture, replay and step_eager also
+   hold the pool's guard for the whole step (they read the tables that the pool's host
+   calls write) and call the pool's unguarded methods.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class _CacheSteps:
                              "to the freed workspace; capture a new DecodeGraph")
         _stale(self.store, self.generation)
 
-    def replay_guard(self):
+    def guard(self, op: str):
         return _NO_GUARD
 
     def launched_on(self, stream) -> None:
@@ -131,11 +132,13 @@ class _PoolSteps:
         _rope_launch(q, k, spec=p.spec, ctx=p.ctx, rows=self.rows, lengths_ptr=p.lengths.ptr,
                      offset=-1, stream=stream, **rope)
 
+    # the pool's methods without their guard: the graph holds it across the whole step
     def append(self, layer: int, k, v, stream) -> None:
-        self.store.append(layer, k, v, stream=stream)
+        type(self.store).append.__wrapped__(self.store, layer, k, v, stream=stream)
 
     def attend(self, q, out, layer: int, stream) -> None:
-        self.store.decode_attention(q, out, layer, scale=self._scale, stream=stream)
+        type(self.store).decode_attention.__wrapped__(self.store, q, out, layer, scale=self._scale,
+                                                      stream=stream)
 
     def advance(self, stream) -> None:
         """Nothing on the device: the step's lengths are the host's (begin_step)."""
@@ -151,8 +154,8 @@ class _PoolSteps:
             raise StateError(f"DecodeGraph.replay over a GpuKVPool needs a step of one position "
                              f"per sequence begun (pool.begin_step(seqs)), got {got}")
 
-    def replay_guard(self):
-        return self.store._guard("DecodeGraph.replay")
+    def guard(self, op: str):
+        return self.store._guard(op)
 
     def launched_on(self, stream) -> None:
         """The pool's own stream: its synchronising calls wait for it."""
@@ -199,7 +202,8 @@ class DecodeGraph:
                 self._steps = _PoolSteps(storage, scale, max_length)
             else:
                 self._steps = _CacheSteps(storage, dtype, scale, max_length)
-            self._build(storage, dtype, rope, theta, style, rotary_dim)
+            with self._steps.guard("DecodeGraph()"):
+                self._build(storage, dtype, rope, theta, style, rotary_dim)
 
     def _build(self, storage, dtype, rope, theta, style, rotary_dim) -> None:
         s = storage.spec
@@ -309,17 +313,16 @@ class DecodeGraph:
         """Launches the captured step (no sync). StateError when the storage's generation
         changed since capture, the plan was freed, or (over a pool) no step of one position
         per sequence is begun or `stream` is not the pool's."""
-        with self._guard("DecodeGraph.replay"):
+        with self._guard("DecodeGraph.replay"), self._steps.guard("DecodeGraph.replay"):
             self._check_live(stream)
             st = self.stream if stream is None else stream
-            with self._steps.replay_guard():
-                driver.call("cuGraphLaunch", self._exec_handle, driver.stream_handle(st))
+            driver.call("cuGraphLaunch", self._exec_handle, driver.stream_handle(st))
             self._steps.launched_on(st)
 
     @driver.in_context
     def step_eager(self, *, stream=None) -> None:
         """The same step, launched kernel by kernel (no graph); the same checks as replay."""
-        with self._guard("DecodeGraph.step_eager"):
+        with self._guard("DecodeGraph.step_eager"), self._steps.guard("DecodeGraph.step_eager"):
             self._check_live(stream)
             self._launch_step(self.stream if stream is None else stream)
 

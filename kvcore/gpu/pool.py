@@ -50,8 +50,9 @@ _APPEND_WARPS = 4
 
 def _one_call(method):
     """`method` under the pool's CallGuard (docs/design.md, Threads): a second thread calling
-    any guarded method meanwhile gets StateError, having changed nothing. Guarded methods
-    call unguarded internals (the guard is not reentrant)."""
+    any guarded method meanwhile gets StateError, having changed nothing. The guard is not
+    reentrant: guarded methods call unguarded internals, and a caller holding the guard
+    across several calls (DecodeGraph) calls `GpuKVPool.<method>.__wrapped__(pool, ...)`."""
     op = f"GpuKVPool.{method.__name__}"
 
     @functools.wraps(method)
