@@ -213,7 +213,7 @@ def test_pool_graph_refusals(gpu, rng):
     other = gpu.Stream.create(pool.ctx)
     with pytest.raises(StateError, match="replays on the pool's stream"):
         graph.replay(stream=other)
-    graph.replay()
+    graph.replay(stream=pool.stream)
     pool.advance()
     assert pool.length(a) == 3
     other.destroy()

@@ -33,6 +33,8 @@ over a GpuKVCache (M slots) or a GpuKVPool (max_batch rows of a paged step).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .._guard import CallGuard
@@ -96,7 +98,8 @@ class _CacheSteps:
         _stale(self.store, self.generation)
 
     def guard(self, op: str):
-        return _NO_GUARD
+        """No guard of the cache's own (a GpuKVCache has none)."""
+        return contextlib.nullcontext()
 
     def launched_on(self, stream) -> None:
         self.store.launched_on(stream)
@@ -146,12 +149,12 @@ class _PoolSteps:
     def check_replay(self, stream) -> None:
         p = self.store
         _stale(p, self.generation)
-        if stream is not None and driver.stream_handle(stream) != p.stream.handle:
+        if stream is not None and int(driver.stream_handle(stream)) != p.stream.ptr:
             raise StateError("a DecodeGraph over a GpuKVPool replays on the pool's stream (the "
                              "one begin_step orders its table writes on): pass no stream")
         if p._step is None or any(c != 1 for c in p._step[1]):
             got = "no step" if p._step is None else f"counts {p._step[1]}"
-            raise StateError(f"DecodeGraph.replay over a GpuKVPool needs a step of one position "
+            raise StateError(f"a DecodeGraph step over a GpuKVPool needs a step of one position "
                              f"per sequence begun (pool.begin_step(seqs)), got {got}")
 
     def guard(self, op: str):
@@ -162,17 +165,6 @@ class _PoolSteps:
 
     def release(self) -> None:
         """Nothing of the graph's own (the stream is the pool's)."""
-
-
-class _NoGuard:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_GUARD = _NoGuard()
 
 
 class DecodeGraph:
@@ -225,11 +217,6 @@ class DecodeGraph:
         self.stream = self._steps.stream
         self._graph = self._exec = None  # finalizers (driver.owned_handle) once captured
         self._capture()
-
-    @property
-    def cache(self):
-        """The storage (a GpuKVCache or GpuKVPool); kept for callers of the cache-only graph."""
-        return self.storage
 
     @property
     def plan(self) -> AttentionPlan | None:
