@@ -18,6 +18,10 @@
    `begin_step` writes them into a host staging array of the same layout and copies it in
    one cuMemcpyHtoDAsync; `append` only launches (capturable); `advance` synchronises,
    turns the status into an exception or commits the step's positions to the table.
+   A DecodeGraph (graph.py) captures RoPE + append + decode_attention of every layer once
+   and replays it between begin_step and advance.
+4. One call at a time (CallGuard, as the CPU KVPool): every public call that writes the
+   pool or reads its tables refuses a second thread with StateError (`_one_call`).
 """
 from __future__ import annotations
 
