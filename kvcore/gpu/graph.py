@@ -44,6 +44,7 @@ from . import driver, kernels
 from .attention import AttentionPlan, _rope_launch, apply_rope
 from .driver import Stream
 from .memory import DeviceArray, DeviceBuffer
+from .pool import GpuKVPool
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -182,7 +183,6 @@ class DecodeGraph:
     def __init__(self, storage, *, dtype: str = "float16", rope: bool = True, theta: float = 10000.0,
                  style: str = "neox", rotary_dim: int | None = None, scale: float | None = None,
                  max_length: int | None = None):
-        from .pool import GpuKVPool
         if dtype not in _DTYPES:
             raise DTypeError(f"invalid dtype: expected float32, float16 or bfloat16, got {dtype!r}")
         self.ctx = storage.ctx
