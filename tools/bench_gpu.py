@@ -21,7 +21,8 @@ family.
           reads) and torch scaled_dot_product_attention (fp16, enable_gqa, contiguous
           [B, Hkv, N, D] K/V: the dense peer) on the same shapes; L2 flushed (a 256 MiB
           memset) before every timed launch. Needs torch with CUDA for the SDPA column
-          (else "n/a").
+          (else "n/a"). The copy reads and writes the bytes, the decode only reads them:
+          compare the GB/s columns (decode / copy = 0.5 is the copy's rate of bytes moved).
   attention, step: the GpuKVCache decode attention and DecodeGraph step against torch
           (tools/bench_gpu_attention.py; need torch with CUDA).
 """
@@ -207,6 +208,7 @@ def bench_paged(smoke: bool = False) -> None:
                 t_sdpa = time_ms(lambda: sdpa(qt, k, v, enable_gqa=True), st, repeat=repeat,
                                  before=lambda: flush.fill(0, stream=st))
                 del k, v, qt
+                torch.cuda.empty_cache()    # give its K/V back before the pools allocate
             for name in PAGED_FORMATS:
                 spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * PS,
                               num_heads=HQ, format=name)
