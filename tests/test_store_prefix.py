@@ -1,7 +1,8 @@
 """The prefix cache with a chunk store attached: chunks saved as `advance` completes them
-(a StoreWriter), a miss continued in the store (another pool's, another process's
-prefix), loaded pages registered as computed ones, and the store's faults (a corrupt
-value, a server killed) reported as misses while the pool decodes on."""
+(a StoreWriter), a miss continued in the store (another pool's prefix through a
+directory or a Redis Cluster, another process's through a Redis server), loaded pages
+registered as computed ones, and the store's faults (a corrupt value, a server killed)
+reported as misses while the pool decodes on."""
 import numpy as np
 import pytest
 
@@ -218,4 +219,21 @@ def test_a_server_killed_is_a_reported_miss_and_the_pool_decodes_on(server_facto
     assert st.last_store_fault.startswith(f"redis 127.0.0.1:{server.port}: GET of 1 keys failed")
     prefill(pool, prompt[n:], t)
     assert np.array_equal(decode(pool, new, t).view(np.uint32),
+                          _computed(spec, prompt, new)[1].view(np.uint32))
+
+
+def test_two_pools_share_a_prefix_through_a_redis_cluster(redis_cluster, rng):
+    spec = spec_of()
+    prompt = rng.integers(0, 50000, 8 * C + 3)
+    new = rng.integers(0, 50000, 3)
+
+    def store():  # each pool its own client, as two servers of a fleet
+        return KVStore(RedisBackend(redis_cluster.url, cluster=True), model="fleet", spec=spec,
+                       chunk_tokens=C, page_size=PAGE)
+    _saved_by_a_pool(store(), spec, prompt)
+    b = KVPool(spec, num_pages=40, page_size=PAGE, prefix_cache=True, store=store())
+    s, n = b.match_prefix(prompt)
+    assert n == 8 * C and b.stats.store_hits == 8 * PER and b.stats.store_faults == 0
+    prefill(b, prompt[n:], s)
+    assert np.array_equal(decode(b, new, s).view(np.uint32),
                           _computed(spec, prompt, new)[1].view(np.uint32))
