@@ -42,11 +42,11 @@
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 
 cimport numpy as cnp
 
@@ -318,11 +318,17 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
-    /* Floats of one split's state: m [hkv*r], l [hkv*r][KV_W], acc [hkv*r][dp] (unnormalised),
-       then scratch: scores [r][KV_P], K and V tile scales [KV_P * hkv * max(s, 1)] each. */
+    #define KV_ROWS 64         /* query rows per row block (a multiple of KV_RB) */
+    /* Floats of one split's state: m [hkv*r], l [hkv*r][KV_W], acc [hkv*r][dp] (unnormalised). */
     static size_t kv_split_floats(const kv_job* J) {
-        size_t rows = (size_t)J->hkv * J->r, sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
-        return KV_ROUND16(rows) + rows * KV_W + rows * J->dp + (size_t)J->r * KV_P + 2 * sc;
+        size_t rows = (size_t)J->hkv * J->r;
+        return KV_ROUND16(rows) + rows * KV_W + rows * J->dp;
+    }
+    /* Floats of one thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales
+       [KV_P * hkv * max(s, 1)] each. */
+    static size_t kv_scratch_floats(const kv_job* J) {
+        size_t sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
+        return (size_t)KV_ROWS * KV_P + 2 * sc;
     }
     /* Floats of the job's own buffers: q [hkv][r][dp], then last [r] (int64). */
     static size_t kv_job_floats(const kv_job* J) {
@@ -532,20 +538,32 @@ cdef extern from *:
         return x;
     }
 
-    /* One split: positions [p0, p1) of every kv head into the state at w (kv_split_floats). */
-    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, int64_t p0, int64_t p1, float* w) {
-        const int R = J->r, H = J->hkv, dp = J->dp;
+    /* One work item: rows [r0, r1) (at most KV_ROWS) of every kv head over the positions
+       [p0, p1) of one split, into that split's state at w (kv_split_floats), with the
+       thread's scratch x (kv_scratch_floats). Each row's arithmetic is the same whatever
+       the row block: rows are independent. Tiles past the block's last visible position
+       (the causal mask hides them from every row of the block) are skipped, which leaves
+       each row's state exactly as processing them would (weights 0). */
+    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, int64_t p0, int64_t p1, int r0, int r1,
+                                float* w, float* x) {
+        const int R = J->r, H = J->hkv, dp = J->dp, nr = r1 - r0;
         const size_t rows = (size_t)H * R;
         const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
         float* m = w;
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
-        float* s = acc + rows * dp;
-        float* ksc = s + (size_t)R * KV_P;
+        float* s = x;
+        float* ksc = s + (size_t)KV_ROWS * KV_P;
         float* vsc = ksc + sc;
-        for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
-        memset(l, 0, rows * KV_W * sizeof(float));
-        memset(acc, 0, rows * dp * sizeof(float));
+        for (int h = 0; h < H; h++) {
+            const size_t hr = (size_t)h * R + r0;
+            for (int r = 0; r < nr; r++) m[hr + r] = -INFINITY;
+            memset(l + hr * KV_W, 0, (size_t)nr * KV_W * sizeof(float));
+            memset(acc + hr * dp, 0, (size_t)nr * dp * sizeof(float));
+        }
+        /* the positions some row of the block sees: [p0, end) (last[] grows with r) */
+        const int64_t end = J->last[r1 - 1] + 1 < p1 ? J->last[r1 - 1] + 1 : p1;
+        if (end <= p0) return;
         /* Tiles of KV_P positions from p0 (the same tiles whatever the pages: the result
            never depends on where a position is stored); cur, then the next tile's rows. */
         kv_tile tiles[2];
@@ -560,11 +578,11 @@ cdef extern from *:
                 __builtin_prefetch(v + o, 0, 1);
             }
         }
-        for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
+        for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = cur->np;
-            const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
-            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((R + KV_RB - 1) / KV_RB);
-            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)(next - j0 - KV_P), nxt);
+            const int64_t next = j0 + KV_P + KV_P < end ? j0 + KV_P + KV_P : end;
+            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((nr + KV_RB - 1) / KV_RB);
+            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
             kv_pf pf = {J->kc, J->vc, nxt, J->cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
@@ -572,19 +590,20 @@ cdef extern from *:
             kv_tile_scales(fmt, J, J->vs, cur, vsc);
             for (int h = 0; h < H; h++) {
                 kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, cur, h), v = kv_head_rows(fmt, J, J->vc, vsc, cur, h);
-                float* ah = acc + (size_t)h * R * dp;
-                kv_scores(fmt, R, k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
-                kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * KV_W, ah, dp,
+                const size_t hr = (size_t)h * R + r0;
+                float* ah = acc + hr * dp;
+                kv_scores(fmt, nr, k, np, J->q + hr * dp, dp, ksc + (size_t)h * KV_P, J->last + r0, j0, s, &pf);
+                kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
-                kv_values(fmt, R, v, np, s, ah, dp);
+                kv_values(fmt, nr, v, np, s, ah, dp);
             }
             kv_tile* swap = cur; cur = nxt; nxt = swap;
         }
     }
 
-    static void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) {
+    static void kv_split(const kv_job* J, int64_t p0, int64_t p1, int r0, int r1, float* w, float* x) {
         switch (J->fmt) {
-        #define KV_CASE(F) case F: kv_split_fmt(F, J, p0, p1, w); break;
+        #define KV_CASE(F) case F: kv_split_fmt(F, J, p0, p1, r0, r1, w, x); break;
         KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
         KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
         #undef KV_CASE
@@ -657,6 +676,28 @@ cdef extern from *:
         }
     }
 
+    /* The wrapping sum of the 64-bit words [w0, w1) of p (64-byte aligned), read as a
+       stream: one vector load and add per KV_W * 4 bytes, 4 accumulators. */
+    typedef uint64_t kv_vq __attribute__((vector_size(4 * KV_W)));
+    static uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) {
+        const size_t lanes = sizeof(kv_vq) / 8;
+        kv_vq a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        size_t i = w0;
+        for (; i + 4 * lanes <= w1; i += 4 * lanes) {
+            kv_vq x0, x1, x2, x3;
+            memcpy(&x0, p + 8 * i, sizeof x0);
+            memcpy(&x1, p + 8 * (i + lanes), sizeof x1);
+            memcpy(&x2, p + 8 * (i + 2 * lanes), sizeof x2);
+            memcpy(&x3, p + 8 * (i + 3 * lanes), sizeof x3);
+            a0 += x0; a1 += x1; a2 += x2; a3 += x3;
+        }
+        a0 += a1 + a2 + a3;
+        uint64_t sum = 0;
+        for (size_t k = 0; k < lanes; k++) sum += a0[k];
+        for (; i < w1; i++) { uint64_t x; memcpy(&x, p + 8 * i, 8); sum += x; }
+        return sum;
+    }
+
     /* 1 when x [n] holds no NaN or inf. */
     static int kv_all_finite(const float* x, size_t n) {
         uint32_t bad = 0;
@@ -685,12 +726,15 @@ cdef extern from *:
         float* q
         int64_t* last
     size_t kv_split_floats(const kv_job* J) noexcept nogil
+    size_t kv_scratch_floats(const kv_job* J) noexcept nogil
+    enum: KV_ROWS
     size_t kv_job_floats(const kv_job* J) noexcept nogil
     float* kv_job_place(kv_job* J, float* buf) noexcept nogil
     int kv_prepare(kv_job* J, float scale, int causal) noexcept nogil
-    void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
+    void kv_split(const kv_job* J, int64_t p0, int64_t p1, int r0, int r1, float* w, float* x) noexcept nogil
     void kv_merge(const kv_job* J, float* out) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
+    uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -754,32 +798,41 @@ cdef void _seq_job(kv_job* J, int T, int64_t n, int threads) noexcept nogil:
 
 cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
     """Runs the jobs (fields set but q, last, w): one workspace, every job's q prepared
-    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every split
-    of every job on up to `threads` threads, then each job's splits merged into its
-    workspace, copied to its out when every job's result is finite (else _OVERFLOW,
-    nothing written but lse); returns _OK."""
-    cdef size_t total = 0
-    cdef int b, it, sp, nitems = 0, bad = 0, nt, status = _OK
+    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every work
+    item (job, split, block of KV_ROWS rows) on up to `threads` threads, then each job's
+    splits merged into its workspace, copied to its out when every job's result is finite
+    (else _OVERFLOW, nothing written but lse); returns _OK."""
+    cdef size_t total = 0, scratch = 0
+    cdef int b, it, sp, r0, nitems = 0, bad = 0, nt, status = _OK, tid
+    cdef bint one_block = True
     cdef void* buf = NULL
     cdef float* place
+    cdef float* xs
     for b in range(nj):
         total += kv_job_floats(&jobs[b]) + jobs[b].nsplit * kv_split_floats(&jobs[b])
-        nitems += jobs[b].nsplit
-    cdef int* items = <int*>malloc(2 * max(nitems, 1) * sizeof(int))   # (job, split)
+        scratch = max(scratch, kv_scratch_floats(&jobs[b]))
+        nitems += jobs[b].nsplit * ((jobs[b].r + KV_ROWS - 1) // KV_ROWS)
+        one_block = one_block and jobs[b].r <= KV_ROWS
+    nt = min(threads, nitems)
+    total += max(nt, 1) * scratch
+    cdef int* items = <int*>malloc(3 * max(nitems, 1) * sizeof(int))   # (job, split, r0)
     if items == NULL or posix_memalign(&buf, 64, (total if total else 1) * sizeof(float)):
         free(items)
         raise MemoryError("decode attention: workspace allocation failed")
-    place = <float*>buf
+    xs = <float*>buf
+    place = xs + max(nt, 1) * scratch
     it = 0
     for b in range(nj):
         place = kv_job_place(&jobs[b], place)
         jobs[b].w = place
         place += jobs[b].nsplit * kv_split_floats(&jobs[b])
-        for sp in range(jobs[b].nsplit):
-            items[2 * it] = b
-            items[2 * it + 1] = sp
-            it += 1
-    nt = min(threads, nitems)
+        # the last row blocks first: under the causal mask they see the most positions
+        for r0 in range((jobs[b].r - 1) // KV_ROWS * KV_ROWS, -1, -KV_ROWS):
+            for sp in range(jobs[b].nsplit):
+                items[3 * it] = b
+                items[3 * it + 1] = sp
+                items[3 * it + 2] = r0
+                it += 1
     with nogil:
         if nj > 1 and nt > 1:
             for b in prange(nj, num_threads=nt, schedule="static"):
@@ -790,13 +843,13 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
         if bad == 0:
             if nt <= 1:
                 for it in range(nitems):
-                    _split_item(jobs, items, it)
-            elif nj == 1:   # equal splits of one sequence: one per thread
+                    _split_item(jobs, items, it, xs)
+            elif nj == 1 and one_block:   # equal splits of one sequence: one per thread
                 for it in prange(nitems, num_threads=nt, schedule="static"):
-                    _split_item(jobs, items, it)
-            else:           # splits of unequal sequences: taken as threads come free
+                    _split_item(jobs, items, it, xs + threadid() * scratch)
+            else:           # unequal items: taken as threads come free
                 for it in prange(nitems, num_threads=nt, schedule="dynamic"):
-                    _split_item(jobs, items, it)
+                    _split_item(jobs, items, it, xs + threadid() * scratch)
             # each job merged into its own q buffer (hkv * r * dp >= t * Hq * D floats),
             # copied to out only when the whole call is finite
             if nj > 1 and nt > 1:
@@ -824,10 +877,12 @@ cdef inline size_t _out_floats(const kv_job* J) noexcept nogil:
     return <size_t>J.t * J.hkv * J.g * J.d
 
 
-cdef inline void _split_item(kv_job* jobs, const int* items, int it) noexcept nogil:
-    cdef kv_job* J = &jobs[items[2 * it]]
-    cdef int64_t sp = items[2 * it + 1]
-    kv_split(J, sp * J.chunk, min(J.n, (sp + 1) * J.chunk), J.w + sp * kv_split_floats(J))
+cdef inline void _split_item(kv_job* jobs, const int* items, int it, float* scratch) noexcept nogil:
+    cdef kv_job* J = &jobs[items[3 * it]]
+    cdef int64_t sp = items[3 * it + 1]
+    cdef int r0 = items[3 * it + 2]
+    kv_split(J, sp * J.chunk, min(J.n, (sp + 1) * J.chunk), r0, min(J.r, r0 + KV_ROWS),
+             J.w + sp * kv_split_floats(J), scratch)
 
 
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
@@ -901,6 +956,27 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
         return _run(jobs, nj, scale, causal, threads)
     finally:
         free(jobs)
+
+
+def stream_sum(const unsigned char[::1] buf) -> int:
+    """The wrapping uint64 sum of buf's 64-bit words (buf's length a multiple of 8) on
+    num_threads() threads, each a contiguous range: the rate at which this machine streams
+    bytes from memory to the vector registers on those threads, the limit of decode
+    attention over the same bytes (tools/bench_attention.py's probe)."""
+    cdef size_t words = buf.shape[0] // 8, per, w0
+    cdef int nt = num_threads(), t
+    cdef uint64_t total = 0
+    if buf.shape[0] % 8:
+        raise ValueError(f"stream_sum reads 64-bit words, got {buf.shape[0]} bytes")
+    if words == 0:
+        return 0
+    cdef const char* p = <const char*>&buf[0]
+    per = ((words + nt - 1) // nt + 7) // 8 * 8
+    with nogil:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            w0 = min(words, t * per)
+            total += kv_stream_sum(p, w0, min(words, w0 + per))
+    return total
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,
