@@ -9,7 +9,8 @@
    `attend_paged` does the same for many sequences of a KVPool in one call: one job per
    sequence, position p of a job in storage row table[p / ps] * ps + p % ps. A KVCache
    is the one-job case with the table [0] and ps = N: one code path.
-2. Splits: each thread takes a contiguous range of positions over every kv head (equal
+2. Splits (split-wise jobs: at most 128 query rows per kv head, decode): each thread
+   takes a contiguous range of positions over every kv head (equal
    ranges, multiples of 16), so it streams through the token-major storage in address
    order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
@@ -35,6 +36,12 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
+   Row-wise jobs (more than KV_ROWS = 128 rows per kv head: prefill) run as work items
+   of 128 rows instead: the rows in the vector lanes (q^T [D][128]), scores as FMAs of
+   q^T rows with broadcast K values (KV_BP positions x KV_SV row vectors), each K/V tile
+   decoded once per block; a block walks every split in turn, skips the tiles after its
+   last visible position (the causal mask hides them from all its rows) and merges its
+   rows itself; the threads take the blocks as they come free (kv_block_fmt).
 6. The splits are merged with a log-sum-exp reduction into the workspace (and, when
    asked, each row's log-sum-exp M + log L, natural log, into lse), then copied to out
    [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
