@@ -36,8 +36,9 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
-   Row-wise jobs (more than KV_ROWS = 128 rows per kv head: prefill) run as work items
-   of 128 rows instead: the rows in the vector lanes (q^T [D][128]), scores as FMAs of
+   Row-wise jobs (more than KV_SPLIT_ROWS = 128 rows per kv head: prefill) run as work
+   items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][256]),
+   scores as FMAs of
    q^T rows with broadcast K values (KV_BP positions x KV_SV row vectors), each K/V tile
    decoded once per block; a block walks every split in turn, skips the tiles after its
    last visible position (the causal mask hides them from all its rows) and merges its
@@ -300,10 +301,11 @@ cdef extern from *:
         int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
     } kv_job;
 
-    /* Row-wise jobs (more than KV_ROWS rows: prefill, verification) are work items of
-       KV_ROWS rows, each over all the job's splits in turn and merged at once; split-wise
-       jobs (decode) are work items of one split of all rows, merged once all are done. */
-    #define KV_ROWWISE(J) ((J)->r > KV_ROWS)
+    /* Row-wise jobs (more than KV_SPLIT_ROWS rows: prefill, verification) are work items
+       of KV_ROWS rows, each over all the job's splits in turn and merged at once;
+       split-wise jobs (decode) are work items of one split of all rows, merged once all
+       are done. */
+    #define KV_ROWWISE(J) ((J)->r > KV_SPLIT_ROWS)
 
     /* Storage rows of a tile's np positions [j0, j0 + np): ph[j] (ph[j] = ph[np - 1] past
        np), and the tile as runs of consecutive rows: run i starts at row rs[i], rl[i] rows. */
@@ -333,7 +335,8 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
-    #define KV_ROWS 128        /* query rows per row block (a multiple of KV_RB and KV_W) */
+    #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
+    #define KV_SPLIT_ROWS 128  /* the most query rows of a split-wise job (<= KV_ROWS) */
     /* Floats of a split state of sr rows per head: m [hkv][sr], l [hkv][sr][KV_W], acc
        [hkv][sr][dp] (unnormalised); row r of head h is h * sr + r. */
     static size_t kv_state_floats(const kv_job* J, int sr) {

@@ -133,16 +133,16 @@ def test_splits_with_few_positions(rng, threads, n, T, causal):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n, T, group, d", [
-    (200, 200, 4, 64),    # a whole prompt (T = n): 800 rows per kv head, row blocks of 128
-    (150, 150, 1, 96),    # T not a multiple of the 64-position tile, a last block of 22 rows
+    (200, 200, 4, 64),    # a whole prompt (T = n): 800 rows per kv head, blocks of 256
+    (150, 150, 1, 96),    # T not a multiple of the 64-position tile, one block of 150 rows
     (300, 130, 1, 64),    # chunked prefill: 170 positions before the new tokens
-    (97, 33, 8, 70),      # GQA 8 (264 rows), a head dim off the vector width
+    (97, 33, 8, 70),      # GQA 8 (264 rows: a last block of 8), D off the vector width
     (129, 129, 3, 3),     # G = 3 (a block boundary inside a token's rows), D = 3
     (70, 1, 8, 128),      # T = 1: one decode token, 8 rows
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_causal_prefill(rng, fmt, n, T, group, d, threads):
-    """Many query rows per kv head (prefill, verification) run as blocks of 128 rows with
+    """Many query rows per kv head (prefill, verification) run as blocks of 256 rows with
     the rows in the vector lanes; the causal mask's hidden tiles are skipped. Against the
     float64 reference, causal and not; the same bits on every call."""
     if fmt == "q8_0" and d % 32:

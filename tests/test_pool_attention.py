@@ -107,7 +107,7 @@ def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0"])
 def test_prefill_of_many_sequences(rng, fmt):
-    """Prompts of several sequences in one call (T_b * G past the 128-row block: row-wise
+    """Prompts of several sequences in one call (T_b * G past 128 rows: row-wise
     jobs, the causal skip), pages shuffled: each sequence bit for bit its KVCache's
     result and the float64 reference's within rounding."""
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=300, num_heads=8,
