@@ -157,8 +157,8 @@ class KVCoreLayer(CacheLayerMixin):
             self.seqs = [pool.new_sequence() for _ in range(b)]
             self.real = None
         self._reserve([t] * b)
-        pool.append_batch(0, self.seqs, _rows(key_states), _rows(value_states), [t] * b)
-        pool.advance()
+        self.pool.append_batch(0, self.seqs, _rows(key_states), _rows(value_states), [t] * b)
+        self.pool.advance()
         self.columns += t
         if self.real is not None:
             self.real = np.concatenate([self.real, np.ones((b, t), bool)], axis=1)
@@ -191,8 +191,8 @@ class KVCoreLayer(CacheLayerMixin):
         if mask is None:
             if self.real is not None:
                 self._drop(t)
-                raise StateError("this KVCoreCache holds padded rows: pass the attention_mask "
-                                 "that marks them (generate does)")
+                raise StateError("this KVCoreCache holds padded rows: the attention_mask must "
+                                 "mark them (generate's does), got none or one with no padding")
             return None
         m = mask.detach().numpy()
         if m.shape != (len(self.seqs), self.columns):
@@ -404,13 +404,13 @@ def kvcore_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
         raise StateError(f"kvcore attention is plain causal attention; this model asks for "
                          f"another mask ({getattr(mask_function, '__name__', mask_function)}, "
                          f"local_size={local_size})")
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:
         return None
     if tuple(attention_mask.shape) != (batch_size, kv_length) or kv_offset:
         raise ShapeError(f"invalid shape of attention_mask: expected [{batch_size}, "
                          f"{kv_length}] (rows, held + new positions), got "
                          f"{list(attention_mask.shape)} at offset {kv_offset}")
-    return attention_mask.to(torch.bool)
+    return None if bool(attention_mask.all()) else attention_mask.to(torch.bool)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcore_attention)
