@@ -157,7 +157,8 @@ class KVCoreLayer(CacheLayerMixin):
             self.seqs = [pool.new_sequence() for _ in range(b)]
             self.real = None
         self._reserve([t] * b)
-        self.pool.append_batch(0, self.seqs, _rows(key_states), _rows(value_states), [t] * b)
+        self.pool.append_batch(0, self.seqs, _rows(key_states), _rows(value_states),
+                               None if t == 1 else [t] * b)                # None: 1 each
         self.pool.advance()
         self.columns += t
         if self.real is not None:
@@ -363,7 +364,7 @@ def kvcore_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q = query.detach()
     q = q if q.dtype == torch.float32 else q.float()
     rows = _rows(q, real)                    # [queries, Hq, D]
-    counts = [t] * b if real is None else real.sum(axis=1)
+    counts = (None if t == 1 else [t] * b) if real is None else real.sum(axis=1)  # None: 1 each
     out = decode_attention(rows, layer.pool, 0, seqs=layer.seqs, counts=counts, scale=scaling)
     if real is None:
         full = torch.from_numpy(out).view(b, t, hq, d)
