@@ -2,22 +2,24 @@
 // The split kernel template; cuda/attention_<format>.cu instantiate it one PTX module per
 // format (so a process JIT-compiles only the formats it uses), cuda/attention.cu merges.
 //
-// 1. Storage read (docs/gpu.md): per layer, device arrays of M slot base pointers
-//      k_ptrs[M] -> K codes  [Hkv][N][D]  (code dtype of the format)
-//      v_ptrs[M] -> V codes  [Hkv][N][D]
-//      ks_ptrs[M] -> K scales [Hkv][N][S] (int8/fp8: S = 1 f32; q8_0: S = D/32 f16; unused
-//      vs_ptrs[M] -> V scales [Hkv][N][S]  for f32/f16/bf16)
-//    and lengths int32[M]. Slot m attends to positions [0, min(lengths[m] + extra, N)):
-//    `extra` counts the positions appended but not yet committed (1 inside a decode step).
-//    Everything is read on the device, so one captured graph serves every step.
-// 2. Grid (nsplit, Hkv * G / GB, M), 128 threads. A block takes GB query heads of one kv
-//    head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per group
-//    of query heads, and one split of the slot's positions: the chunk is computed on the
-//    device from the slot's length, ceil(n / nsplit) rounded up to the tile, so short
-//    slots use fewer splits and a graph needs no host-side length.
-// 3. Tiles of T positions (T * D * code bytes = 4 KiB of K and as much of V) stream through
-//    a cp.async pipeline of STAGES shared-memory stages (16-byte copies, coalesced: one
-//    tile of one head is contiguous in the head-major layout). Per tile:
+// 1. Storage (docs/gpu.md): the kernel reads K/V codes and scales of one layer through a
+//    storage policy, the only part that differs between the stores:
+//      KvSlotStorage  (GpuKVCache, kv_attn_*): per-slot head-major [Hkv][N][D] codes and
+//        [Hkv][N][S] scales from device arrays of slot base pointers; slot m sees
+//        min(lengths[m] + extra, N) positions (`extra`: appended, not yet committed).
+//      KvPagedStorage (GpuKVPool, kv_pattn_*): the pool's token-major layer
+//        [P * page_size][Hkv][D] through block tables; query row r of the step is token t
+//        of sequence b by CSR q_offsets, and sees lengths[b] - count_b + t + 1 (causal).
+//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16.) Everything is
+//    read on the device, so one captured graph serves every step.
+// 2. Grid (nsplit, Hkv * G / GB, rows), 128 threads. A block takes GB query heads of one
+//    kv head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per
+//    group of query heads, and one split of the row's positions: the chunk is computed on
+//    the device from the row's length, max(ceil(n / nsplit), KV_MIN_SPLIT) rounded up to
+//    the tile, so short rows leave splits empty and the grid needs no host-side length.
+// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V) stream
+//    through a cp.async pipeline of STAGES shared-memory stages (16-byte copies, one
+//    head row of D * code bytes at a time, at the storage's row(p)). Per tile:
 //      a. scores: thread (c, rg) dots its DPT dims of rows rg, rg + RG, ... with the GB
 //         query vectors held in registers, dequantizing in registers (scales applied to
 //         the partial dot; q8_0 per block of 32), partials to shared memory;
@@ -25,11 +27,14 @@
 //         sums the partials, takes the tile max, rescales its running sum;
 //      c. values: acc[g][DPT] += p[g][row] * scale * v[row][dims], in float32 registers;
 //         rescaling of acc only when a head's max moved (block-uniform branch).
-// 4. Output: with nsplit == 1 the block writes out = acc / l (zeros for an empty slot);
-//    otherwise it writes its normalized partial o and lse = m + log2(l) (-inf when the
-//    split is empty) to the workspace and kv_attn_merge combines them (log-sum-exp).
+// 4. Output: with nsplit == 1 the block writes out = acc / l (zeros for an empty row) and
+//    the natural lse; otherwise it writes its normalized partial o and lse = m + log2(l)
+//    (-inf when the split is empty, o then unwritten) to the workspace and kv_attn_merge
+//    combines them (log-sum-exp).
 // 5. Accumulation is float32 throughout; codes are converted exactly (int8 via the 2^23
 //    trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift).
+// 6. Head dims: D = 64, 128, 256 are compiled as constants; the _dx instances take any
+//    multiple of 16 up to 256 at run time (same code, D not folded).
 #pragma once
 
 #include "common.cuh"
@@ -342,8 +347,9 @@ __device__ __forceinline__ void kv_attn_split(
                     const int hpr = SB / 2;
                     for (int i = tid; i < T * hpr; i += KV_ATTN_THREADS) {
                         const int r = i / hpr;
+                        const bool ok = r < rows;
                         uint16_t a = 0, b = 0;
-                        if (r < rows) {
+                        if (ok) {
                             const size_t off = src.row(p0 + r) * SB + (size_t)(i - r * hpr) * 2;
                             a = *(const uint16_t*)(src.ks + off);
                             b = *(const uint16_t*)(src.vs + off);
@@ -386,6 +392,7 @@ __device__ __forceinline__ void kv_attn_split(
 
         // a. partial scores of the thread's dims
         if (rg < RG) {
+#pragma unroll
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float kf[C::DPT];
@@ -452,6 +459,7 @@ __device__ __forceinline__ void kv_attn_split(
             }
         }
         if (rg < RG) {
+#pragma unroll
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float vf[C::DPT];

@@ -256,8 +256,9 @@ def test_nonfinite_and_out_of_range_rows(gpu, rng):
 
 def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     """One graph of every layer's append and decode attention, captured once, replayed while
-    sequences join, fork and finish between steps (new block tables, lengths and slots each
-    step): the pages equal the CPU pool's, the outputs a pool run eagerly, bit for bit."""
+    sequences join, fork and finish between steps (new block tables, lengths, query offsets
+    and slots each step, 1 or 2 tokens per sequence): the pages equal the CPU pool's, the
+    outputs a pool run eagerly, bit for bit, and the eager ones the CPU pool's attention."""
     drv = gpu.driver.cuda()
     B, T = 3, 2
     graphed, eager = (pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0] for _ in range(2))
@@ -265,8 +266,9 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     inp = gpu.DeviceBuffer.alloc(L * 2 * B * T * H * D * 2)
     views = [[inp.view((B * T, H, D), np.float16, offset=((l * 2 + w) * B * T * H * D) * 2)
               for w in range(2)] for l in range(L)]
-    qo = gpu.DeviceBuffer.alloc(3 * L * B * H * D * 4)     # q, graphed out, eager out per layer
-    q, out, ref = ([qo.view((B, H, D), np.float32, offset=((i * L + l) * B * H * D) * 4)
+    R = B * T   # a row per input row: every new token of the step (causal)
+    qo = gpu.DeviceBuffer.alloc(3 * L * R * H * D * 4)     # q, graphed out, eager out per layer
+    q, out, ref = ([qo.view((R, H, D), np.float32, offset=((i * L + l) * R * H * D) * 4)
                     for l in range(L)] for i in range(3))
     st = graphed.stream
     with st.ctx:  # the raw driver calls of this test need the context current
@@ -304,7 +306,7 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         graphed.begin_step(seqs, counts)
         eager.begin_step(seqs, counts)
         inp.copy_from_host(xs)
-        qo.copy_from_host(rng.standard_normal(3 * L * B * H * D).astype(np.float32))
+        qo.copy_from_host(rng.standard_normal(3 * L * R * H * D).astype(np.float32))
         with st.ctx:
             gpu.driver.call("cuGraphLaunch", exe, st.handle)
         for layer in range(L):
@@ -312,6 +314,8 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
             eager.append(layer, keep[-2], keep[-1])
             eager.decode_attention(q[layer], ref[layer], layer)
             cpu.append_batch(layer, seqs, xs[layer, 0, :n], xs[layer, 1, :n], counts)
+            want = kvcore_attention(q[layer].to_numpy()[:n], cpu, layer, seqs=seqs, counts=counts)
+            np.testing.assert_allclose(ref[layer].to_numpy()[:n], want, rtol=2e-5, atol=2e-5)
         graphed.advance(), eager.advance(), cpu.advance(seqs)
         for layer in range(L):
             assert out[layer].to_numpy().tobytes() == ref[layer].to_numpy().tobytes()

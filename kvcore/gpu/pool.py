@@ -43,7 +43,7 @@ from ..pool import _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
-from .attention import (HEAD_DIMS, MAX_GRID_Z, check_head_dim, check_lse, choose_splits,
+from .attention import (MAX_GRID_Z, check_head_dim, check_lse, choose_splits,
                         launch_split, split_kernel, _INPUT_DTYPES)
 from .cache import _check_input
 from .driver import Context, Stream
@@ -130,7 +130,7 @@ class GpuKVPool:
                     getattr(self, buf).free()
             self.stream.destroy()
             raise
-        # host staging of [block tables][lengths][slot mapping], page-aligned
+        # host staging of [block tables][lengths][q offsets][slot mapping], page-aligned
         self._staging = zeroed_pages(self.meta_offsets["status"])
         self._host_tables = self._view_staging("block_tables", (B, M), np.int32)
         self._host_lengths = self._view_staging("lengths", (B,), np.int32)
@@ -147,15 +147,14 @@ class GpuKVPool:
         takes its share of its row's length on the device). A head_dim the kernel does not
         take leaves decode_attention refusing (append and the rest work)."""
         s = self.spec
-        self._decode_error = None
+        self._decode_error: Exception | None = None
         self._fn_decode = self._fn_merge = None
         self.num_splits = 1
         rows = self.max_batch * self.max_tokens
-        if s.head_dim not in HEAD_DIMS:
-            try:
-                check_head_dim(s.head_dim, "GpuKVPool.decode_attention")
-            except FormatError as e:
-                self._decode_error = e
+        try:
+            check_head_dim(s.head_dim, "GpuKVPool.decode_attention")
+        except FormatError as e:
+            self._decode_error = e
             return
         if rows > MAX_GRID_Z:
             self._decode_error = ShapeError(
@@ -213,8 +212,8 @@ class GpuKVPool:
 
     @property
     def memory_bytes(self) -> int:
-        """Device bytes allocated (data and metadata)."""
-        return self._data.nbytes + self._meta.nbytes
+        """Device bytes allocated (data, metadata and the decode's split workspace)."""
+        return self._data.nbytes + self._meta.nbytes + (0 if self._ws is None else self._ws.nbytes)
 
     # ------------------------------------------------------------------ device views
 
