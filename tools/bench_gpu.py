@@ -5,11 +5,26 @@ markdown tables with the peer measured in the same run.
     python3 tools/bench_gpu.py                  # every section
     python3 tools/bench_gpu.py append           # only some sections
 
-Sections live in SECTIONS (name -> function printing its table); add one per kernel family.
+    python3 tools/bench_gpu.py --emulate --smoke paged   # tiny sizes on the emulator (a
+                                                        # check that it runs: CPU times)
+
+Sections live in SECTIONS (name -> function(smoke) printing its table); add one per kernel
+family.
   append: one decode step (32 layers x M = 64 slots, Hkv = 8, D = 128, float16 input) of
           GpuKVCache.append + advance per format, replayed as a CUDA graph, against a graph
           of cuMemcpyDtoDAsync of the same input bytes (one copy per layer), same stream;
           also the step launched eagerly from Python.
+  paged:  GpuKVPool.decode_attention (one query token per sequence, Hq 32, Hkv 8, D 128,
+          pages of 16 in a shuffled physical order, q and out float32), batch 1/8/32/128 x
+          context 1024/4096/16384 per format, replayed as a CUDA graph, against a graph of
+          one cuMemcpyDtoDAsync of the same bytes (the K and V codes and scales the decode
+          reads) and torch scaled_dot_product_attention (fp16, enable_gqa, contiguous
+          [B, Hkv, N, D] K/V: the dense peer) on the same shapes; L2 flushed (a 256 MiB
+          memset) before every timed launch. Needs torch with CUDA for the SDPA column
+          (else "n/a"). The copy reads and writes the bytes, the decode only reads them:
+          compare the GB/s columns (decode / copy = 0.5 is the copy's rate of bytes moved).
+  attention, step: the GpuKVCache decode attention and DecodeGraph step against torch
+          (tools/bench_gpu_attention.py; need torch with CUDA).
 """
 from __future__ import annotations
 
@@ -72,8 +87,8 @@ def capture(fn, stream: gpu.Stream):
     return replay, destroy
 
 
-def bench_append() -> None:
-    L, M, H, D, steps = 32, 64, 8, 128, 8
+def bench_append(smoke: bool = False) -> None:
+    L, M, H, D, steps = (2, 4, 2, 64, 2) if smoke else (32, 64, 8, 128, 8)
     rng = np.random.default_rng(0)
     rows = []
     for fmt in ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"):
@@ -127,20 +142,164 @@ def bench_append() -> None:
                  "copy GB/s (r+w)", "append / copy", "eager step us"], rows)
 
 
-SECTIONS = {"append": bench_append}
+PAGED_FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+FLUSH_BYTES = 256 << 20     # more than the L2 of any GPU kvcore targets (H100: 50 MiB)
+
+
+def _random_codes(rng, fmt, shape) -> np.ndarray:
+    """Valid codes of `fmt` (finite values; the code dtype's bits)."""
+    if fmt.name in ("f32", "f16"):
+        return rng.standard_normal(shape).astype(fmt.code_dtype)
+    if fmt.name == "bf16":     # bfloat16 bits: the top half of a float32
+        return (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if fmt.name in ("int8", "q8_0"):
+        return rng.integers(-127, 128, shape).astype(fmt.code_dtype)
+    return rng.integers(0, 0x7C, shape).astype(np.uint8).view(fmt.code_dtype)  # finite fp8
+
+
+def _fill(view, block: np.ndarray, stream) -> None:
+    """Fills the C-contiguous device view with copies of `block` (its first pages): one host
+    copy, then device-to-device copies doubling the filled part."""
+    drv = driver.cuda()
+    host = np.ascontiguousarray(block).view(np.uint8).reshape(-1)
+    head = min(host.nbytes, view.nbytes)
+    with view.ctx:
+        driver.call("cuMemcpyHtoD", drv.CUdeviceptr(view.ptr), host.ctypes.data, head)
+        done = head
+        while done < view.nbytes:
+            n = min(done, view.nbytes - done)
+            driver.call("cuMemcpyDtoDAsync", drv.CUdeviceptr(view.ptr + done),
+                        drv.CUdeviceptr(view.ptr), n, stream.handle)
+            done += n
+
+
+def _torch_cuda():
+    """torch when it sees a CUDA device and kvcore is not emulated, else None."""
+    if gpu.using_emulator():
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def bench_paged(smoke: bool = False) -> None:
+    if smoke:
+        HQ, HKV, D, PS, batches, contexts, repeat = 4, 2, 64, 4, (1, 3), (5, 12), 2
+    else:
+        HQ, HKV, D, PS, batches, contexts, repeat = 32, 8, 128, 16, (1, 8, 32, 128), (1024, 4096, 16384), 20
+    torch = _torch_cuda()
+    rng = np.random.default_rng(0)
+    ctx = gpu.Context.get()
+    flush = gpu.DeviceBuffer.alloc(FLUSH_BYTES >> (12 if smoke else 0))
+    rows = []
+    for B in batches:
+        for N in contexts:
+            pages_per_seq = -(-N // PS)
+            if 2.5 * 2 * B * N * HKV * D * 4 > 0.7 * ctx.mem_get_info()[0]:
+                continue   # the f32 pool, its copy peer and torch's fp16 K/V must fit
+            t_sdpa = None
+            if torch is not None:
+                st = torch.cuda.current_stream()
+                k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16)
+                v, qt = torch.randn_like(k), torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.float16)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                t_sdpa = time_ms(lambda: sdpa(qt, k, v, enable_gqa=True), st, repeat=repeat,
+                                 before=lambda: flush.fill(0, stream=st))
+                del k, v, qt
+                torch.cuda.empty_cache()    # give its K/V back before the pools allocate
+            for name in PAGED_FORMATS:
+                spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * PS,
+                              num_heads=HQ, format=name)
+                f = spec.fmt
+                pool = gpu.GpuKVPool(spec, B * pages_per_seq, PS, max_batch=B,
+                                     max_pages_per_seq=pages_per_seq, max_tokens=N - 1)
+                pool._table.free[:] = rng.permutation(pool.num_pages).tolist()  # scattered pages
+                block = min(pool.num_pages, 64)
+                _fill(pool.keys(0), _random_codes(rng, f, (block, PS, HKV, D)), pool.stream)
+                _fill(pool.values(0), _random_codes(rng, f, (block, PS, HKV, D)), pool.stream)
+                if f.quantized:
+                    S = f.scales_per_row(D)
+                    for view in (pool.key_scales(0), pool.value_scales(0)):
+                        _fill(view, rng.uniform(0.001, 0.01, (block, PS, HKV, S)).astype(f.scale_dtype),
+                              pool.stream)
+                seqs = [pool.new_sequence() for _ in range(B)]
+                pool.begin_step(seqs, [N - 1] * B)  # N - 1 positions each (the random codes above)
+                pool.advance()
+                pool.begin_step(seqs)               # the decode step: N positions each
+                qo = gpu.DeviceBuffer.alloc(2 * B * HQ * D * 4)
+                q = qo.view((B, HQ, D), np.float32)
+                out = qo.view((B, HQ, D), np.float32, offset=B * HQ * D * 4)
+                q.copy_from_numpy(rng.standard_normal((B, HQ, D)).astype(np.float32))
+                kv_bytes = B * N * 2 * HKV * f.row_bytes(D)
+                dst = gpu.DeviceBuffer.alloc(kv_bytes)
+
+                def copy(src=pool.keys(0).ptr, dst=dst, n=kv_bytes, st=pool.stream):
+                    with ctx:
+                        driver.call("cuMemcpyDtoDAsync", driver.cuda().CUdeviceptr(dst.ptr),
+                                    driver.cuda().CUdeviceptr(src), n, st.handle)
+
+                g_dec, free_dec = capture(lambda: pool.decode_attention(q, out, 0), pool.stream)
+                g_cpy, free_cpy = capture(copy, pool.stream)
+                flush_pool = lambda: flush.fill(0, stream=pool.stream)  # noqa: E731
+                t_dec = time_ms(g_dec, pool.stream, repeat=repeat, before=flush_pool)
+                t_cpy = time_ms(g_cpy, pool.stream, repeat=repeat, before=flush_pool)
+                pool.advance()
+                if not np.isfinite(out.to_numpy()).all():
+                    raise RuntimeError(f"paged decode of {name} gave a non-finite output")
+                free_dec(), free_cpy()
+                dst.free(), qo.free()
+                pool.free()
+                sdpa_cols = ["n/a", "n/a"] if t_sdpa is None else [t_sdpa * 1e3, t_dec / t_sdpa]
+                rows.append([name, B, N, t_dec * 1e3, kv_bytes / (t_dec * 1e-3) / 1e9,
+                             t_cpy * 1e3, 2 * kv_bytes / (t_cpy * 1e-3) / 1e9, t_dec / t_cpy,
+                             *sdpa_cols])
+    flush.free()
+    where = ("EMULATOR: times are CPU times of the emulated kernels, not device figures"
+             if gpu.using_emulator() else ctx.name)
+    print_table(f"paged: GpuKVPool.decode_attention, one query token per sequence, Hq={HQ}, "
+                f"Hkv={HKV}, D={D}, pages of {PS} ({where}; graph replays, L2 flushed; copy = "
+                f"graph of one DtoD copy of the K/V bytes the decode reads; SDPA = torch fp16 "
+                f"enable_gqa on dense K/V)",
+                ["format", "batch", "context", "decode us", "decode GB/s (read)", "copy us",
+                 "copy GB/s (r+w)", "decode / copy", "SDPA us", "decode / SDPA"], rows)
+
+
+def _attention(smoke: bool = False) -> None:
+    import bench_gpu_attention
+    bench_gpu_attention.bench_attention()
+
+
+def _step(smoke: bool = False) -> None:
+    import bench_gpu_attention
+    bench_gpu_attention.bench_step()
+
+
+SECTIONS = {"append": bench_append, "paged": bench_paged, "attention": _attention, "step": _step}
+SMOKE = ("append", "paged")     # the sections with a --smoke size (no torch needed)
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(SECTIONS)
+    flags = [a for a in argv if a.startswith("--")]
+    names = [a for a in argv if not a.startswith("--")] or (list(SMOKE) if "--smoke" in flags
+                                                             else list(SECTIONS))
     unknown = [n for n in names if n not in SECTIONS]
-    if unknown:
-        print(f"unknown sections {unknown}: expected some of {list(SECTIONS)}", file=sys.stderr)
+    bad = [f for f in flags if f not in ("--smoke", "--emulate")]
+    if unknown or bad:
+        print(f"unknown sections {unknown} or flags {bad}: expected some of {list(SECTIONS)} "
+              f"and --smoke, --emulate", file=sys.stderr)
         return 2
+    if "--smoke" in flags and set(names) - set(SMOKE):
+        print(f"--smoke runs only {list(SMOKE)}", file=sys.stderr)
+        return 2
+    if "--emulate" in flags and not gpu.using_emulator():
+        gpu.use_emulator()
     if not gpu.is_available():
         print("no usable CUDA device", file=sys.stderr)
         return 1
     for n in names:
-        SECTIONS[n]()
+        SECTIONS[n]("--smoke" in flags)
     return 0
 
 

@@ -286,6 +286,22 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
     s = cache.spec
     if cache.freed:
         raise StateError("use of a freed GpuKVCache")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= s.capacity:
+        raise ShapeError(f"invalid offset: expected 0 <= offset <= {s.capacity}, got {offset!r}")
+    st = cache.stream if stream is None else stream
+    with cache.ctx:
+        _rope_launch(q, k, spec=s, ctx=cache.ctx, rows=cache.slots, lengths_ptr=cache.lengths.ptr,
+                    offset=int(offset), theta=theta, style=style, rotary_dim=rotary_dim, stream=st)
+        cache.launched_on(st)
+
+
+def _rope_launch(q, k, *, spec, ctx, rows: int, lengths_ptr: int, offset: int, theta: float,
+                style: str, rotary_dim: int | None, stream) -> None:
+    """The RoPE launch of apply_rope over any storage: q [rows, Hq, D] (and k [rows, Hkv,
+    D]), row m at position lengths[m] + offset of the int32 device array at lengths_ptr
+    (a GpuKVCache's lengths, or a GpuKVPool's step lengths with offset -1). Checks style,
+    rotary_dim, theta and the arrays; call it inside ctx."""
+    s = spec
     if style not in _ROPE_STYLES:
         raise ShapeError(f"invalid style: expected 'neox' or 'norm', got {style!r}")
     r = s.head_dim if rotary_dim is None else rotary_dim
@@ -293,29 +309,24 @@ def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
         raise ShapeError(f"invalid rotary_dim: expected an even int in [2, {min(s.head_dim, 256)}], got {r!r}")
     if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 1.0):
         raise ShapeError(f"invalid theta: expected a finite number > 1, got {theta!r}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= s.capacity:
-        raise ShapeError(f"invalid offset: expected 0 <= offset <= {s.capacity}, got {offset!r}")
-    st = cache.stream if stream is None else stream
     args = []
     for name, x, heads in (("q", q, s.num_heads), ("k", k, s.num_kv_heads)):
         if x is None:
             args += [(0, None), (0, ctypes.c_int), (0, ctypes.c_longlong), (0, ctypes.c_longlong), (0, ctypes.c_int)]
             continue
-        a = as_device_array(x, name, stream=st, ctx=cache.ctx)
+        a = as_device_array(x, name, stream=stream, ctx=ctx)
         dt = _input_dtype_id(name, a)
         isz = a.dtype.itemsize
-        if a.shape != (cache.slots, heads, s.head_dim):
-            raise ShapeError(f"invalid shape of {name}: expected [{cache.slots}, {heads}, {s.head_dim}], "
+        if a.shape != (rows, heads, s.head_dim):
+            raise ShapeError(f"invalid shape of {name}: expected [{rows}, {heads}, {s.head_dim}], "
                              f"got [{', '.join(map(str, a.shape))}]")
         if a.strides[2] != isz or any(st_ % isz for st_ in a.strides) or a.ptr % isz:
             raise ShapeError(f"invalid strides of {name}: the last axis must be contiguous, got "
                              f"strides {list(a.strides)} bytes for itemsize {isz}")
         args += [(a.ptr, None), (dt, ctypes.c_int), (a.strides[0] // isz, ctypes.c_longlong),
                  (a.strides[1] // isz, ctypes.c_longlong), (heads, ctypes.c_int)]
-    fn = kernels.function("rope", "kv_rope", cache.ctx)
-    with cache.ctx:
-        driver.launch(fn, (cache.slots, 1, 1), (128, 1, 1), args + [
-            (cache.lengths.ptr, None), (int(offset), ctypes.c_int), (int(r), ctypes.c_int),
-            (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
-        ], stream=st)
-        cache.launched_on(st)
+    fn = kernels.function("rope", "kv_rope", ctx)
+    driver.launch(fn, (rows, 1, 1), (128, 1, 1), args + [
+        (lengths_ptr, None), (offset, ctypes.c_int), (int(r), ctypes.c_int),
+        (_ROPE_STYLES[style], ctypes.c_int), (math.log2(theta), ctypes.c_double),
+    ], stream=stream)

@@ -20,7 +20,11 @@
    `begin_step` writes them into a host staging array of the same layout and copies it in
    one cuMemcpyHtoDAsync; `append` only launches (capturable); `advance` synchronises,
    turns the status into an exception or commits the step's positions to the table.
-4. Decode attention: the split kernel of the GpuKVCache (cuda/attention.cuh) reading the
+   A DecodeGraph (graph.py) captures RoPE + append + decode_attention of every layer once
+   and replays it between begin_step and advance.
+4. One call at a time (CallGuard, as the CPU KVPool): every public call that writes the
+   pool or reads its tables refuses a second thread with StateError (`_one_call`).
+5. Decode attention: the split kernel of the GpuKVCache (cuda/attention.cuh) reading the
    pages through the block tables (its paged storage), for every new token of the step
    (causal), splits fixed at construction from the device and max_batch (workspace
    allocated once), so `decode_attention` only launches.
@@ -28,10 +32,12 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Sequence
 
 import numpy as np
 
+from .._guard import CallGuard
 from ..attention import _check_scale
 from .._pages import PageTable
 from .._quant import input_limit
@@ -52,6 +58,24 @@ from .memory import DeviceArray, DeviceBuffer, as_device_array
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
 ERR_NONFINITE, ERR_RANGE, ERR_SLOT = 2, 4, 8     # status bits (cuda/paged.cu)
 _APPEND_WARPS = 4
+
+
+def _one_call(method):
+    """`method` under the pool's CallGuard (docs/design.md, Threads): a second thread calling
+    any guarded method meanwhile gets StateError, having changed nothing. The guard is not
+    reentrant: guarded methods call unguarded internals, and a caller holding the guard
+    across several calls (DecodeGraph) calls `GpuKVPool.<method>.__wrapped__(pool, ...)`."""
+    op = f"GpuKVPool.{method.__name__}"
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._guard.acquire(False):
+            self._guard.refuse(op)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._guard.release()
+    return guarded
 
 
 def _align(n: int) -> int:
@@ -82,6 +106,7 @@ class GpuKVPool:
         self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq)
         self.max_tokens = _positive("max_tokens", max_tokens)
         self.spec, self.page_size = spec, ps
+        self._guard = CallGuard("GpuKVPool")   # one call at a time (docs/design.md, Threads)
         self._table = PageTable(P, ps, spec.num_layers, spec.capacity)
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
         # region -> (row bytes, bytes of one layer, offset)
@@ -332,24 +357,28 @@ class GpuKVPool:
         if self._step is not None:
             raise StateError(f"GpuKVPool.{what} inside a step: advance() it first")
 
+    @_one_call
     @driver.in_context
     def new_sequence(self) -> int:
         """A new empty sequence (no page yet); returns its id."""
         self._idle("new_sequence")
         return self._table.new()
 
+    @_one_call
     @driver.in_context
     def free_sequence(self, seq: int) -> None:
         """Releases seq's pages (a page shared with a fork stays with it)."""
         self._idle("free_sequence")
         self._table.free_seq(seq)
 
+    @_one_call
     @driver.in_context
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n positions of seq (0 <= n <= length), releasing later pages."""
         self._idle("truncate")
         self._table.truncate(seq, n)
 
+    @_one_call
     @driver.in_context
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's positions: full pages shared, the partial last page
@@ -362,6 +391,7 @@ class GpuKVPool:
 
     # ------------------------------------------------------------------ steps
 
+    @_one_call
     @driver.in_context
     def begin_step(self, seqs: Sequence[int], counts: Sequence[int] | None = None) -> None:
         """Plans a step of counts[b] (default 1) new positions for seqs[b]: takes their pages
@@ -405,6 +435,7 @@ class GpuKVPool:
         self._meta.copy_from_host(self._staging, stream=self.stream)
         self._step = (seqs, counts)
 
+    @_one_call
     @driver.in_context
     def append(self, layer: int, k, v, *, stream=None) -> None:
         """Quantizes input rows t of k, v (device float32/float16/bfloat16 [T, Hkv, D], last
@@ -445,6 +476,7 @@ class GpuKVPool:
             (s.head_dim, ctypes.c_int),
         ], stream=st)
 
+    @_one_call
     @driver.in_context
     def decode_attention(self, q, out, layer: int, *, lse=None, causal: bool = True,
                          scale: float | None = None, stream=None) -> None:
@@ -505,11 +537,15 @@ class GpuKVPool:
                      s.group_size, self._gb, self.num_splits, qa.ptr, _INPUT_DTYPES[qa.dtype.name],
                      scale, oa.ptr, lse_ptr, ws_o, ws_lse, st)
 
+    @_one_call
     @driver.in_context
     def check(self) -> None:
         """Synchronises the pool's stream; raises (and clears) a status set since: OutOfRangeError
         (a slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
         self._host_call("check")
+        self._raise_status()
+
+    def _raise_status(self) -> None:
         self.stream.synchronize()
         flag = np.zeros(1, np.int32)
         self._meta.copy_to_host(flag, offset=self.meta_offsets["status"])
@@ -527,6 +563,7 @@ class GpuKVPool:
                           f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}); its row "
                           f"was not written")
 
+    @_one_call
     @driver.in_context
     def advance(self) -> list[int]:
         """Ends the step begun by begin_step: synchronises and, when the status is clear,
@@ -537,7 +574,7 @@ class GpuKVPool:
             raise StateError("GpuKVPool.advance without begin_step")
         seqs, counts = self._step
         self._step = None
-        self.check()
+        self._raise_status()
         for s, c in zip(seqs, counts):
             self._table.get(s).length += c
         return counts
@@ -560,6 +597,7 @@ class GpuKVPool:
         self.stream.synchronize()
         return out
 
+    @_one_call
     @driver.in_context
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
@@ -571,6 +609,7 @@ class GpuKVPool:
         return snapshot_parts(self.spec, length, n, lambda layer, count: tuple(
             None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
 
+    @_one_call
     @driver.in_context
     def restore(self, snapshot: Snapshot, *, seq: int | None = None,
                 requantize: bool = False) -> int:
@@ -624,6 +663,7 @@ class GpuKVPool:
     def freed(self) -> bool:
         return self._data.freed
 
+    @_one_call
     @driver.in_context
     def free(self) -> None:
         """Releases the device memory and the pool's stream; bumps `generation`. A second
