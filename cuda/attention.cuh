@@ -17,9 +17,10 @@
 //    group of query heads, and one split of the row's positions: the chunk is computed on
 //    the device from the row's length, max(ceil(n / nsplit), KV_MIN_SPLIT) rounded up to
 //    the tile, so short rows leave splits empty and the grid needs no host-side length.
-// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V) stream
-//    through a cp.async pipeline of STAGES shared-memory stages (16-byte copies, one
-//    head row of D * code bytes at a time, at the storage's row(p)). Per tile:
+// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V; T <= 64
+//    except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
+//    (16-byte copies, one head row of D * code bytes at a time, at the storage's row(p)).
+//    Per tile:
 //      a. scores: thread (c, rg) dots its DPT dims of rows rg, rg + RG, ... with the GB
 //         query vectors held in registers, dequantizing in registers (scales applied to
 //         the partial dot; q8_0 per block of 32), partials to shared memory;
@@ -42,6 +43,8 @@
 #define KV_ATTN_THREADS 128
 #define KV_ATTN_WARPS (KV_ATTN_THREADS / 32)
 #define KV_TILE_BYTES 4096
+#define KV_MAX_TILE 64         // positions per tile at most (the fixed head_dims reach it at
+                               // int8/fp8/q8_0 D = 64; it bounds the run-time-D shared memory)
 #define KV_MIN_SPLIT 128       // a split covers at least this many positions (if it has any)
 // ---- exact vector decoders: 16 or 8 bytes of codes -> floats --------------------------
 
@@ -218,8 +221,13 @@ struct AttnCfg {
     }
     __host__ __device__ static constexpr int tpr(int D) { return D / DPT; }  // threads per row
     __host__ __device__ static constexpr int rg(int D) { return KV_ATTN_THREADS / tpr(D); }  // row groups
-    __host__ __device__ static constexpr int tile(int D) {  // positions per tile, <= 4 KiB of K
-        return rg(D) * (KV_TILE_BYTES / (D * CB) / rg(D) > 0 ? KV_TILE_BYTES / (D * CB) / rg(D) : 1);
+    // positions per tile: <= 4 KiB of K and <= KV_MAX_TILE positions (unless one row group
+    // pass takes more: small D), a whole number of row-group passes
+    __host__ __device__ static constexpr int tile(int D) {
+        return rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
+    }
+    __host__ __device__ static constexpr int rows_cap(int D) {
+        return KV_TILE_BYTES / (D * CB) < KV_MAX_TILE ? KV_TILE_BYTES / (D * CB) : KV_MAX_TILE;
     }
     // Bounds over the head_dims of an instance: DT, or every one when DT == 0.
     __host__ __device__ static constexpr int max_over(int DT, int what) {

@@ -53,7 +53,8 @@ def heads_per_block(group: int) -> int:
 
 
 def tile_positions(fmt, head_dim: int) -> int:
-    """Positions per tile of the split kernel (4 KiB of K codes)."""
+    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, at most
+    64 positions: cuda/attention.cuh KV_MAX_TILE)."""
     return TILE_BYTES // (head_dim * fmt.code_bytes)
 
 
