@@ -2,6 +2,13 @@
 
 OpenMP is used when the compiler accepts -fopenmp; otherwise the prange loops run
 serially (Cython compiles them without OpenMP) and `python -m kvcore info` says so.
+
+The target CPU is the building machine's (-march=native). The environment variable
+KVCORE_MARCH names another -march target, e.g. an AVX2-only build of the same source:
+
+    KVCORE_MARCH=x86-64-v3 python setup.py build_ext --inplace --force
+
+(KVCORE_MARCH=none passes no -march at all: the compiler's baseline, SSE2 on x86-64.)
 """
 import glob
 import os
@@ -42,7 +49,20 @@ def _compiler_accepts(flag: str) -> bool:
 # that CPU (AVX2/F16C where present). -ffp-contract=off keeps every encoder's arithmetic
 # exactly the documented rule (no fused multiply-add behind the source's back).
 OPENMP = sys.platform != "win32" and _compiler_accepts_openmp()
-ARCH = ["-march=native"] if _compiler_accepts("-march=native") else []
+def _arch() -> list[str]:
+    """-march=$KVCORE_MARCH (refused when the compiler does not take it), else -march=native
+    where the compiler takes it."""
+    march = os.environ.get("KVCORE_MARCH", "").strip()
+    if march == "none":
+        return []
+    if march:
+        if not _compiler_accepts(f"-march={march}"):
+            raise SystemExit(f"KVCORE_MARCH={march}: the compiler refuses -march={march}")
+        return [f"-march={march}"]
+    return ["-march=native"] if _compiler_accepts("-march=native") else []
+
+
+ARCH = _arch()
 COMPILE = ["-O3", "-fno-strict-aliasing", "-ffp-contract=off"] + ARCH + (["-fopenmp"] if OPENMP else [])
 LINK = ["-fopenmp"] if OPENMP else []
 

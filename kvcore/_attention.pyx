@@ -9,7 +9,8 @@
    `attend_paged` does the same for many sequences of a KVPool in one call: one job per
    sequence, position p of a job in storage row table[p / ps] * ps + p % ps. A KVCache
    is the one-job case with the table [0] and ps = N: one code path.
-2. Splits: each thread takes a contiguous range of positions over every kv head (equal
+2. Splits (split-wise jobs: at most 128 query rows per kv head, decode): each thread
+   takes a contiguous range of positions over every kv head (equal
    ranges, multiples of 16), so it streams through the token-major storage in address
    order. It walks its range in tiles of KV_P positions; per tile and head: the scores of
    the R rows, an online-softmax update (running max m, lane sums l, float32), then the
@@ -35,6 +36,13 @@
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
+   Row-wise jobs (more than KV_SPLIT_ROWS = 128 rows per kv head: prefill) run as work
+   items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][256]),
+   scores as FMAs of
+   q^T rows with broadcast K values (KV_BP positions x KV_SV row vectors), each K/V tile
+   decoded once per block; a block walks every split in turn, skips the tiles after its
+   last visible position (the causal mask hides them from all its rows) and merges its
+   rows itself; the threads take the blocks as they come free (kv_block_fmt).
 6. The splits are merged with a log-sum-exp reduction into the workspace (and, when
    asked, each row's log-sum-exp M + log L, natural log, into lse), then copied to out
    [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
@@ -42,11 +50,11 @@
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
 """
 from libc.math cimport cos, sin
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 
 cimport numpy as cnp
 
@@ -285,10 +293,19 @@ cdef extern from *:
         const float* qin;        /* IN [t][hkv * g][d] */
         float* out;              /* OUT [t][hkv * g][d] (may be qin) */
         float* lse;              /* OUT [t][hkv * g] log-sum-exp (base e) or NULL */
-        float* w;                /* nsplit split states (kv_split_floats each) */
-        float* q;                /* [hkv][r][dp] scaled queries, zero-padded (kv_prepare) */
+        float scale;             /* of q */
+        float* w;                /* split-wise: nsplit split states (kv_split_floats each) */
+        float* q;                /* split-wise: [hkv][r][dp] scaled queries, zero-padded */
+        float* o;                /* the result [t][hkv * g][d] before it goes to out
+                                    (split-wise: the memory of q, no longer read then) */
         int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
     } kv_job;
+
+    /* Row-wise jobs (more than KV_SPLIT_ROWS rows: prefill, verification) are work items
+       of KV_ROWS rows, each over all the job's splits in turn and merged at once;
+       split-wise jobs (decode) are work items of one split of all rows, merged once all
+       are done. */
+    #define KV_ROWWISE(J) ((J)->r > KV_SPLIT_ROWS)
 
     /* Storage rows of a tile's np positions [j0, j0 + np): ph[j] (ph[j] = ph[np - 1] past
        np), and the tile as runs of consecutive rows: run i starts at row rs[i], rl[i] rows. */
@@ -318,22 +335,45 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
-    /* Floats of one split's state: m [hkv*r], l [hkv*r][KV_W], acc [hkv*r][dp] (unnormalised),
-       then scratch: scores [r][KV_P], K and V tile scales [KV_P * hkv * max(s, 1)] each. */
-    static size_t kv_split_floats(const kv_job* J) {
-        size_t rows = (size_t)J->hkv * J->r, sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
-        return KV_ROUND16(rows) + rows * KV_W + rows * J->dp + (size_t)J->r * KV_P + 2 * sc;
+    #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
+    #define KV_SPLIT_ROWS 128  /* the most query rows of a split-wise job (<= KV_ROWS) */
+    /* Floats of a split state of sr rows per head: m [hkv][sr], l [hkv][sr][KV_W], acc
+       [hkv][sr][dp] (unnormalised); row r of head h is h * sr + r. */
+    static size_t kv_state_floats(const kv_job* J, int sr) {
+        size_t rows = (size_t)J->hkv * sr;
+        return KV_ROUND16(rows) + rows * KV_W + rows * J->dp;
     }
-    /* Floats of the job's own buffers: q [hkv][r][dp], then last [r] (int64). */
+    /* Floats of one split's state of all rows (split-wise jobs). */
+    static size_t kv_split_floats(const kv_job* J) { return kv_state_floats(J, J->r); }
+    /* Floats of the scratch of a work item, without / with a row-wise block's own queries
+       and split states. */
+    static size_t kv_tile_scratch_floats(const kv_job* J) {
+        size_t sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
+        return (size_t)KV_ROWS * KV_P + 2 * sc + 2 * (size_t)KV_P * J->dp;
+    }
+    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales [KV_P * hkv *
+       max(s, 1)] each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the
+       block's scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
+    static size_t kv_scratch_floats(const kv_job* J) {
+        size_t x = kv_tile_scratch_floats(J);
+        if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
+        return x;
+    }
+    /* Floats of the job's own buffers: last [r] (int64), then split-wise the queries
+       [hkv][r][dp] (later the result), row-wise the result [t][hkv * g][d]. */
     static size_t kv_job_floats(const kv_job* J) {
-        return KV_ROUND16((size_t)J->hkv * J->r * J->dp) + KV_ROUND16(2 * (size_t)J->r);
+        size_t x = KV_ROWWISE(J) ? (size_t)J->t * J->hkv * J->g * J->d : (size_t)J->hkv * J->r * J->dp;
+        return KV_ROUND16(2 * (size_t)J->r) + KV_ROUND16(x);
     }
-    /* Points J->q and J->last into buf (kv_job_floats floats); returns the floats after. */
+    /* Points J->last, J->q and J->o into buf (kv_job_floats floats); returns the floats after. */
     static float* kv_job_place(kv_job* J, float* buf) {
-        J->q = buf;
-        J->last = (int64_t*)(buf + KV_ROUND16((size_t)J->hkv * J->r * J->dp));
+        J->last = (int64_t*)buf;
+        J->o = buf + KV_ROUND16(2 * (size_t)J->r);
+        J->q = KV_ROWWISE(J) ? NULL : J->o;
         return buf + kv_job_floats(J);
     }
+
+    static int kv_all_finite(const float* x, size_t n);
 
     /* A stream of prefetches over the next tile's K and V codes (its runs of rows),
        issued a few lines at a time between the score blocks of the current tile. */
@@ -393,7 +433,8 @@ cdef extern from *:
     }
 
     /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
-       rs [KV_P] (int8/FP8); lanes past np or past last[r] (position j0 + lane) are -inf. */
+       rs [KV_P] (int8/FP8; NULL: none); lanes past np or past last[r] (position j0 + lane)
+       are -inf. */
     KV_INLINE void kv_score_rows(const int fmt, const int RB, kv_rows k, int np, const float* q,
                                  int dp, const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         const kv_vi lane = KV_LANES;
@@ -401,7 +442,7 @@ cdef extern from *:
             kv_vf o[KV_RB];
             kv_score_group(fmt, RB, k, j, np, q, dp, o, pf);
             for (int r = 0; r < RB; r++) {
-                kv_vf x = KV_ROW_SCALED(fmt) ? o[r] * kv_loadf(rs + j) : o[r];
+                kv_vf x = rs ? o[r] * kv_loadf(rs + j) : o[r];
                 int64_t seen = last[r] - j0 + 1;
                 int vis = (int)((seen < np ? seen : np) - j);   /* visible lanes */
                 if (vis < KV_W) {
@@ -413,10 +454,10 @@ cdef extern from *:
         }
     }
 
-    /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r][j] V row j [...], RB rows, CB column vectors
-       (the last one passes d when `tail`). */
+    /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r * ws + j * wp] V row j [...], RB rows, CB
+       column vectors (the last one passes d when `tail`). */
     KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
-                                  int np, const float* w, float* acc, int dp, int i0) {
+                                  int np, const float* w, int ws, int wp, float* acc, int dp, int i0) {
         kv_vf a[KV_RB][KV_CB];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
@@ -428,7 +469,7 @@ cdef extern from *:
                 if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v.bs[(size_t)j * v.bss + (i0 + KV_W * c) / 32]);
             }
             for (int r = 0; r < RB; r++) {
-                kv_vf wr = kv_splat(w[(size_t)r * KV_P + j]);
+                kv_vf wr = kv_splat(w[(size_t)r * ws + (size_t)j * wp]);
                 for (int c = 0; c < CB; c++) a[r][c] = kv_fma(wr, x[c], a[r][c]);
             }
         }
@@ -436,16 +477,16 @@ cdef extern from *:
             for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + KV_W * c, a[r][c]);
     }
 
-    KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w,
-                                 float* acc, int dp) {
+    KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w, int ws,
+                                 int wp, float* acc, int dp) {
         int i0 = 0;
-        for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, acc, dp, i0);
-        for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, acc, dp, i0);
-        if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, np, w, acc, dp, i0);
+        for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, ws, wp, acc, dp, i0);
+        for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, ws, wp, acc, dp, i0);
+        if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, np, w, ws, wp, acc, dp, i0);
     }
 
-    /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights s x V rows, in
-       register blocks of KV_RB rows. */
+    /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights x V rows (row r's
+       weight of position j at w[r * ws + j * wp]), in register blocks of KV_RB rows. */
     KV_INLINE void kv_scores(const int fmt, int R, kv_rows k, int np, const float* q, int dp,
                              const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         for (int r = 0; r < R; r += KV_RB) {
@@ -459,15 +500,16 @@ cdef extern from *:
             }
         }
     }
-    KV_INLINE void kv_values(const int fmt, int R, kv_rows v, int np, const float* w, float* acc, int dp) {
+    KV_INLINE void kv_values(const int fmt, int R, kv_rows v, int np, const float* w, int ws, int wp,
+                             float* acc, int dp) {
         for (int r = 0; r < R; r += KV_RB) {
-            const float* wr = w + (size_t)r * KV_P;
+            const float* wr = w + (size_t)r * ws;
             float* ar = acc + (size_t)r * dp;
             switch (R - r < KV_RB ? R - r : KV_RB) {
-            case 1: kv_value_rows(fmt, 1, v, np, wr, ar, dp); break;
-            case 2: kv_value_rows(fmt, 2, v, np, wr, ar, dp); break;
-            case 3: kv_value_rows(fmt, 3, v, np, wr, ar, dp); break;
-            default: kv_value_rows(fmt, KV_RB, v, np, wr, ar, dp);
+            case 1: kv_value_rows(fmt, 1, v, np, wr, ws, wp, ar, dp); break;
+            case 2: kv_value_rows(fmt, 2, v, np, wr, ws, wp, ar, dp); break;
+            case 3: kv_value_rows(fmt, 3, v, np, wr, ws, wp, ar, dp); break;
+            default: kv_value_rows(fmt, KV_RB, v, np, wr, ws, wp, ar, dp);
             }
         }
     }
@@ -532,20 +574,53 @@ cdef extern from *:
         return x;
     }
 
-    /* One split: positions [p0, p1) of every kv head into the state at w (kv_split_floats). */
-    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, int64_t p0, int64_t p1, float* w) {
-        const int R = J->r, H = J->hkv, dp = J->dp;
+    /* out [KV_P][dp] = the np rows of x as float32, as kv_load and the q8_0 block scale
+       make them (the values the score and value blocks compute from), zero past d. */
+    KV_INLINE void kv_decode_rows(const int fmt, kv_rows x, int np, float* out, int dp) {
+        for (int j = 0; j < np; j++) {
+            const char* row = x.c + x.ph[j] * x.cs;
+            float* o = out + (size_t)j * dp;
+            for (int i = 0; i < dp; i += KV_W) {
+                kv_vf y = i + KV_W <= x.d ? kv_load(fmt, 0, row, i, x.d)
+                        : i < x.d ? kv_load(fmt, 1, row, i, x.d) : kv_splat(0.0f);
+                if (fmt == KV_Q8_0 && i < x.d) y = y * kv_splat(x.bs[(size_t)j * x.bss + i / 32]);
+                kv_storef(o + i, y);
+            }
+        }
+    }
+
+    /* Rows [r0, r1) (at most KV_ROWS) of every kv head over the positions [p0, p1) of
+       one split: queries q [hkv][sr][dp] and state w (kv_state_floats(sr)), row r of head
+       h at h * sr + ro + r - r0; x: the thread's scratch (kv_tile_scratch_floats). Each row's arithmetic is the same whatever
+       the row block: rows are independent. Tiles past the block's last visible position
+       (the causal mask hides them from every row of the block) are skipped, which leaves
+       each row's state exactly as processing them would (weights 0). */
+    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, const float* q, float* w, int sr, int ro,
+                                int64_t p0, int64_t p1, int r0, int r1, float* x) {
+        const int R = sr, H = J->hkv, dp = J->dp, nr = r1 - r0;
         const size_t rows = (size_t)H * R;
         const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
         float* m = w;
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
-        float* s = acc + rows * dp;
-        float* ksc = s + (size_t)R * KV_P;
+        float* s = x;
+        float* ksc = s + (size_t)KV_ROWS * KV_P;
         float* vsc = ksc + sc;
-        for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
-        memset(l, 0, rows * KV_W * sizeof(float));
-        memset(acc, 0, rows * dp * sizeof(float));
+        float* kf = vsc + sc;                 /* [KV_P][dp]: one head's K tile as float32 */
+        float* vf = kf + (size_t)KV_P * dp;
+        /* rows blocks of more than 2 register blocks decode each head's tile once, then
+           read it as f32: the same values in the same operations */
+        const int predecode = fmt != KV_F32 && nr > 2 * KV_RB;
+        int64_t rowf[KV_P];
+        for (int h = 0; h < H; h++) {
+            const size_t hr = (size_t)h * R + ro;
+            for (int r = 0; r < nr; r++) m[hr + r] = -INFINITY;
+            memset(l + hr * KV_W, 0, (size_t)nr * KV_W * sizeof(float));
+            memset(acc + hr * dp, 0, (size_t)nr * dp * sizeof(float));
+        }
+        /* the positions some row of the block sees: [p0, end) (last[] grows with r) */
+        const int64_t end = J->last[r1 - 1] + 1 < p1 ? J->last[r1 - 1] + 1 : p1;
+        if (end <= p0) return;
         /* Tiles of KV_P positions from p0 (the same tiles whatever the pages: the result
            never depends on where a position is stored); cur, then the next tile's rows. */
         kv_tile tiles[2];
@@ -560,11 +635,11 @@ cdef extern from *:
                 __builtin_prefetch(v + o, 0, 1);
             }
         }
-        for (int64_t j0 = p0; j0 < p1; j0 += KV_P) {
+        for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = cur->np;
-            const int64_t next = j0 + KV_P + KV_P < p1 ? j0 + KV_P + KV_P : p1;
-            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((R + KV_RB - 1) / KV_RB);
-            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)(next - j0 - KV_P), nxt);
+            const int64_t next = j0 + KV_P + KV_P < end ? j0 + KV_P + KV_P : end;
+            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((nr + KV_RB - 1) / KV_RB);
+            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
             kv_pf pf = {J->kc, J->vc, nxt, J->cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
@@ -572,89 +647,315 @@ cdef extern from *:
             kv_tile_scales(fmt, J, J->vs, cur, vsc);
             for (int h = 0; h < H; h++) {
                 kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, cur, h), v = kv_head_rows(fmt, J, J->vc, vsc, cur, h);
-                float* ah = acc + (size_t)h * R * dp;
-                kv_scores(fmt, R, k, np, J->q + (size_t)h * R * dp, dp, ksc + (size_t)h * KV_P, J->last, j0, s, &pf);
-                kv_softmax(R, np, s, m + (size_t)h * R, l + (size_t)h * R * KV_W, ah, dp,
+                const size_t hr = (size_t)h * R + ro;
+                float* ah = acc + hr * dp;
+                const float* rs = KV_ROW_SCALED(fmt) ? ksc + (size_t)h * KV_P : NULL;
+                if (predecode) {
+                    for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
+                    kv_decode_rows(fmt, k, np, kf, dp);
+                    kv_decode_rows(fmt, v, np, vf, dp);
+                    kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                    kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                    kv_scores(KV_F32, nr, kd, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                    kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
+                               KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
+                    kv_values(KV_F32, nr, vd, np, s, KV_P, 1, ah, dp);
+                    continue;
+                }
+                kv_scores(fmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
-                kv_values(fmt, R, v, np, s, ah, dp);
+                kv_values(fmt, nr, v, np, s, KV_P, 1, ah, dp);
             }
             kv_tile* swap = cur; cur = nxt; nxt = swap;
         }
     }
 
-    static void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) {
+    /* Row-wise blocks hold their KV_ROWS rows in the lanes: KV_BV row vectors. Scores
+       sT [KV_P][KV_ROWS] of a tile are register blocks of KV_BP positions x KV_SV row
+       vectors, each a sum over d of q^T [d][KV_ROWS] times one K value broadcast (no
+       reduction across lanes); the online softmax runs on row vectors; the values are
+       kv_values' with the weights read from sT. */
+    #define KV_BV (KV_ROWS / KV_W)
+    #if KV_W == 16
+    #define KV_SV 4
+    #define KV_BP 6
+    #else
+    #define KV_SV 2
+    #define KV_BP 5
+    #endif
+
+    /* sT[p][rows] for positions [p0, p0 + P) (P <= KV_BP; kp[p]: the float32 K values
+       of position p0 + p), KV_SV row vectors (qt [d][KV_ROWS] and sT from the first);
+       times rs[p] (or not: NULL); lanes whose row's last position (lastrel, relative to
+       the tile) is before p are -inf. */
+    KV_INLINE void kv_block_scores(const int P, const float* const* kp, int d, const float* qt, const float* rs,
+                                   const kv_vi* lastrel, int p0, float* sT) {
+        kv_vf a[KV_BP][KV_SV];
+        for (int p = 0; p < P; p++)
+            for (int v = 0; v < KV_SV; v++) a[p][v] = kv_splat(0.0f);
+        for (int i = 0; i < d; i++) {
+            kv_vf qv[KV_SV];
+            for (int v = 0; v < KV_SV; v++) qv[v] = kv_loadf(qt + (size_t)i * KV_ROWS + v * KV_W);
+            for (int p = 0; p < P; p++) {
+                kv_vf kb = kv_splat(kp[p][i]);
+                for (int v = 0; v < KV_SV; v++) a[p][v] = kv_fma(qv[v], kb, a[p][v]);
+            }
+        }
+        for (int p = 0; p < P; p++) {
+            const int pos = p0 + p;
+            for (int v = 0; v < KV_SV; v++) {
+                kv_vf x = rs ? a[p][v] * kv_splat(rs[pos]) : a[p][v];
+                kv_vi keep = (kv_vi)KV_REP(pos) <= lastrel[v];
+                x = (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep));
+                kv_storef(sT + (size_t)pos * KV_ROWS + v * KV_W, x);
+            }
+        }
+    }
+
+    /* One row-wise block (rows [r0, r1), the rest of its KV_ROWS lanes masked) over the
+       positions [p0, p1) of one split: queries qt [hkv][d][KV_ROWS], state w
+       (kv_state_floats(KV_ROWS)), scratch x (kv_tile_scratch_floats). */
+    KV_INLINE void kv_block_fmt(const int fmt, const kv_job* J, const float* qt, float* w, int64_t p0,
+                                int64_t p1, int r0, int r1, float* x) {
+        const int H = J->hkv, dp = J->dp, d = J->d, nr = r1 - r0;
+        const size_t rows = (size_t)H * KV_ROWS;
+        const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
+        float* m = w;
+        float* l = m + KV_ROUND16(rows);
+        float* acc = l + rows * KV_W;
+        float* sT = x;
+        float* ksc = sT + (size_t)KV_ROWS * KV_P;
+        float* vsc = ksc + sc;
+        float* kf = vsc + sc;
+        float* vf = kf + (size_t)KV_P * dp;
+        for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
+        memset(l, 0, rows * KV_W * sizeof(float));
+        memset(acc, 0, rows * dp * sizeof(float));
+        const int64_t end = J->last[r1 - 1] + 1 < p1 ? J->last[r1 - 1] + 1 : p1;
+        int64_t lastb[KV_ROWS];
+        for (int r = 0; r < KV_ROWS; r++) lastb[r] = r < nr ? J->last[r0 + r] : -1;
+        int64_t rowf[KV_P];
+        kv_tile tile;
+        for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
+            const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
+            kv_tile_rows(J, j0, np, &tile);
+            kv_tile_scales(fmt, J, J->ks, &tile, ksc);
+            kv_tile_scales(fmt, J, J->vs, &tile, vsc);
+            kv_vi lastrel[KV_BV];
+            for (int v = 0; v < KV_BV; v++)
+                for (int k = 0; k < KV_W; k++) {
+                    int64_t t = lastb[v * KV_W + k] - j0;
+                    lastrel[v][k] = (int32_t)(t < -1 ? -1 : t > KV_P ? KV_P : t);
+                }
+            for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
+            for (int h = 0; h < H; h++) {
+                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, &tile, h), v = kv_head_rows(fmt, J, J->vc, vsc, &tile, h);
+                const float* kp[KV_P];
+                if (fmt == KV_F32) {
+                    for (int j = 0; j < KV_P; j++) kp[j] = (const float*)(k.c + k.ph[j] * k.cs);
+                } else {
+                    kv_decode_rows(fmt, k, np, kf, dp);
+                    kv_decode_rows(fmt, v, np, vf, dp);
+                    for (int j = 0; j < KV_P; j++) kp[j] = kf + (size_t)rowf[j] * dp;
+                    kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, d};
+                    v = vd;
+                }
+                const float* q = qt + (size_t)h * d * KV_ROWS;
+                const float* rs = KV_ROW_SCALED(fmt) ? ksc + (size_t)h * KV_P : NULL;
+                for (int b = 0; b < KV_BV; b += KV_SV) {
+                    const float* qb = q + b * KV_W;
+                    float* sb = sT + b * KV_W;
+                    int j = 0;
+                    for (; j + KV_BP <= np; j += KV_BP) kv_block_scores(KV_BP, kp + j, d, qb, rs, lastrel + b, j, sb);
+                    for (; j < np; j++) kv_block_scores(1, kp + j, d, qb, rs, lastrel + b, j, sb);
+                }
+                /* the online softmax of the row vectors */
+                float* mh = m + (size_t)h * KV_ROWS;
+                float* lh = l + (size_t)h * KV_ROWS * KV_W;
+                float* ah = acc + (size_t)h * KV_ROWS * dp;
+                const float* vs = KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL;
+                for (int b = 0; b < KV_BV; b++) {
+                    kv_vf mx = kv_loadf(sT + b * KV_W);
+                    for (int p = 1; p < np; p++) mx = kv_max(mx, kv_loadf(sT + (size_t)p * KV_ROWS + b * KV_W));
+                    kv_vf mo = kv_loadf(mh + b * KV_W), mn = kv_max(mo, mx);
+                    kv_vi grow = (mx > mo) & (mo > kv_splat(-INFINITY));
+                    kv_vf alpha = kv_exp(mo - mn);   /* NaN where both are -inf: not taken */
+                    float al[KV_W];
+                    kv_storef(al, (kv_vf)(((kv_vi)alpha & grow) | ((kv_vi)kv_splat(1.0f) & ~grow)));
+                    for (int k = 0; k < KV_W; k++) {
+                        const int r = b * KV_W + k;
+                        if (al[k] != 1.0f && r < nr) {
+                            kv_vf a = kv_splat(al[k]);
+                            for (int i = 0; i < dp; i += KV_W) kv_storef(ah + (size_t)r * dp + i, kv_loadf(ah + (size_t)r * dp + i) * a);
+                            lh[(size_t)r * KV_W] *= al[k];
+                        }
+                    }
+                    kv_storef(mh + b * KV_W, mn);
+                    kv_vi seen = mn > kv_splat(-INFINITY);
+                    kv_vf base = (kv_vf)((kv_vi)mn & seen);   /* 0 where no position is visible yet */
+                    kv_vf sum = kv_splat(0.0f);
+                    for (int p = 0; p < np; p++) {
+                        float* sp = sT + (size_t)p * KV_ROWS + b * KV_W;
+                        kv_vf e = kv_exp(kv_loadf(sp) - base);
+                        sum = sum + e;
+                        kv_storef(sp, vs ? e * kv_splat(vs[p]) : e);
+                    }
+                    float su[KV_W];
+                    kv_storef(su, sum);
+                    for (int k = 0; k < KV_W; k++) lh[(size_t)(b * KV_W + k) * KV_W] += su[k];
+                }
+                kv_values(KV_F32, nr, v, np, sT, 1, KV_ROWS, ah, dp);
+            }
+        }
+    }
+
+    static void kv_block(const kv_job* J, const float* qt, float* w, int64_t p0, int64_t p1, int r0, int r1, float* x) {
         switch (J->fmt) {
-        #define KV_CASE(F) case F: kv_split_fmt(F, J, p0, p1, w); break;
+        #define KV_CASE(F) case F: kv_block_fmt(F, J, qt, w, p0, p1, r0, r1, x); break;
         KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
         KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
         #undef KV_CASE
         }
     }
 
-    /* J->q [hkv][r][dp] = scale * J->qin [t][hkv * g][d] (zero-padded); J->last [r].
-       Returns 0 when scale * q holds a non-finite value (x * 0 is NaN only for those: q
-       non-finite, or scale * q past float32), else 1. */
-    static int kv_prepare(kv_job* J, float scale, int causal) {
-        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp;
-        const float* q = J->qin;
-        const int64_t n = J->n;
+    static void kv_split(const kv_job* J, const float* q, float* w, int sr, int ro, int64_t p0, int64_t p1,
+                         int r0, int r1, float* x) {
+        switch (J->fmt) {
+        #define KV_CASE(F) case F: kv_split_fmt(F, J, q, w, sr, ro, p0, p1, r0, r1, x); break;
+        KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
+        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
+        #undef KV_CASE
+        }
+    }
+
+    /* dst [hkv][sr][dp] (row r of head h at h * sr + r - r0) = J->scale * J->qin
+       [t][hkv * g][d] for rows [r0, r1), zero-padded; dst NULL: only the check. Returns 0
+       when scale * q holds a non-finite value (x * 0 is NaN only for those: q non-finite,
+       or scale * q past float32), else 1. */
+    static int kv_scale_rows(const kv_job* J, int r0, int r1, float* dst, int sr) {
+        const int H = J->hkv, G = J->g, d = J->d, dp = J->dp;
+        const float scale = J->scale;
         kv_vf zv = kv_splat(0.0f);
         float z = 0.0f;
         for (int h = 0; h < H; h++)
-            for (int r = 0; r < R; r++) {
-                const float* src = q + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
-                float* dst = J->q + ((size_t)h * R + r) * dp;
+            for (int r = r0; r < r1; r++) {
+                const float* src = J->qin + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
+                float* o = dst ? dst + ((size_t)h * sr + r - r0) * dp : NULL;
                 int i = 0;
                 for (; i + KV_W <= d; i += KV_W) {
                     kv_vf x = kv_loadf(src + i) * kv_splat(scale);
                     zv = zv + x * kv_splat(0.0f);
-                    kv_storef(dst + i, x);
+                    if (o) kv_storef(o + i, x);
                 }
-                for (; i < d; i++) { dst[i] = src[i] * scale; z = z + dst[i] * 0.0f; }
-                for (; i < dp; i++) dst[i] = 0.0f;
+                for (; i < d; i++) { float x = src[i] * scale; z = z + x * 0.0f; if (o) o[i] = x; }
+                if (o) for (; i < dp; i++) o[i] = 0.0f;
             }
-        for (int r = 0; r < R; r++) J->last[r] = causal ? n - J->t + r / G : n - 1;
         for (int k = 0; k < KV_W; k++) z = z + zv[k];
         return z == 0.0f;
     }
 
-    /* out [t][hkv * g][d] = the J->nsplit split states at J->w (kv_split_floats each)
-       merged by log-sum-exp and normalised; J->lse [t][hkv * g] = M + log(sum of the
-       weights e^(s - M)) over the scores s (scaled, base e) when not NULL. out may be
-       J->q (kv_prepare's copy, no longer read). */
-    static void kv_merge(const kv_job* J, float* out) {
-        const int H = J->hkv, G = J->g, R = J->r, d = J->d, dp = J->dp, nsplit = J->nsplit;
-        const float* w = J->w;
-        const size_t rows = (size_t)H * R, stride = kv_split_floats(J);
-        const size_t lo = KV_ROUND16(rows), ao = lo + rows * KV_W;   /* offsets of l, acc */
+    /* J->last [r]; split-wise J->q = the scaled queries (row-wise: only their check, each
+       work item scales its own rows). Returns kv_scale_rows' verdict. */
+    static int kv_prepare(kv_job* J, float scale, int causal) {
+        J->scale = scale;
+        for (int r = 0; r < J->r; r++) J->last[r] = causal ? J->n - J->t + r / J->g : J->n - 1;
+        return kv_scale_rows(J, 0, J->r, J->q, J->r);
+    }
+
+    /* out [t][hkv * g][d] rows [r0, r1) of every head = the J->nsplit split states at w
+       (stride floats apart, sr rows per head, row r at h * sr + ro + r - r0) merged by
+       log-sum-exp and normalised; J->lse [t][hkv * g] = M + log(sum of the weights
+       e^(s - M)) over the scores s (scaled, base e) when not NULL. Returns how many of
+       the rows hold a value that is not finite. out may be J->q (split-wise, once every
+       split is done). */
+    static int kv_merge_rows(const kv_job* J, const float* w, size_t stride, int sr, int ro, int r0, int r1, float* out) {
+        const int H = J->hkv, G = J->g, d = J->d, dp = J->dp, nsplit = J->nsplit;
+        const size_t lo = KV_ROUND16((size_t)H * sr), ao = lo + (size_t)H * sr * KV_W;   /* offsets of l, acc */
         float c[nsplit];
-        for (size_t hr = 0; hr < rows; hr++) {
-            const int h = (int)(hr / R), r = (int)(hr % R);
-            float top = -INFINITY, den = 0.0f;
-            for (int sp = 0; sp < nsplit; sp++) top = w[sp * stride + hr] > top ? w[sp * stride + hr] : top;
-            for (int sp = 0; sp < nsplit; sp++) {
-                const float* l = w + sp * stride + lo + hr * KV_W;
-                float sum = 0.0f;
-                for (int k = 0; k < KV_W; k++) sum += l[k];
-                c[sp] = expf(w[sp * stride + hr] - top);
-                den += c[sp] * sum;
+        int bad = 0;
+        for (int h = 0; h < H; h++)
+            for (int r = r0; r < r1; r++) {
+                const size_t hr = (size_t)h * sr + ro + r - r0;
+                float top = -INFINITY, den = 0.0f;
+                for (int sp = 0; sp < nsplit; sp++) top = w[sp * stride + hr] > top ? w[sp * stride + hr] : top;
+                for (int sp = 0; sp < nsplit; sp++) {
+                    const float* l = w + sp * stride + lo + hr * KV_W;
+                    float sum = 0.0f;
+                    for (int k = 0; k < KV_W; k++) sum += l[k];
+                    c[sp] = expf(w[sp * stride + hr] - top);
+                    den += c[sp] * sum;
+                }
+                for (int sp = 0; sp < nsplit; sp++) c[sp] /= den;
+                if (J->lse) J->lse[(size_t)(r / G) * H * G + (size_t)h * G + r % G] = top + logf(den);
+                float* o = out + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
+                const float* a = w + ao + hr * dp;
+                int i = 0;
+                for (; i + KV_W <= d; i += KV_W) {
+                    kv_vf x = kv_splat(0.0f);
+                    for (int sp = 0; sp < nsplit; sp++) x = kv_fma(kv_splat(c[sp]), kv_loadf(a + sp * stride + i), x);
+                    kv_storef(o + i, x);
+                }
+                for (; i < d; i++) {
+                    float x = 0.0f;
+                    for (int sp = 0; sp < nsplit; sp++) x += c[sp] * a[sp * stride + i];
+                    o[i] = x;
+                }
+                bad += !kv_all_finite(o, d);
             }
-            for (int sp = 0; sp < nsplit; sp++) c[sp] /= den;
-            if (J->lse) J->lse[(size_t)(r / G) * H * G + (size_t)h * G + r % G] = top + logf(den);
-            float* o = out + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
-            const float* a = w + ao + hr * dp;
-            int i = 0;
-            for (; i + KV_W <= d; i += KV_W) {
-                kv_vf x = kv_splat(0.0f);
-                for (int sp = 0; sp < nsplit; sp++) x = kv_fma(kv_splat(c[sp]), kv_loadf(a + sp * stride + i), x);
-                kv_storef(o + i, x);
+        return bad;
+    }
+
+    /* A split-wise job's splits merged into J->o; returns the rows not finite. */
+    static int kv_merge(const kv_job* J) {
+        return kv_merge_rows(J, J->w, kv_split_floats(J), J->r, 0, 0, J->r, J->o);
+    }
+
+    /* A row-wise job's rows [r0, r1): scaled, attended over every split in turn, merged
+       into J->o; x: the thread's scratch (kv_scratch_floats). Returns the rows not finite. */
+    static int kv_rows_item(const kv_job* J, int r0, int r1, float* x) {
+        const int H = J->hkv, G = J->g, d = J->d;
+        float* qt = x + kv_tile_scratch_floats(J);    /* [hkv][d][KV_ROWS] */
+        float* w = qt + (size_t)H * KV_ROWS * J->dp;
+        const size_t stride = kv_state_floats(J, KV_ROWS);
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < KV_ROWS; r++) {
+                float* o = qt + (size_t)h * d * KV_ROWS + r;
+                if (r0 + r < r1) {
+                    const int rr = r0 + r;
+                    const float* src = J->qin + ((size_t)(rr / G) * H * G + (size_t)h * G + rr % G) * d;
+                    for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = src[i] * J->scale;
+                } else {
+                    for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = 0.0f;
+                }
             }
-            for (; i < d; i++) {
-                float x = 0.0f;
-                for (int sp = 0; sp < nsplit; sp++) x += c[sp] * a[sp * stride + i];
-                o[i] = x;
-            }
+        for (int sp = 0; sp < J->nsplit; sp++) {
+            const int64_t p0 = sp * J->chunk, p1 = p0 + J->chunk < J->n ? p0 + J->chunk : J->n;
+            kv_block(J, qt, w + sp * stride, p0, p1, r0, r1, x);
         }
+        return kv_merge_rows(J, w, stride, KV_ROWS, 0, r0, r1, J->o);
+    }
+
+    /* The wrapping sum of the 64-bit words [w0, w1) of p, read as a stream: one vector
+       load and add per 4 * KV_W bytes, 4 accumulators. */
+    typedef uint64_t kv_vq __attribute__((vector_size(4 * KV_W)));
+    static uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) {
+        const size_t lanes = sizeof(kv_vq) / 8;
+        kv_vq a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        size_t i = w0;
+        for (; i + 4 * lanes <= w1; i += 4 * lanes) {
+            kv_vq x0, x1, x2, x3;
+            memcpy(&x0, p + 8 * i, sizeof x0);
+            memcpy(&x1, p + 8 * (i + lanes), sizeof x1);
+            memcpy(&x2, p + 8 * (i + 2 * lanes), sizeof x2);
+            memcpy(&x3, p + 8 * (i + 3 * lanes), sizeof x3);
+            a0 += x0; a1 += x1; a2 += x2; a3 += x3;
+        }
+        a0 += a1 + a2 + a3;
+        uint64_t sum = 0;
+        for (size_t k = 0; k < lanes; k++) sum += a0[k];
+        for (; i < w1; i++) { uint64_t x; memcpy(&x, p + 8 * i, 8); sum += x; }
+        return sum;
     }
 
     /* 1 when x [n] holds no NaN or inf. */
@@ -681,16 +982,24 @@ cdef extern from *:
         const float* qin
         float* out
         float* lse
+        float scale
         float* w
         float* q
+        float* o
         int64_t* last
     size_t kv_split_floats(const kv_job* J) noexcept nogil
+    size_t kv_scratch_floats(const kv_job* J) noexcept nogil
+    enum: KV_ROWS
     size_t kv_job_floats(const kv_job* J) noexcept nogil
     float* kv_job_place(kv_job* J, float* buf) noexcept nogil
     int kv_prepare(kv_job* J, float scale, int causal) noexcept nogil
-    void kv_split(const kv_job* J, int64_t p0, int64_t p1, float* w) noexcept nogil
-    void kv_merge(const kv_job* J, float* out) noexcept nogil
+    void kv_split(const kv_job* J, const float* q, float* w, int sr, int ro, int64_t p0, int64_t p1,
+                  int r0, int r1, float* x) noexcept nogil
+    int kv_merge(const kv_job* J) noexcept nogil
+    int kv_rows_item(const kv_job* J, int r0, int r1, float* x) noexcept nogil
+    bint KV_ROWWISE(const kv_job* J) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
+    uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -753,33 +1062,53 @@ cdef void _seq_job(kv_job* J, int T, int64_t n, int threads) noexcept nogil:
 
 
 cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
-    """Runs the jobs (fields set but q, last, w): one workspace, every job's q prepared
-    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every split
-    of every job on up to `threads` threads, then each job's splits merged into its
-    workspace, copied to its out when every job's result is finite (else _OVERFLOW,
-    nothing written but lse); returns _OK."""
-    cdef size_t total = 0
-    cdef int b, it, sp, nitems = 0, bad = 0, nt, status = _OK
+    """Runs the jobs (fields set but q, o, last, w): one workspace, every job's q checked
+    (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every work
+    item on up to `threads` threads: a split of a split-wise job (merged once all its
+    splits are done), a block of KV_ROWS rows of a row-wise job (merged by the item). The
+    results go to out when every value of every job is finite (else _OVERFLOW, nothing
+    written but lse); returns _OK."""
+    cdef size_t total = 0, scratch = 0
+    cdef int b, it, sp, r0, nitems = 0, bad = 0, nt, status = _OK
+    cdef bint one_split_each = nj == 1
     cdef void* buf = NULL
     cdef float* place
+    cdef float* xs
     for b in range(nj):
-        total += kv_job_floats(&jobs[b]) + jobs[b].nsplit * kv_split_floats(&jobs[b])
-        nitems += jobs[b].nsplit
-    cdef int* items = <int*>malloc(2 * max(nitems, 1) * sizeof(int))   # (job, split)
+        total += kv_job_floats(&jobs[b])
+        scratch = max(scratch, kv_scratch_floats(&jobs[b]))
+        if KV_ROWWISE(&jobs[b]):
+            nitems += (jobs[b].r + KV_ROWS - 1) // KV_ROWS
+            one_split_each = False
+        else:
+            total += jobs[b].nsplit * kv_split_floats(&jobs[b])
+            nitems += jobs[b].nsplit
+    nt = min(threads, nitems)
+    total += max(nt, 1) * scratch
+    cdef int* items = <int*>malloc(3 * max(nitems, 1) * sizeof(int))   # (job, split or -1, r0)
     if items == NULL or posix_memalign(&buf, 64, (total if total else 1) * sizeof(float)):
         free(items)
         raise MemoryError("decode attention: workspace allocation failed")
-    place = <float*>buf
+    xs = <float*>buf
+    place = xs + max(nt, 1) * scratch
     it = 0
     for b in range(nj):
         place = kv_job_place(&jobs[b], place)
-        jobs[b].w = place
-        place += jobs[b].nsplit * kv_split_floats(&jobs[b])
-        for sp in range(jobs[b].nsplit):
-            items[2 * it] = b
-            items[2 * it + 1] = sp
-            it += 1
-    nt = min(threads, nitems)
+        if KV_ROWWISE(&jobs[b]):
+            # the last rows first: under the causal mask they see the most positions
+            for r0 in range((jobs[b].r - 1) // KV_ROWS * KV_ROWS, -1, -KV_ROWS):
+                items[3 * it] = b
+                items[3 * it + 1] = -1
+                items[3 * it + 2] = r0
+                it += 1
+        else:
+            jobs[b].w = place
+            place += jobs[b].nsplit * kv_split_floats(&jobs[b])
+            for sp in range(jobs[b].nsplit):
+                items[3 * it] = b
+                items[3 * it + 1] = sp
+                items[3 * it + 2] = 0
+                it += 1
     with nogil:
         if nj > 1 and nt > 1:
             for b in prange(nj, num_threads=nt, schedule="static"):
@@ -790,26 +1119,26 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
         if bad == 0:
             if nt <= 1:
                 for it in range(nitems):
-                    _split_item(jobs, items, it)
-            elif nj == 1:   # equal splits of one sequence: one per thread
+                    bad += _item(jobs, items, it, xs)
+            elif one_split_each:   # equal splits of one sequence: one per thread
                 for it in prange(nitems, num_threads=nt, schedule="static"):
-                    _split_item(jobs, items, it)
-            else:           # splits of unequal sequences: taken as threads come free
+                    bad += _item(jobs, items, it, xs + threadid() * scratch)
+            else:           # unequal items: taken as threads come free
                 for it in prange(nitems, num_threads=nt, schedule="dynamic"):
-                    _split_item(jobs, items, it)
-            # each job merged into its own q buffer (hkv * r * dp >= t * Hq * D floats),
-            # copied to out only when the whole call is finite
+                    bad += _item(jobs, items, it, xs + threadid() * scratch)
+            # split-wise jobs merged into their own q buffer (hkv * r * dp >= t * Hq * D
+            # floats); out written only when the whole call is finite
             if nj > 1 and nt > 1:
                 for b in prange(nj, num_threads=nt, schedule="static"):
-                    kv_merge(&jobs[b], jobs[b].q)
-                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
+                    if not KV_ROWWISE(&jobs[b]):
+                        bad += kv_merge(&jobs[b])
             else:
                 for b in range(nj):
-                    kv_merge(&jobs[b], jobs[b].q)
-                    bad += 1 - kv_all_finite(jobs[b].q, _out_floats(&jobs[b]))
+                    if not KV_ROWWISE(&jobs[b]):
+                        bad += kv_merge(&jobs[b])
             if bad == 0:
                 for b in range(nj):
-                    memcpy(jobs[b].out, jobs[b].q, _out_floats(&jobs[b]) * sizeof(float))
+                    memcpy(jobs[b].out, jobs[b].o, _out_floats(&jobs[b]) * sizeof(float))
             else:
                 status = _OVERFLOW
         else:
@@ -824,10 +1153,17 @@ cdef inline size_t _out_floats(const kv_job* J) noexcept nogil:
     return <size_t>J.t * J.hkv * J.g * J.d
 
 
-cdef inline void _split_item(kv_job* jobs, const int* items, int it) noexcept nogil:
-    cdef kv_job* J = &jobs[items[2 * it]]
-    cdef int64_t sp = items[2 * it + 1]
-    kv_split(J, sp * J.chunk, min(J.n, (sp + 1) * J.chunk), J.w + sp * kv_split_floats(J))
+cdef inline int _item(kv_job* jobs, const int* items, int it, float* scratch) noexcept nogil:
+    """Work item `it` with a thread's scratch; returns the rows it made that are not finite
+    (a row-wise block, merged here), else 0."""
+    cdef kv_job* J = &jobs[items[3 * it]]
+    cdef int64_t sp = items[3 * it + 1]
+    cdef int r0 = items[3 * it + 2]
+    if sp < 0:
+        return kv_rows_item(J, r0, min(J.r, r0 + KV_ROWS), scratch)
+    kv_split(J, J.q, J.w + sp * kv_split_floats(J), J.r, 0, sp * J.chunk,
+             min(J.n, (sp + 1) * J.chunk), 0, J.r, scratch)
+    return 0
 
 
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
@@ -901,6 +1237,27 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
         return _run(jobs, nj, scale, causal, threads)
     finally:
         free(jobs)
+
+
+def stream_sum(const unsigned char[::1] buf) -> int:
+    """The wrapping uint64 sum of buf's 64-bit words (buf's length a multiple of 8) on
+    num_threads() threads, each a contiguous range: the rate at which this machine streams
+    bytes from memory to the vector registers on those threads, the limit of decode
+    attention over the same bytes (tools/bench_attention.py's probe)."""
+    cdef size_t words = buf.shape[0] // 8, per, w0
+    cdef int nt = num_threads(), t
+    cdef uint64_t total = 0
+    if buf.shape[0] % 8:
+        raise ValueError(f"stream_sum reads 64-bit words, got {buf.shape[0]} bytes")
+    if words == 0:
+        return 0
+    cdef const char* p = <const char*>&buf[0]
+    per = ((words + nt - 1) // nt + 7) // 8 * 8
+    with nogil:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            w0 = min(words, t * per)
+            total += kv_stream_sum(p, w0, min(words, w0 + per))
+    return total
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,

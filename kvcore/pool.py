@@ -12,11 +12,15 @@ With `prefix_cache=True` the table also keeps a `_prefix.PrefixIndex`: full page
 registered by content key as they fill (`advance(seq, tokens=...)`), `match_prefix`
 starts a sequence on the longest cached run of them, and pages no sequence holds stay
 cached until a write needs a page and none is free (docs/design.md, Prefix cache).
+With a chunk store attached (`store=`), a lookup continues in the store past the cached
+pages, and chunks that fill at `advance` are queued to a `StoreWriter` (docs/store.md).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, cast
+import functools
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -28,19 +32,26 @@ from ._prefix_keys import encode_extra, token_array
 from ._storage import LayerArrays, Storage
 from ._validate import AnyArray, OutArray, check_index, check_ndarray, check_out, is_array
 from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
-                     StateError)
-from .snapshot import Snapshot, detached, fit_snapshot, snapshot_parts
+                     StateError, StoreError)
+from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
 
+if TYPE_CHECKING:
+    from .store import KVStore, StoreWriter
+
 _EMPTY_ROWS = np.zeros(0, np.int64)
+log = logging.getLogger("kvcore.store")
 
 
 @dataclass(frozen=True)
 class PoolStats:
     """Page counts of a KVPool (free + cached + in_use = num_pages; a page held by several
     sequences counts once) and its prefix cache's counters since it was made: pages a
-    `match_prefix` returned (hits) and full pages it asked for and did not find (misses),
-    cached pages taken back for new writes (evictions)."""
+    `match_prefix` found cached (hits), pages it loaded from the attached store
+    (store_hits), full pages it asked for and found in neither (misses), cached pages
+    taken back for new writes (evictions), and the store's faults: lookups that failed
+    (a server gone, a disk error) or stopped at a refused (corrupt, foreign) chunk, the
+    latest one's message in last_store_fault."""
 
     free: int
     cached: int
@@ -48,6 +59,9 @@ class PoolStats:
     hits: int
     misses: int
     evictions: int
+    store_hits: int = 0
+    store_faults: int = 0
+    last_store_fault: str | None = None
 
 
 class KVPool:
@@ -63,10 +77,17 @@ class KVPool:
     prefix_cache=True: full pages are found again by their content (`match_prefix`),
     `advance` takes the token ids of the committed positions, and a page no sequence
     holds stays cached (evictable, least recently used first) until it is needed.
+
+    store (a kvcore.store.KVStore of this spec's format and shapes, with this page_size;
+    needs prefix_cache=True): `match_prefix` loads the stored chunks past the cached
+    pages (checked, registered as cached pages). store_writer (a StoreWriter of that
+    store): each whole chunk that `advance` completes is copied out of the pages and
+    queued to it (saved on its thread; dropped and counted when its queue is full).
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, store: KVStore | None = None,
+                 store_writer: StoreWriter | None = None):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVPool needs a KVSpec, got {type(spec).__name__}")
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
@@ -82,6 +103,9 @@ class KVPool:
                                 PrefixIndex() if prefix_cache else None)
         self._num_layers = spec.num_layers
         self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
+        self._kv, self._writer = _attached(spec, self._ps, prefix_cache, store, store_writer)
+        self._store_hits = self._store_faults = 0
+        self._last_fault: str | None = None
 
     # -- sequences -----------------------------------------------------------------
 
@@ -103,7 +127,10 @@ class KVPool:
             if self._table.prefix is None:
                 raise StateError("match_prefix needs a pool made with prefix_cache=True")
             ids = token_array(tokens)
-            return self._table.match(ids, encode_extra(extra))
+            s, n = self._table.match(ids, encode_extra(extra))
+            if self._kv is not None:
+                n = self._consult_store(s, ids, n)
+            return s, n
 
     def free(self, seq: int) -> None:
         """Ends a sequence: its pages that no other sequence holds become free (cached
@@ -198,6 +225,9 @@ class KVPool:
                 arrays = ([token_array(cast(Sequence[int] | AnyArray, tokens))] if one else
                           [token_array(t, f"tokens[{b}]") for b, t in enumerate(many)])
             counts = self._table.advance(ids, arrays)
+            if self._writer is not None:
+                for s, t in zip(ids, counts):
+                    self._queue_chunks(s, t)
             return counts[0] if one else counts
 
     def slot_mapping(self, seqs: Sequence[int], counts: Sequence[int] | AnyArray,
@@ -260,7 +290,8 @@ class KVPool:
         cached = len(idx.lru) if idx is not None else 0
         return PoolStats(len(t.free), cached, t.num_pages - len(t.free) - cached,
                          *((idx.hits, idx.misses, idx.evictions) if idx is not None
-                           else (0, 0, 0)))
+                           else (0, 0, 0)), self._store_hits, self._store_faults,
+                         self._last_fault)
 
     @property
     def sequences(self) -> list[int]:
@@ -411,6 +442,122 @@ class KVPool:
             table.get(seq).length = snap.length
             return seq
 
+    # -- the chunk store (docs/store.md) ---------------------------------------------
+
+    def _consult_store(self, s: int, ids: np.ndarray, n: int) -> int:
+        """Loads the stored chunks past sequence s's n matched positions (match_prefix);
+        returns its positions. A failed lookup or a refused chunk is a counted fault, a
+        pool short of pages stops the load: either way the sequence keeps what it has."""
+        assert self._kv is not None
+        seq = self._table.get(s)
+        fetch = self._kv._fetch(ids, seq.extra, n, min(ids.size - 1, self._spec.capacity),
+                                seq.keys)
+        loaded = self._write_stored(s, fetch, ids, partial=True)
+        if fetch.fault is not None:
+            self._store_faults += 1
+            self._last_fault = fetch.fault
+        pages = loaded // self._ps
+        self._store_hits += pages
+        self._table._index.misses -= pages
+        return n + loaded
+
+    def _restore_stored(self, fetch: Any, ids: np.ndarray, extra: bytes) -> tuple[int | None, int]:
+        """KVStore.load_into: a new sequence holding the chunks a store fetch streams
+        (registered when the pool has a prefix cache); (its id, positions), (None, 0)
+        when none was found. CapacityError or StoreError: nothing changed."""
+        with self._guard("restore"):
+            table = self._table
+            s = table.new(extra)
+            try:
+                n = self._write_stored(s, fetch, ids, partial=False)
+            except BaseException:
+                table.free_seq(s)
+                raise
+            if n == 0:
+                table.free_seq(s)
+                return None, 0
+            return s, n
+
+    def _write_stored(self, s: int, fetch: Any, ids: np.ndarray, *, partial: bool) -> int:
+        """Writes the checked chunks of `fetch` (KVStore._fetch) after sequence s's
+        committed positions (a multiple of page_size, nothing pending) into pages taken as
+        a write takes them, then commits them (ids joined, full pages registered);
+        returns the positions written. A chunk's positions before the sequence's end
+        (already held) are skipped. CapacityError or StoreError (the backend failed):
+        with partial, the chunks written before stay (a StoreError is the fetch's fault);
+        without, the sequence is as before and the error raised."""
+        table, c = self._table, fetch.chunk_tokens
+        seq = table.get(s)
+        start = end = seq.length
+        try:
+            for i, parts in fetch:
+                skip = end - i * c
+                try:
+                    plan = table.plan_write(None, [s], [c - skip])
+                except CapacityError:
+                    if not partial:
+                        raise
+                    break
+                table.commit_write(plan)
+                seq.length = end + c - skip   # the next chunk's rows follow these
+                self._put_rows(np.array(plan.rows, np.int64), parts, skip)
+                end = seq.length
+        except StoreError as e:
+            if not partial:
+                table.truncate(s, start)
+                raise
+            fetch.fault = str(e)
+            log.warning("prefix cache: store lookup failed: %s", e)
+        except BaseException:
+            table.truncate(s, start)
+            raise
+        finally:
+            fetch.close()
+        if seq.ids is not None and end > start:
+            seq.ids += ids[start:end].astype("<i8", copy=False).tobytes()
+            table._register(seq)
+        return end - start
+
+    def _put_rows(self, rows: np.ndarray, parts: dict[str, np.ndarray], skip: int) -> None:
+        """Copies positions skip.. of a chunk's parts ([L, C, Hkv, D or S]) into rows,
+        every layer at once, one slice per run of consecutive rows (one run when the
+        chunk's pages are consecutive, as a fresh pool's are)."""
+        cut = np.flatnonzero(np.diff(rows) != 1) + 1
+        runs = list(zip([0, *cut.tolist()], [*cut.tolist(), rows.size]))
+        starts = rows[[a for a, _ in runs]].tolist()
+        for name, dst in self._store.regions.items():     # [L, rows, Hkv, D or S]
+            src = parts[name]
+            for r, (a, b) in zip(starts, runs):
+                dst[:, r:r + b - a] = src[:, skip + a:skip + b]
+
+    def _queue_chunks(self, s: int, added: int) -> None:
+        """Queues to the store writer the whole chunks of sequence s that its last
+        `added` committed positions completed (a keyed sequence: its page keys name
+        them), each copied out of the pages now (decoding may reuse them later)."""
+        assert self._writer is not None and self._kv is not None
+        seq = self._table.get(s)
+        c = self._kv.chunk_tokens
+        if seq.ids is None or not added:
+            return
+        per = c // self._ps
+        for j in range((seq.length - added) // c, seq.length // c):
+            ids = np.frombuffer(bytes(seq.ids[8 * j * c:8 * (j + 1) * c]), "<i8")
+            rows = np.array(self._table.rows(s, j * c, (j + 1) * c), np.int64)
+            self._writer._submit_chunk(seq.keys[(j + 1) * per - 1], ids,
+                                       functools.partial(self._chunk_parts, rows))
+
+    def _chunk_parts(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The parts of the given rows, [L, rows, Hkv, D or S] each, copied."""
+        parts: dict[str, np.ndarray] = {}
+        for layer in range(self._num_layers):
+            for name, src in zip(_PART_NAMES, self._store.layer_arrays(layer)):
+                if src is not None:
+                    if name not in parts:
+                        parts[name] = np.empty((self._num_layers, rows.size, *src.shape[1:]),
+                                               src.dtype)
+                    np.take(src, rows, axis=0, out=parts[name][layer])
+        return parts
+
     # -- layout and memory ---------------------------------------------------------
 
     @property
@@ -440,6 +587,31 @@ class KVPool:
                 f"format={s.format!r}, pages={self.num_pages}x{self._ps}, "
                 f"used={self.num_used_pages}, sequences={len(self._table.seqs)}"
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
+
+
+def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
+              writer: Any) -> tuple[Any, Any]:
+    """(store, writer) checked against the pool's spec and page size (SpecError)."""
+    if store is None and writer is None:
+        return None, None
+    from .store import KVStore, StoreWriter
+    if store is None:
+        raise SpecError("store_writer needs store= (the KVStore it writes to)")
+    if not isinstance(store, KVStore):
+        raise SpecError(f"store must be a kvcore.store.KVStore, got {type(store).__name__}")
+    if not prefix_cache:
+        raise SpecError("store= needs prefix_cache=True: the store continues the prefix "
+                        "cache's lookups")
+    for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
+        if getattr(store.spec, name) != getattr(spec, name):
+            raise SpecError(f"store {name} {getattr(store.spec, name)} does not match the "
+                            f"pool's {getattr(spec, name)}")
+    if store.page_size != page_size:
+        raise SpecError(f"store page_size {store.page_size} does not match the pool's "
+                        f"{page_size}: their content keys would differ")
+    if writer is not None and not (isinstance(writer, StoreWriter) and writer.store is store):
+        raise SpecError("store_writer must be a kvcore.store.StoreWriter of the same store")
+    return store, writer
 
 
 def _counts(counts: object, n: int) -> list[int]:

@@ -19,7 +19,8 @@ def kv(spec: kvcore.KVSpec, layer: int, tokens: np.ndarray, start: int):
 
 def prefill(cache, tokens: np.ndarray, seq: int | None = None) -> None:
     """Appends tokens after the positions of a KVCache (or of sequence seq of a KVPool),
-    every layer, and advances."""
+    every layer, and advances (giving the pool the token ids when it has a prefix
+    cache)."""
     if seq is None:
         start = cache.length
         for layer in range(cache.spec.num_layers):
@@ -29,7 +30,8 @@ def prefill(cache, tokens: np.ndarray, seq: int | None = None) -> None:
         start = cache.length(seq)
         for layer in range(cache.spec.num_layers):
             cache.append(seq, layer, *kv(cache.spec, layer, tokens, start))
-        cache.advance(seq)
+        keyed = cache._table.prefix is not None  # a prefix cache takes the token ids
+        cache.advance(seq, tokens=tokens if keyed else None)
 
 
 def query(spec: kvcore.KVSpec, step: int) -> np.ndarray:

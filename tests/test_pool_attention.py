@@ -105,6 +105,33 @@ def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
         kvcore.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0"])
+def test_prefill_of_many_sequences(rng, fmt):
+    """Prompts of several sequences in one call (T_b * G past 128 rows: row-wise
+    jobs, the causal skip), pages shuffled: each sequence bit for bit its KVCache's
+    result and the float64 reference's within rounding."""
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=300, num_heads=8,
+                  format=fmt)
+    lengths = [40, 150, 260]
+    pool = shuffled_pool(rng, spec, sum(pool_pages(n, 16) for n in lengths), 16)
+    seqs, caches = fill(rng, pool, lengths)
+    counts = [40, 150, 100]                       # whole prompts, and a chunk of the last
+    q = rng.standard_normal((sum(counts), 8, 64)).astype(np.float32)
+    for nt in (1, 2):
+        kvcore.set_num_threads(nt)
+        try:
+            out = decode_attention(q, pool, 0, seqs=seqs, counts=counts)
+            at = 0
+            for s, t, cache in zip(seqs, counts, caches):
+                assert out[at:at + t].tobytes() == decode_attention(q[at:at + t], cache, 0).tobytes()
+                want, _ = reference(q[at:at + t], pool.dequantize(s, 0, "k"),
+                                    pool.dequantize(s, 0, "v"))
+                assert rel_err(out[at:at + t], want) < TOL
+                at += t
+        finally:
+            kvcore.set_num_threads(0)
+
+
 def pool_pages(n, ps):
     return -(-n // ps)
 

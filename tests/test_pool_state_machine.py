@@ -13,7 +13,8 @@ bit, attention on a KVCache restored from the model's codes. After every refused
 reference counts and every sequence's table, length and pending counts are unchanged.
 
 PrefixMachine runs the same rules over a pool with a prefix cache, K/V a function of the
-token ids, plus match_prefix and free into the cache (its docstring lists its invariants).
+token ids, plus match_prefix and free into the cache (its docstring lists its invariants);
+StorePrefixMachine adds a chunk store (a directory) and its writer to that cache.
 
 Examples per format: KVCORE_POOL_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a long run.
@@ -21,6 +22,8 @@ example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a lon
 import hashlib
 import itertools
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -516,13 +519,16 @@ class PrefixMachine(PoolMachine):
         live = [m for m in self.model.values() if m.length]
         base = data.draw(st.sampled_from(live)).ids[:N] if live and rng.integers(4) else []
         tokens = (list(base) + rng.integers(0, 2, tail).tolist())[:N]
+        self.match_tokens(tokens, extra)
+
+    def match_tokens(self, tokens, extra):
+        """match_prefix(tokens, EXTRAS[extra]), checked, and the new sequence modelled."""
         before = self.pool.stats
         s, n = self.pool.match_prefix(tokens, extra=self.EXTRAS[extra])
         assert n % PS == 0 and n <= max(0, len(tokens) - 1)
-        after = self.pool.stats
-        assert after.hits - before.hits == n // PS
-        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
-        assert after.evictions == before.evictions
+        self.check_counts(before, self.pool.stats, tokens, n)
+        for i, key in enumerate(prefix_keys(tokens[:n], PS, self.EXTRAS[extra])):
+            self.prefixes[key] = tokens[:(i + 1) * PS]     # pages a store load registered
         m = Seq(self.fmt)
         m.ids, m.extra, m.length = tokens[:n], self.EXTRAS[extra], n
         for layer in range(L):      # what its pages must hold, from its tokens alone
@@ -533,6 +539,11 @@ class PrefixMachine(PoolMachine):
                     if m.scales:
                         m.scales[w][layer, p] = scales[i, 0]
         self.model[s] = m
+
+    def check_counts(self, before, after, tokens, n):
+        assert after.hits - before.hits == n // PS
+        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
+        assert after.evictions == before.evictions
 
     @invariant()
     def pages_add_up(self):
@@ -571,6 +582,64 @@ class PrefixMachine(PoolMachine):
                         assert got[3][j].tobytes() == scales[1, 0].tobytes()
 
 
+class StorePrefixMachine(PrefixMachine):
+    """PrefixMachine with a chunk store in a directory attached to the prefix cache
+    (chunks of 2 pages) and a StoreWriter saving the chunks each advance completes
+    (flushed after it, so that the run is deterministic): a match may now continue in
+    the store, whatever the pool evicted. Added: pages found in memory plus pages loaded
+    equal the positions matched, and the matched sequence holds exactly the K/V of its
+    tokens (the model's, from the tokens alone) whichever tier it came from; the cache
+    never lies about loaded pages either; no fault."""
+
+    def __init__(self):
+        super().__init__()
+        from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+        self.dir = tempfile.mkdtemp(prefix="kvcore-store-machine-")
+        self.store = KVStore(DirectoryBackend(self.dir, fsync=False), model="machine",
+                             spec=self.spec, chunk_tokens=2 * PS, page_size=PS)
+        self.writer = StoreWriter(self.store)
+        self.pool = KVPool(self.spec, num_pages=P, page_size=PS, prefix_cache=True,
+                           store=self.store, store_writer=self.writer)
+        self.saved = []            # (ids, extra) of sequences whose chunks were saved
+
+    def teardown(self):
+        self.writer.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def pool_advance(self, seqs=None):
+        out = super().pool_advance(seqs)
+        self.writer.flush()
+        assert self.writer.stats.failed == 0, self.writer.stats.last_error
+        for m in self.model.values():
+            if m.keyed and m.length >= 2 * PS and (m.ids[:m.length], m.extra) not in self.saved:
+                self.saved.append((m.ids[:m.length], m.extra))
+        return out
+
+    @rule(data=st.data(), tail=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+    def restart(self, data, tail, seed):
+        """Another pool over the same store (a restarted or second server: nothing cached
+        in memory, every sequence gone), which then matches a saved sequence's ids."""
+        self.pool = KVPool(self.spec, num_pages=P, page_size=PS, prefix_cache=True,
+                           store=self.store, store_writer=self.writer)
+        self.model = {}
+        if self.saved:
+            self.match_saved(data, tail, seed)
+
+    @precondition(lambda self: self.saved and len(self.model) < 4)
+    @rule(data=st.data(), tail=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+    def match_saved(self, data, tail, seed):
+        """match_prefix of a saved sequence's ids plus `tail` more."""
+        ids, extra = data.draw(st.sampled_from(self.saved))
+        tokens = (ids + np.random.default_rng(seed).integers(0, 2, tail).tolist())[:N]
+        self.match_tokens(tokens, self.EXTRAS.index(extra))
+
+    def check_counts(self, before, after, tokens, n):
+        loaded = after.store_hits - before.store_hits
+        assert after.hits - before.hits + loaded == n // PS
+        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
+        assert after.store_faults == 0, after.last_store_fault
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """A few rows per call: no kernel should fork threads for them (as test_state_machine)."""
@@ -580,10 +649,10 @@ def one_thread():
     kvcore.set_num_threads(before)
 
 
-def _machine_test(fmt, base=PoolMachine):
+def _machine_test(fmt, base=PoolMachine, examples=EXAMPLES):
     machine = type(f"{base.__name__}_{fmt}", (base,), {"FORMAT": fmt})
     machine.TestCase.settings = settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+        max_examples=examples, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     return machine.TestCase
 
@@ -591,3 +660,6 @@ def _machine_test(fmt, base=PoolMachine):
 for _fmt in FORMATS:
     globals()[f"TestPool_{_fmt}"] = _machine_test(_fmt)
     globals()[f"TestPrefixPool_{_fmt}"] = _machine_test(_fmt, PrefixMachine)
+for _fmt in ("int8", "bf16"):
+    globals()[f"TestStorePrefixPool_{_fmt}"] = _machine_test(_fmt, StorePrefixMachine,
+                                                             max(1, EXAMPLES // 2))

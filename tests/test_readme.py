@@ -29,6 +29,11 @@ def test_prefix_example_prints_what_its_comments_say(tmp_path, monkeypatch):
     _runs_as_printed(_quick_start("Prefix cache"), tmp_path, monkeypatch)
 
 
+def test_store_example_prints_what_its_comments_say(tmp_path, monkeypatch):
+    _runs_as_printed(_quick_start(r"Storing and sharing prefixes \(disk, Redis/Valkey\)"),
+                     tmp_path, monkeypatch)
+
+
 def test_interop_example_prints_what_its_comments_say(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     _runs_as_printed(_quick_start("Arrays from any library"), tmp_path, monkeypatch)

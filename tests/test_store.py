@@ -401,11 +401,12 @@ def test_a_cluster_node_killed_fails_store_calls_by_name(server_factory, rng):
         store.load(tokens)
 
 
-def share_through_server(url, spec, tmp_path, rng, reader="reader"):
+def share_through_server(url, spec, tmp_path, rng, reader="reader", writer="writer"):
     """A writer process saves a prompt's chunks to the server, a reader process (a
-    KVCache, or a KVPool with reader="reader-pool") loads them, computes the rest and
-    decodes; returns (positions the reader loaded, its attention outputs, the outputs of
-    this process computing everything itself), tests/_store_child.py."""
+    KVCache, or a KVPool with reader="reader-pool", a pool's prefix cache with
+    "reader-prefix") loads them, computes the rest and decodes; returns (what the reader
+    printed, as JSON: the positions it loaded, its attention outputs, the outputs of this
+    process computing everything itself), tests/_store_child.py."""
     import json
     prompt = rng.integers(0, 50000, 5 * C + 7)
     new = rng.integers(0, 50000, 6)
@@ -417,12 +418,12 @@ def share_through_server(url, spec, tmp_path, rng, reader="reader"):
     args = [url, fields, str(tmp_path / "prompt.npy"), str(tmp_path / "new.npy")]
     child = [sys.executable, os.path.join(TESTS, "_store_child.py")]
     env = dict(os.environ, PYTHONPATH=ROOT_DIR)  # the kvcore under test
-    subprocess.run(child + ["writer", *args], check=True, env=env)
+    subprocess.run(child + [writer, *args], check=True, env=env)
     run = subprocess.run(child + [reader, *args, str(tmp_path / "out.npy")],
                          check=True, env=env, capture_output=True, text=True)
     cache = KVCache(spec)
     prefill(cache, prompt)
-    return int(run.stdout), np.load(tmp_path / "out.npy"), decode(cache, new)
+    return json.loads(run.stdout), np.load(tmp_path / "out.npy"), decode(cache, new)
 
 
 def test_two_processes_share_a_prefix_through_the_server(redis_server, tmp_path, rng):

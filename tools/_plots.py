@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 PEER_STYLE = {"numpy": dict(color="0.35", linestyle="--"), "torch": dict(color="black",
                                                                           linestyle=":")}
 
@@ -36,6 +38,12 @@ def attention_bandwidth(results: dict[str, Any], path: str, source: str) -> None
             peer = next((s for p, s in PEER_STYLE.items() if name.startswith(p)), None)
             ax.plot(ns, gbps, marker="o", markersize=4, label=name.removeprefix("kvcore "),
                     **(peer or {}))
+        probe = results.get("probe", {})
+        rates = [[per_n[n][1] / per_n[n][0] / 1e9 for (_, tt), per_n in probe.items() if tt == t]
+                 for n in ns]
+        if probe:   # the streaming-read probe: median over the formats' bytes
+            ax.plot(ns, [float(np.median(r)) for r in rates], color="red", linewidth=1.2,
+                    linestyle="--", label="streaming-read probe")
         ax.axhline(results["copy_GBps"] / 2, color="red", linewidth=0.8, alpha=0.6,
                    label="np.copyto / 2 (read share)")
         ax.set_xscale("log", base=2)

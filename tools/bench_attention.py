@@ -5,8 +5,15 @@
 One new token (batch 1), Hq = 32 query heads, Hkv = 8 kv heads, D = 128. Every timed call
 reads K/V that are not in the caches: each implementation cycles through enough copies
 of its K/V to pass twice the last-level cache. Columns per context: microseconds per
-call, GB/s of cache bytes read (K and V codes plus scales; float32 for the peers), and
-torch's time over ours (> 1: faster than torch at the same thread count).
+call, GB/s of cache bytes read (K and V codes plus scales; float32 for the peers), that
+rate as a share of the streaming-read probe's, and torch's time over ours (> 1: faster
+than torch at the same thread count).
+- probe: the physical limit of decode attention. `kvcore._attention.stream_sum` sums the
+  same bytes (each format's own cache storage, the same copies cycled past the
+  last-level cache) as 64-bit words on the same threads, one contiguous range per
+  thread; its calls alternate with the attention calls in the same rounds (each reading
+  a copy the other did not just read), so a change of machine load hits both alike. The
+  peers (float32) are compared with the probe of the f32 cache, which holds their bytes.
 - kvcore: `kvcore.decode_attention` on a KVCache in each format;
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
@@ -27,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchlib import copy_bandwidth, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
+from kvcore._attention import stream_sum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
@@ -64,8 +72,27 @@ def _rounds(copies: int) -> int:
     return max(2, 24 // copies)
 
 
+def _paired_time(calls: Sequence[Callable[[], object]], probes: Sequence[Callable[[], object]],
+                 rounds: int) -> tuple[float, float]:
+    """Median seconds of one call and of one probe, made in turn: call i reads copy i, then
+    the probe reads the copy half the cycle away (not in the caches either)."""
+    c = len(calls)
+    for i in range(min(2, c)):
+        calls[i]()
+        probes[(i + c // 2) % c]()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for i in range(c):
+            for fn, ts in ((calls[i], times[0]), (probes[(i + c // 2) % c], times[1])):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+    return float(np.median(times[0])), float(np.median(times[1]))
+
+
 def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
-    """Calls of decode_attention on copies of one cache in fmt; bytes one call reads."""
+    """Calls of decode_attention on copies of one cache in fmt, the probe's calls on the
+    same copies' storage; bytes one call reads."""
     n = k.shape[0]
     spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=n,
                          num_heads=HQ, format=fmt)
@@ -75,7 +102,9 @@ def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
         c.advance()
     nbytes = spec.memory_bytes
     out = np.empty_like(q)
-    return [lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in caches], nbytes
+    assert all(c._storage.nbytes == nbytes for c in caches)
+    return ([lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in caches],
+            [lambda c=c: stream_sum(c._storage) for c in caches], nbytes)
 
 
 def _numpy_calls(k: np.ndarray, v: np.ndarray, q: np.ndarray):
@@ -109,7 +138,8 @@ def _torch_calls(torch, k: np.ndarray, v: np.ndarray, q: np.ndarray):
 def main(argv: Sequence[str] = ()) -> dict[str, object]:
     """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
     calls it that way). Returns the figures: {"times": {(implementation, threads):
-    {context: (seconds, bytes read)}}, "copy_GBps": np.copyto bandwidth} (for --plot)."""
+    {context: (seconds, bytes read)}}, "probe": {(format, threads): {context: (seconds,
+    bytes)}}, "copy_GBps": np.copyto bandwidth} (for --plot)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -121,48 +151,68 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     rng = np.random.default_rng(0)
     q = rng.standard_normal((HQ, D), dtype=np.float32)
     results: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+    probe: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
     for n in args.contexts:
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
-        impls = {f"kvcore {fmt}": _kvcore_calls(fmt, k, v, q) for fmt in kvcore.FORMATS}
-        impls["numpy f32 grouped matmul"] = _numpy_calls(k, v, q)
+        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in kvcore.FORMATS}
+        peers = {"numpy f32 grouped matmul": _numpy_calls(k, v, q)}
         if torch is not None:
-            impls["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
+            peers["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
         for threads in args.threads:
             kvcore.set_num_threads(threads)
             if torch is not None:
                 torch.set_num_threads(threads)
-            for name, (calls, nbytes) in impls.items():
+            for fmt, (calls, probes, nbytes) in ours.items():
+                secs, psecs = _paired_time(calls, probes, _rounds(len(calls)))
+                results.setdefault((f"kvcore {fmt}", threads), {})[n] = (secs, nbytes)
+                probe.setdefault((fmt, threads), {})[n] = (psecs, nbytes)
+            for name, (calls, nbytes) in peers.items():
                 secs = _cycled_time(calls, _rounds(len(calls)))
                 results.setdefault((name, threads), {})[n] = (secs, nbytes)
-        del impls
+        del ours, peers
     kvcore.set_num_threads(0)
+
+    def probe_gbps(name: str, threads: int, n: int) -> float:
+        """The probe's GB/s over the bytes `name` reads (the peers': the f32 cache's)."""
+        fmt = name.removeprefix("kvcore ") if name.startswith("kvcore ") else "f32"
+        psecs, nbytes = probe[(fmt, threads)][n]
+        return nbytes / psecs / 1e9
+
     header = ["implementation", "threads"]
     for n in args.contexts:
-        header += [f"us @{n}", f"GB/s @{n}", f"x torch @{n}"]
+        header += [f"us @{n}", f"GB/s @{n}", f"% probe @{n}", f"x torch @{n}"]
     rows = []
     for (name, threads), per_n in results.items():
         row = [name, threads]
         for n in args.contexts:
             secs, nbytes = per_n[n]
             ref = results.get(("torch SDPA f32 enable_gqa", threads), {}).get(n)
-            row += [secs * 1e6, nbytes / secs / 1e9, ref[0] / secs if ref else "-"]
+            gbps = nbytes / secs / 1e9
+            row += [secs * 1e6, gbps, f"{gbps / probe_gbps(name, threads, n):.0%}",
+                    ref[0] / secs if ref else "-"]
         rows.append(row)
     print_table(f"Decode attention, 1 new token, Hq={HQ}, Hkv={HKV}, D={D}, batch 1, "
                 f"K/V cycled past the {_llc_bytes() >> 20} MiB last-level cache", header, rows)
     if torch is None:
         print("\ntorch SDPA f32 enable_gqa: torch not installed")
+    print_table("Streaming-read probe: the same bytes summed on the same threads, GB/s",
+                ["format", "threads"] + [f"@{n}" for n in args.contexts],
+                [[fmt, t] + [per_n[n][1] / per_n[n][0] / 1e9 for n in args.contexts]
+                 for (fmt, t), per_n in probe.items()])
     copy = copy_bandwidth(256 * 2**20)
-    print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s; "
-          f"50% of it: {copy / 2:.1f} GB/s of cache bytes read")
-    goal_n, goal_t = 4096, max(args.threads)
-    if goal_n in args.contexts and ("torch SDPA f32 enable_gqa", goal_t) in results:
-        torch_secs = results[("torch SDPA f32 enable_gqa", goal_t)][goal_n][0]
-        for fmt in EIGHT_BIT:
-            secs, nbytes = results[(f"kvcore {fmt}", goal_t)][goal_n]
-            print(f"goal @{goal_n}, {goal_t} threads, {fmt}: {torch_secs / secs:.2f}x torch "
-                  f"(goal 2x), {nbytes / secs / 1e9 / copy:.0%} of copy bandwidth (goal 50%)")
-    return {"times": results, "copy_GBps": copy}
+    print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s")
+    for n in [c for c in (4096, 16384) if c in args.contexts]:
+        for threads in args.threads:
+            share = {}
+            for fmt in kvcore.FORMATS:
+                secs, nbytes = results[(f"kvcore {fmt}", threads)][n]
+                share[fmt] = nbytes / secs / 1e9 / probe_gbps(f"kvcore {fmt}", threads, n)
+            low, high = min(share, key=share.get), max(share, key=share.get)
+            print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format at "
+                  f">= 90% of the probe; lowest {low} {share[low]:.0%}, highest {high} "
+                  f"{share[high]:.0%}")
+    return {"times": results, "probe": probe, "copy_GBps": copy}
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ nothing).
 save = slice each chunk out of the snapshot, encode (header, copy into one value,
 XXH3-128 of every byte), write (directory: temporary file + fsync + rename; Redis: SET);
 its raw peer writes the already-encoded values the same way. load = one round trip for
-the values, check every chunk (digest, header, tokens, codes), assemble, restore into a
-new sequence of a KVPool; its raw peer fetches the same bytes only. The Redis server is a redis-server
-started on a free loopback port for the run (skipped, saying so, when none is on PATH).
+the values, check every chunk (digest, header, tokens, codes) and copy it straight into
+the pages of a new sequence of a KVPool; its raw peer reads the same bytes only, as the
+load reads them (Backend.read_prefix: a directory's files into one reused buffer, Redis's
+values in one pipeline). The Redis server is a redis-server started on a free loopback
+port for the run (skipped, saying so, when none is on PATH).
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _rows(name: str, backend, snap: Snapshot, tokens: np.ndarray) -> list[list]:
     result = store.load_into(pool, tokens)
     assert result.positions == POSITIONS, result.miss
     t_load = _time(lambda: store.load_into(pool, tokens), free_all)
-    t_get = _time(lambda: backend.get_prefix(keys))
+    t_get = _time(lambda: sum(len(v) for v in backend.read_prefix(keys)))
     t_copy = _time(lambda: pool.restore(snap), free_all)
     gb = snap.nbytes / 1e9
     return [[name, "save", gb / t_save, "raw write of the values", gb / t_put, t_put / t_save],

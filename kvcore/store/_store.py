@@ -7,7 +7,7 @@ import queue
 import re
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -36,7 +36,8 @@ def _check_name(what: str, value: object) -> str:
 class LoadResult:
     """What `KVStore.load` found.
 
-    positions: positions loaded (chunks * chunk_tokens); snapshot: them, None when 0;
+    positions: positions loaded (chunks * chunk_tokens); snapshot: them (`load`; None
+    when 0, and from `load_into` a pool, which writes the chunks straight into pages);
     miss: why the run of chunks stopped before the prompt's end (None when every whole
     chunk the prompt allows was loaded): "chunk 3 not stored", or "chunk 2 refused: <the
     ChunkError>" for a corrupt, truncated, foreign or mismatched value (deleted from the
@@ -57,17 +58,20 @@ class KVStore:
     the shapes (model and revision, RoPE settings, ...): 1-200 printable ASCII characters
     without spaces or braces. spec: format, num_layers, num_kv_heads, head_dim of the
     caches and pools it serves (capacity: the most positions `load` returns).
-    chunk_tokens: positions per chunk (a multiple of the pools' page_size); only whole
-    chunks are saved. prefix: the first field of every key (a namespace on a shared
-    server).
+    chunk_tokens: positions per chunk (a multiple of page_size and of the page_size of
+    the pools it loads into); only whole chunks are saved. page_size: the block of the
+    content keys' chain, the page size of the pools whose prefix caches it serves (their
+    page keys and its chunk keys are then the same keys). prefix: the first field of
+    every key (a namespace on a shared server).
 
-    A chunk's key is "<prefix>:1:<model>:<format>:<layout>:L<L>.H<Hkv>.D<D>.C<C>:<hex>",
-    hex the chained content key of the tokens up to the chunk's end and the extras
-    (kvcore._prefix_keys); its value is kvcore.store._codec's (docs/store.md).
+    A chunk's key is "<prefix>:1:<model>:<format>:<layout>:L<L>.H<Hkv>.D<D>.C<C>.P<P>:<hex>",
+    hex the chained content key (chained per page_size tokens, kvcore._prefix_keys) of
+    the tokens up to the chunk's end and the extras: the prefix cache's key of the
+    chunk's last page. Its value is kvcore.store._codec's (docs/store.md).
     """
 
     def __init__(self, backend: Backend, *, model: str, spec: KVSpec, chunk_tokens: int = 256,
-                 prefix: str = "kvcore"):
+                 page_size: int = 16, prefix: str = "kvcore"):
         if not isinstance(backend, Backend):
             raise DTypeError(f"invalid type of backend: expected a kvcore.store Backend, "
                              f"got {type(backend).__name__}")
@@ -75,13 +79,20 @@ class KVStore:
             raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(spec).__name__}")
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise RangeError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise RangeError(f"page_size must be a positive int, got {page_size!r}")
+        if chunk_tokens % page_size:
+            raise RangeError(f"chunk_tokens {chunk_tokens} is not a multiple of page_size "
+                             f"{page_size}")
         _check_name("prefix", prefix)
         self.backend = backend
         self.spec = spec
         self.chunk_tokens = chunk_tokens
+        self.page_size = page_size
         self._kind = ChunkKind(_check_name("model", model), spec, chunk_tokens)
         self._key_head = (f"{prefix}:{KEY_VERSION}:{model}:{spec.format}:{LAYOUT}:"
-                          f"L{spec.num_layers}.H{spec.num_kv_heads}.D{spec.head_dim}.C{chunk_tokens}:")
+                          f"L{spec.num_layers}.H{spec.num_kv_heads}.D{spec.head_dim}."
+                          f"C{chunk_tokens}.P{page_size}:")
 
     @property
     def model(self) -> str:
@@ -94,14 +105,22 @@ class KVStore:
         """(token ids int64, the keys of the whole chunks within the first `limit` ids,
         default all)."""
         ids = token_array(tokens)
-        extra_bytes = encode_extra(extra)
-        c = self.chunk_tokens
         end = ids.size if limit is None else min(limit, ids.size)
-        keys, parent = [], ROOT
-        for start in range(0, end - c + 1, c):
-            parent = chain_key(parent, ids[start:start + c], extra_bytes)
-            keys.append(self._key_head + parent.hex())
-        return ids, keys
+        return ids, self._chunk_keys(ids, encode_extra(extra), end)
+
+    def _chunk_keys(self, ids: np.ndarray, extra_bytes: bytes, end: int,
+                    page_keys: Sequence[bytes] = ()) -> list[str]:
+        """The keys of the whole chunks of ids[:end]: the page chain's key at each chunk's
+        end. page_keys: the chain's first keys when the caller has them (a prefix cache's
+        matched pages), continued from there."""
+        p, per = self.page_size, self.chunk_tokens // self.page_size
+        chain = list(page_keys[:end // p])
+        parent = chain[-1] if chain else ROOT
+        for i in range(len(chain), end // self.chunk_tokens * per):
+            parent = chain_key(parent, ids[i * p:(i + 1) * p], extra_bytes)
+            chain.append(parent)
+        return [self._key_head + chain[(j + 1) * per - 1].hex()
+                for j in range(end // self.chunk_tokens)]
 
     def keys(self, tokens: Sequence[int] | np.ndarray, extra: Extra | None = None) -> list[str]:
         """The keys of the whole chunks of tokens (len(tokens) // chunk_tokens of them)."""
@@ -139,6 +158,16 @@ class KVStore:
             written += 1
         return written
 
+    def _save_chunk(self, content_key: bytes, ids: np.ndarray, parts: dict) -> int:
+        """Saves one chunk given its content key (a prefix cache's key of its last page),
+        its C token ids and its parts ([L, C, Hkv, D] codes, scales), unless the key is
+        stored already (one round trip asks); returns the chunks written (0 or 1)."""
+        key = self._key_head + content_key.hex()
+        if self.backend.contains_prefix([key]):
+            return 0
+        self.backend.put_many([(key, encode_chunk(self._kind, key, ids, parts))])
+        return 1
+
     # -- load ----------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, extra: Extra | None = None) -> int:
@@ -156,46 +185,108 @@ class KVStore:
         (checksum, format, key, model, shapes, tokens, codes) before it is used; the
         first one refused ends the run (LoadResult.miss says why; it is deleted from the
         store). StoreError when the backend fails."""
-        ids, keys = self._chunks(tokens, extra, self._limit(tokens))
-        values = self.backend.get_prefix(keys)
-        c, chunks, miss = self.chunk_tokens, [], None
-        for i, value in enumerate(values):
-            try:
-                chunks.append(decode_chunk(self._kind, keys[i], ids[i * c:(i + 1) * c], value))
-            except ChunkError as e:
-                miss = f"chunk {i} refused: {e}"
-                log.warning("%s: %s (key %s)", self.backend.name, miss, keys[i])
-                try:
-                    self.backend.delete([keys[i]])
-                except StoreError as err:
-                    log.warning("%s", err)
-                break
-        else:
-            if len(values) < len(keys):
-                miss = f"chunk {len(values)} not stored"
-        n = len(chunks) * c
-        if not chunks:
-            return LoadResult(0, 0, None, miss)
-        parts = {name: np.concatenate([ch[name] for ch in chunks], axis=1)
-                 for name in chunks[0]}
-        return LoadResult(n, len(chunks), Snapshot(self.spec, n, **parts), miss)
+        ids = token_array(tokens)
+        fetch = self._fetch(ids, encode_extra(extra), 0, self._limit(tokens))
+        c, out = self.chunk_tokens, None
+        for i, parts in fetch:  # each chunk copied once, into the snapshot's arrays
+            if out is None:
+                out = {name: np.empty((a.shape[0], len(fetch.keys) * c, *a.shape[2:]), a.dtype)
+                       for name, a in parts.items()}
+            for name, a in parts.items():
+                out[name][:, i * c:(i + 1) * c] = a
+        n = fetch.chunks * c
+        if out is None:
+            return LoadResult(0, 0, None, fetch.miss)
+        parts = {name: a if a.shape[1] == n else np.ascontiguousarray(a[:, :n])
+                 for name, a in out.items()}
+        return LoadResult(n, fetch.chunks, Snapshot(self.spec, n, **parts), fetch.miss)
+
+    def _fetch(self, ids: np.ndarray, extra_bytes: bytes, start: int, limit: int,
+               page_keys: Sequence[bytes] = ()) -> "_Fetch":
+        """The checked chunks from the one holding position `start` (a multiple of
+        page_size) to the last whole one within ids[:limit], streamed (_Fetch)."""
+        keys = self._chunk_keys(ids, extra_bytes, min(limit, ids.size, self.spec.capacity),
+                                page_keys)
+        return _Fetch(self, ids, keys, start // self.chunk_tokens)
 
     def load_into(self, target, tokens: Sequence[int] | np.ndarray,
                   extra: Extra | None = None) -> LoadResult:
         """load, then restore what was found: into a new sequence of a KVPool (its id in
-        result.seq; none is made when nothing was found) or into a KVCache (replacing its
-        content when something was found). The target is written only after every chunk
-        was checked, by its own atomic restore (a pool with too few free pages raises its
-        CapacityError, the pool unchanged). A pool's page_size must divide chunk_tokens."""
+        result.seq; none is made when nothing was found; the chunks are copied straight
+        into its pages) or into a KVCache (replacing its content when something was
+        found; a GPU cache or pool: its own restore). The target is written only with
+        chunks that passed every check; a refused load leaves it unchanged (a pool with
+        too few free pages raises its CapacityError, the pool unchanged). A pool's
+        page_size must divide chunk_tokens; a KVPool with a prefix cache registers the
+        loaded pages (the sequence then takes token ids at advance, as one from
+        match_prefix)."""
         page_size = getattr(target, "page_size", None)
         if page_size is not None and self.chunk_tokens % page_size:
             raise RangeError(f"chunk_tokens {self.chunk_tokens} is not a multiple of the "
                              f"pool's page_size {page_size}")
-        result = self.load(tokens, extra)
+        if hasattr(target, "_restore_stored"):   # a KVPool: chunks go straight into pages
+            ids, extra_bytes = token_array(tokens), encode_extra(extra)
+            fetch = self._fetch(ids, extra_bytes, 0, min(self._limit(tokens),
+                                                         target.spec.capacity))
+            seq, n = target._restore_stored(fetch, ids, extra_bytes)
+            return LoadResult(n, n // self.chunk_tokens, None, fetch.miss, seq)
+        result = self.load(tokens, extra)   # a KVCache, a GPU cache or pool: its restore
         if result.snapshot is not None:
             seq = target.restore(result.snapshot)
             result.seq = seq if isinstance(seq, int) else None
         return result
+
+
+class _Fetch:
+    """The checked chunks of one load, streamed: iterating yields (i, parts) for chunks
+    i = first, first + 1, ... while they are stored and pass decode_chunk (parts: views
+    valid until the next chunk is asked for); then `chunks` counts them, `miss` says
+    why the run stopped (None: every key was found) and `fault` is set when a value was
+    refused (the miss; logged and deleted from the store). One iteration; StoreError from
+    the backend passes through (a prefix cache records it as the fault). `close()` ends
+    it early (the caller's loop stopped)."""
+
+    def __init__(self, store: KVStore, ids: np.ndarray, keys: list[str], first: int):
+        self.store, self.ids, self.keys, self.first = store, ids, keys, first
+        self.chunk_tokens = store.chunk_tokens
+        self.chunks = 0
+        self.miss: str | None = None
+        self.fault: str | None = None
+        self._gen = self._run()
+
+    def __iter__(self) -> Iterator[tuple[int, dict]]:
+        return self._gen
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def _run(self) -> Iterator[tuple[int, dict]]:
+        store, keys, c = self.store, self.keys, self.chunk_tokens
+        if self.first >= len(keys):
+            return
+        i = self.first
+        values = store.backend.read_prefix(keys[i:])
+        try:
+            for value in values:
+                try:
+                    parts = decode_chunk(store._kind, keys[i], self.ids[i * c:(i + 1) * c], value)
+                except ChunkError as e:
+                    self.miss = self.fault = f"chunk {i} refused: {e}"
+                    log.warning("%s: %s (key %s)", store.backend.name, self.miss, keys[i])
+                    try:
+                        store.backend.delete([keys[i]])
+                    except StoreError as err:
+                        log.warning("%s", err)
+                    return
+                yield i, parts
+                i += 1
+                self.chunks += 1
+        finally:
+            close = getattr(values, "close", None)
+            if close is not None:
+                close()
+        if i < len(keys):
+            self.miss = f"chunk {i} not stored"
 
 
 @dataclass
@@ -243,13 +334,30 @@ class StoreWriter:
         encode_extra(extra)
         with self._lock:
             self.stats.submitted += 1
+        return self._put((snapshot, ids, extra))
+
+    def _put(self, item: tuple) -> bool:
         try:
-            self._queue.put_nowait((snapshot, ids, extra))
+            self._queue.put_nowait(item)
             return True
         except queue.Full:
             with self._lock:
                 self.stats.dropped += 1
             return False
+
+    def _submit_chunk(self, content_key: bytes, ids: np.ndarray, make_parts) -> bool:
+        """Queues one chunk of a pool's prefix cache (KVStore._save_chunk): its content
+        key, its token ids and a function returning its parts (called only when the queue
+        has room: a dropped chunk costs no copy). False when dropped (the queue full, or
+        the writer closed: a pool's advance never raises for its writer). Counted in stats
+        as one save."""
+        with self._lock:
+            self.stats.submitted += 1
+        if self._closed or self._queue.full():
+            with self._lock:
+                self.stats.dropped += 1
+            return False
+        return self._put((content_key, ids, make_parts()))
 
     def _run(self) -> None:
         while True:
@@ -258,7 +366,8 @@ class StoreWriter:
                 if item is None:
                     return
                 try:
-                    n = self.store.save(*item)
+                    n = (self.store._save_chunk(*item) if isinstance(item[0], bytes)
+                         else self.store.save(*item))
                     with self._lock:
                         self.stats.chunks_written += n
                 except (StoreError, SnapshotError, DTypeError, RangeError) as e:
