@@ -2,22 +2,25 @@
 // The split kernel template; cuda/attention_<format>.cu instantiate it one PTX module per
 // format (so a process JIT-compiles only the formats it uses), cuda/attention.cu merges.
 //
-// 1. Storage read (docs/gpu.md): per layer, device arrays of M slot base pointers
-//      k_ptrs[M] -> K codes  [Hkv][N][D]  (code dtype of the format)
-//      v_ptrs[M] -> V codes  [Hkv][N][D]
-//      ks_ptrs[M] -> K scales [Hkv][N][S] (int8/fp8: S = 1 f32; q8_0: S = D/32 f16; unused
-//      vs_ptrs[M] -> V scales [Hkv][N][S]  for f32/f16/bf16)
-//    and lengths int32[M]. Slot m attends to positions [0, min(lengths[m] + extra, N)):
-//    `extra` counts the positions appended but not yet committed (1 inside a decode step).
-//    Everything is read on the device, so one captured graph serves every step.
-// 2. Grid (nsplit, Hkv * G / GB, M), 128 threads. A block takes GB query heads of one kv
-//    head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per group
-//    of query heads, and one split of the slot's positions: the chunk is computed on the
-//    device from the slot's length, ceil(n / nsplit) rounded up to the tile, so short
-//    slots use fewer splits and a graph needs no host-side length.
-// 3. Tiles of T positions (T * D * code bytes = 4 KiB of K and as much of V) stream through
-//    a cp.async pipeline of STAGES shared-memory stages (16-byte copies, coalesced: one
-//    tile of one head is contiguous in the head-major layout). Per tile:
+// 1. Storage (docs/gpu.md): the kernel reads K/V codes and scales of one layer through a
+//    storage policy, the only part that differs between the stores:
+//      KvSlotStorage  (GpuKVCache, kv_attn_*): per-slot head-major [Hkv][N][D] codes and
+//        [Hkv][N][S] scales from device arrays of slot base pointers; slot m sees
+//        min(lengths[m] + extra, N) positions (`extra`: appended, not yet committed).
+//      KvPagedStorage (GpuKVPool, kv_pattn_*): the pool's token-major layer
+//        [P * page_size][Hkv][D] through block tables; query row r of the step is token t
+//        of sequence b by CSR q_offsets, and sees lengths[b] - count_b + t + 1 (causal).
+//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16.) Everything is
+//    read on the device, so one captured graph serves every step.
+// 2. Grid (nsplit, Hkv * G / GB, rows), 128 threads. A block takes GB query heads of one
+//    kv head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per
+//    group of query heads, and one split of the row's positions: the chunk is computed on
+//    the device from the row's length, max(ceil(n / nsplit), KV_MIN_SPLIT) rounded up to
+//    the tile, so short rows leave splits empty and the grid needs no host-side length.
+// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V; T <= 64
+//    except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
+//    (16-byte copies, one head row of D * code bytes at a time, at the storage's row(p)).
+//    Per tile:
 //      a. scores: thread (c, rg) dots its DPT dims of rows rg, rg + RG, ... with the GB
 //         query vectors held in registers, dequantizing in registers (scales applied to
 //         the partial dot; q8_0 per block of 32), partials to shared memory;
@@ -25,11 +28,14 @@
 //         sums the partials, takes the tile max, rescales its running sum;
 //      c. values: acc[g][DPT] += p[g][row] * scale * v[row][dims], in float32 registers;
 //         rescaling of acc only when a head's max moved (block-uniform branch).
-// 4. Output: with nsplit == 1 the block writes out = acc / l (zeros for an empty slot);
-//    otherwise it writes its normalized partial o and lse = m + log2(l) (-inf when the
-//    split is empty) to the workspace and kv_attn_merge combines them (log-sum-exp).
+// 4. Output: with nsplit == 1 the block writes out = acc / l (zeros for an empty row) and
+//    the natural lse; otherwise it writes its normalized partial o and lse = m + log2(l)
+//    (-inf when the split is empty, o then unwritten) to the workspace and kv_attn_merge
+//    combines them (log-sum-exp).
 // 5. Accumulation is float32 throughout; codes are converted exactly (int8 via the 2^23
 //    trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift).
+// 6. Head dims: D = 64, 128, 256 are compiled as constants; the _dx instances take any
+//    multiple of 16 up to 256 at run time (same code, D not folded).
 #pragma once
 
 #include "common.cuh"
@@ -37,7 +43,9 @@
 #define KV_ATTN_THREADS 128
 #define KV_ATTN_WARPS (KV_ATTN_THREADS / 32)
 #define KV_TILE_BYTES 4096
-
+#define KV_MAX_TILE 64         // positions per tile at most (the fixed head_dims reach it at
+                               // int8/fp8/q8_0 D = 64; it bounds the run-time-D shared memory)
+#define KV_MIN_SPLIT 128       // a split covers at least this many positions (if it has any)
 // ---- exact vector decoders: 16 or 8 bytes of codes -> floats --------------------------
 
 // 4 int8 codes -> 4 floats: bytes of (code + 128) placed under the exponent of 2^23.
@@ -115,36 +123,132 @@ template <int N>
 __device__ __forceinline__ void kv_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif
 
+// ---- storages: where the block's kv head keeps position p ------------------------------
+// A storage names the block's query row (of q, out, lse), how many positions it sees (n),
+// the bases of its kv head's K/V codes and scales, and row(p): position p's codes lie at
+// k + row(p) * RB, its scales at ks + row(p) * SB (RB, SB: bytes of one head row's codes
+// and scales). The split kernel reads nothing else of the storage.
+
+// A GpuKVCache slot (blockIdx.z = slot m): per-slot head-major [Hkv][N][D] from k_ptrs[m]
+// etc.; sees min(lengths[m] + extra, N) positions; row(p) = p.
+struct KvSlotStorage {
+    const unsigned char *k, *v, *ks, *vs;
+    int qrow, n;
+    __device__ __forceinline__ size_t row(int p) const { return (size_t)p; }
+};
+
+__device__ __forceinline__ KvSlotStorage kv_slot_storage(
+    const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,
+    const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,
+    const int* lengths, int extra, int capacity, int kvh, int RB, int SB) {
+    const int m = blockIdx.z;
+    const size_t head = (size_t)kvh * capacity;  // first row of this head in the slot
+    KvSlotStorage s;
+    s.k = (const unsigned char*)k_ptrs[m] + head * RB;
+    s.v = (const unsigned char*)v_ptrs[m] + head * RB;
+    s.ks = SB ? (const unsigned char*)ks_ptrs[m] + head * SB : nullptr;
+    s.vs = SB ? (const unsigned char*)vs_ptrs[m] + head * SB : nullptr;
+    const int n = lengths[m] + extra;
+    s.qrow = m;
+    s.n = n < 0 ? 0 : (n < capacity ? n : capacity);
+    return s;
+}
+
+// A GpuKVPool step (blockIdx.z = query row r of the step): one layer token-major
+// [P * page_size][Hkv][D]. Row r is token t = r - q_offsets[b] of sequence b, where
+// q_offsets[b] <= r < q_offsets[b + 1] (CSR, int32 [max_batch + 1]; rows from
+// q_offsets[max_batch] on belong to no sequence and see nothing). With count_b =
+// q_offsets[b + 1] - q_offsets[b] new tokens among lengths[b] positions, token t sees the
+// first lengths[b] - count_b + t + 1 (causal) or all lengths[b]. Position p is offset
+// p % page_size of page block_tables[b][p / page_size]: row(p) = (page * page_size +
+// p % page_size) * Hkv, the kv head's offset being in the bases.
+struct KvPagedStorage {
+    const unsigned char *k, *v, *ks, *vs;
+    const int* table;
+    int page_size, hkv, qrow, n;
+    __device__ __forceinline__ size_t row(int p) const {
+        return ((size_t)table[p / page_size] * page_size + p % page_size) * hkv;
+    }
+};
+
+__device__ __forceinline__ KvPagedStorage kv_paged_storage(
+    const unsigned char* k_codes, const unsigned char* v_codes,
+    const unsigned char* k_scales, const unsigned char* v_scales,
+    const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,
+    int max_batch, int page_size, int hkv, int causal, int kvh, int RB, int SB) {
+    const int r = blockIdx.z;
+    int lo = 0, hi = max_batch;  // the last b with q_offsets[b] <= r (q_offsets[0] = 0)
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (q_offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    const int t = r - q_offsets[lo], count = q_offsets[lo + 1] - q_offsets[lo];
+    int n = 0;
+    if (t < count) {
+        const int len = min(lengths[lo], max_pages * page_size);
+        n = causal ? len - count + t + 1 : len;
+        n = n < 0 ? 0 : (n < len ? n : len);
+    }
+    KvPagedStorage s;
+    s.k = k_codes + (size_t)kvh * RB;
+    s.v = v_codes + (size_t)kvh * RB;
+    s.ks = SB ? k_scales + (size_t)kvh * SB : nullptr;
+    s.vs = SB ? v_scales + (size_t)kvh * SB : nullptr;
+    s.table = block_tables + (size_t)lo * max_pages;
+    s.page_size = page_size;
+    s.hkv = hkv;
+    s.qrow = r;
+    s.n = n;
+    return s;
+}
+
 // ---- the split kernel ------------------------------------------------------------------
 
-template <int FMT, int D, int GB>
+template <int FMT, int GB>
 struct AttnCfg {
     static constexpr int CB = FMT == KV_F32 ? 4 : (FMT == KV_F16 || FMT == KV_BF16) ? 2 : 1;
-    // scale bytes per row: int8/fp8 one f32, q8_0 D/32 f16
-    static constexpr int SB = FMT == KV_Q8_0 ? D / 16 : FMT >= KV_INT8 ? 4 : 0;
     // dims per thread: one 16-byte vector of codes, at most 8 dims from 4 heads on, so
     // that q and acc (GB * DPT floats each) leave room for 2-4 blocks per SM
     static constexpr int DPT_CAP = GB >= 4 ? 8 : 32 / GB;
     static constexpr int DPT = (16 / CB) < DPT_CAP ? (16 / CB) : DPT_CAP;
     static constexpr int VB = DPT * CB;                    // code bytes per thread-row
-    static constexpr int TPR = D / DPT;                    // threads per row
-    static constexpr int RG = KV_ATTN_THREADS / TPR;       // row groups
-    static constexpr int T = KV_TILE_BYTES / (D * CB);     // positions per tile
-    static constexpr int RPT = T / RG;                     // rows per thread per tile
     static constexpr int STAGES = GB >= 8 ? 3 : 4;
-    static constexpr int SCALE_BYTES = T * SB;             // per tile, K or V
-    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES + 2 * ((SCALE_BYTES + 15) / 16) * 16;
     static constexpr int HPW = (GB + KV_ATTN_WARPS - 1) / KV_ATTN_WARPS;  // heads per warp
-    static constexpr int RW = (T + 31) / 32;               // rows per lane in the softmax
-    static_assert(RPT >= 1 && T % RG == 0, "tile must cover the row groups");
-    static_assert(TPR <= KV_ATTN_THREADS, "row wider than the block");
-    static_assert(SB == 0 || DPT <= 32, "a thread's dims must stay in one q8_0 block");
-    static_assert((RG / 2) * GB * D * 4 <= STAGES * STAGE_BYTES, "reduction buffer must fit");
+    static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 block");
+    // Geometry of head_dim D (a multiple of 16 up to 256; q8_0: of 32):
+    __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
+        return FMT == KV_Q8_0 ? D / 16 : FMT >= KV_INT8 ? 4 : 0;
+    }
+    __host__ __device__ static constexpr int tpr(int D) { return D / DPT; }  // threads per row
+    __host__ __device__ static constexpr int rg(int D) { return KV_ATTN_THREADS / tpr(D); }  // row groups
+    // positions per tile: <= 4 KiB of K and <= KV_MAX_TILE positions (unless one row group
+    // pass takes more: small D), a whole number of row-group passes
+    __host__ __device__ static constexpr int tile(int D) {
+        return rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
+    }
+    __host__ __device__ static constexpr int rows_cap(int D) {
+        return KV_TILE_BYTES / (D * CB) < KV_MAX_TILE ? KV_TILE_BYTES / (D * CB) : KV_MAX_TILE;
+    }
+    // Bounds over the head_dims of an instance: DT, or every one when DT == 0.
+    __host__ __device__ static constexpr int max_over(int DT, int what) {
+        int m = 0;
+        for (int D = DT ? DT : 16; D <= (DT ? DT : 256); D += 16) {
+            const int x = what == 0 ? tile(D) : what == 1 ? tile(D) * tpr(D)
+                        : what == 2 ? tile(D) * sb(D) : (rg(D) / 2) * D * 4 * GB;
+            m = x > m ? x : m;
+        }
+        return m;
+    }
+    __host__ __device__ static constexpr int t_max(int DT) { return max_over(DT, 0); }
+    __host__ __device__ static constexpr int part_max(int DT) { return max_over(DT, 1); }
+    __host__ __device__ static constexpr int scale_stride(int DT) { return (max_over(DT, 2) + 15) / 16 * 16; }
+    __host__ __device__ static constexpr int stage_bytes(int DT) { return 2 * KV_TILE_BYTES + 2 * scale_stride(DT); }
+    __host__ __device__ static constexpr int red_max(int DT) { return max_over(DT, 3); }
 };
 
 // Scale of row r for the thread's dims starting at d0, read from a stage's scale bytes.
-template <int FMT, int D>
-__device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, int d0) {
+template <int FMT>
+__device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, int d0, int D) {
     if constexpr (FMT == KV_Q8_0) {
         const uint16_t* h = (const uint16_t*)s;
         return kv_f16_to_f32(h[r * (D / 32) + d0 / 32]);
@@ -157,9 +261,9 @@ __device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, in
 }
 
 // The thread's VB code bytes of one row (16 or 8, aligned) -> DPT floats.
-template <int FMT, int D, int GB>
+template <int FMT, int GB>
 __device__ __forceinline__ void kv_load_row(const unsigned char* p, float* f) {
-    using C = AttnCfg<FMT, D, GB>;
+    using C = AttnCfg<FMT, GB>;
     constexpr int PER_WORD = 4 / C::CB;
     uint32_t w[4];
     if constexpr (C::VB == 16) {
@@ -173,80 +277,94 @@ __device__ __forceinline__ void kv_load_row(const unsigned char* p, float* f) {
     for (int i = 0; i < C::VB / 4; i++) kv_dec_word<FMT>(w[i], f + i * PER_WORD);
 }
 
-template <int FMT, int D, int GB>
+// The kv head of the block: blockIdx.y = kv head x groups of GB query heads.
+__device__ __forceinline__ int kv_block_kvh(int group, int gb) { return blockIdx.y / (group / gb); }
+
+// One (split, GB query heads of one kv head, query row) per block; DT = head_dim, or 0
+// for the instance that takes any supported head_dim at run time (d).
+template <int FMT, int DT, int GB, class Src>
 __device__ __forceinline__ void kv_attn_split(
-    const unsigned long long* __restrict__ k_ptrs, const unsigned long long* __restrict__ v_ptrs,
-    const unsigned long long* __restrict__ ks_ptrs, const unsigned long long* __restrict__ vs_ptrs,
-    const int* __restrict__ lengths, int extra, int capacity,
-    const void* __restrict__ q, int q_dtype, int hq, int group, float qk_scale,
-    float* __restrict__ out, float* __restrict__ ws_o, float* __restrict__ ws_lse) {
-    using C = AttnCfg<FMT, D, GB>;
-    __shared__ __align__(16) unsigned char stages[C::STAGES][C::STAGE_BYTES];
-    __shared__ __align__(16) float part[GB * C::T * C::TPR];  // [g][row][c]
-    __shared__ __align__(16) float prob[C::T * GB];          // [row][g]
+    const Src& src, int d, const void* __restrict__ q, int q_dtype, int hq, int group, float qk_scale,
+    float* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ ws_o,
+    float* __restrict__ ws_lse) {
+    using C = AttnCfg<FMT, GB>;
+    constexpr int T_MAX = C::t_max(DT), RW = (T_MAX + 31) / 32;
+    constexpr int SCALE_STRIDE = C::scale_stride(DT), STAGE_BYTES = C::stage_bytes(DT);
+    static_assert(C::red_max(DT) <= C::STAGES * STAGE_BYTES, "reduction buffer must fit");
+    __shared__ __align__(16) unsigned char stages[C::STAGES][STAGE_BYTES];
+    __shared__ __align__(16) float part[GB * C::part_max(DT)];  // [g][row][c]
+    __shared__ __align__(16) float prob[T_MAX * GB];           // [row][g]
     __shared__ float alpha_s[GB], m_s[GB], l_s[GB];
 
+    const int D = DT ? DT : d;
+    const int RB = D * C::CB, SB = C::sb(D), TPR = C::tpr(D), RG = C::rg(D);
+    const int T = C::tile(D), RPT = T / RG;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int c = tid % C::TPR, rg = tid / C::TPR;
+    const int c = tid % TPR, rg = tid / TPR;  // threads with rg >= RG only copy and reduce
     const int split = blockIdx.x, nsplit = gridDim.x;
-    const int groups = group / GB;
-    const int kvh = blockIdx.y / groups;
-    const int qh0 = kvh * group + (blockIdx.y % groups) * GB;
-    const int slot = blockIdx.z;
+    const int qh0 = kv_block_kvh(group, GB) * group + (blockIdx.y % (group / GB)) * GB;
+    const size_t row0_out = (size_t)src.qrow * hq + qh0;  // output row of head qh0
 
-    int n = lengths[slot] + extra;
-    n = n < capacity ? n : capacity;
-    n = n > 0 ? n : 0;
+    // The split's positions: chunks of at least KV_MIN_SPLIT positions, whole tiles,
+    // computed from the row's own length (a short row leaves the later splits empty).
+    const int n = src.n;
     int chunk = (n + nsplit - 1) / nsplit;
-    chunk = (chunk + C::T - 1) / C::T * C::T;
+    chunk = chunk > KV_MIN_SPLIT ? chunk : KV_MIN_SPLIT;
+    chunk = (chunk + T - 1) / T * T;
     const int start = split * chunk;
     const int end = min(n, start + chunk);
-    const size_t head_row0 = (size_t)kvh * capacity;  // first row of this head in the slot
 
-    if (start >= end) {  // empty split (or empty slot): zeros, and lse -inf for the merge
-        for (int i = tid; i < GB * D; i += KV_ATTN_THREADS) {
-            size_t row = (size_t)slot * hq + qh0 + i / D;
-            if (nsplit == 1) {
-                out[row * D + i % D] = 0.0f;
-            } else {
-                ws_o[(row * nsplit + split) * D + i % D] = 0.0f;
-                if (i % D == 0) ws_lse[row * nsplit + split] = -INFINITY;
-            }
+    if (start >= end) {  // empty split (or row): out zeros / lse -inf for the merge
+        if (nsplit == 1) {
+            for (int i = tid; i < GB * D; i += KV_ATTN_THREADS) out[row0_out * D + i] = 0.0f;
+        }
+        for (int g = tid; g < GB; g += KV_ATTN_THREADS) {
+            if (nsplit > 1) ws_lse[(row0_out + g) * nsplit + split] = -INFINITY;
+            else if (lse_out) lse_out[row0_out + g] = -INFINITY;
         }
         return;
     }
-
-    const unsigned char* kbase = (const unsigned char*)k_ptrs[slot] + head_row0 * D * C::CB;
-    const unsigned char* vbase = (const unsigned char*)v_ptrs[slot] + head_row0 * D * C::CB;
-    const unsigned char* ksbase = nullptr;
-    const unsigned char* vsbase = nullptr;
-    if constexpr (C::SB > 0) {
-        ksbase = (const unsigned char*)ks_ptrs[slot] + head_row0 * C::SB;
-        vsbase = (const unsigned char*)vs_ptrs[slot] + head_row0 * C::SB;
-    }
-    const int ntiles = (end - start + C::T - 1) / C::T;
+    const int ntiles = (end - start + T - 1) / T;
 
     // Issues the copies of tile t (rows past `end` are zero-filled, never read).
     auto issue = [&](int t) {
         if (t < ntiles) {
             unsigned char* st = stages[t % C::STAGES];
-            const int row0 = start + t * C::T;
-            const int rows = min(C::T, end - row0);
-            const size_t off = (size_t)row0 * D * C::CB;
-#pragma unroll
-            for (int i = tid; i < KV_TILE_BYTES / 16; i += KV_ATTN_THREADS) {
-                const bool ok = (i * 16) / (D * C::CB) < rows;
-                kv_cp16(st + i * 16, kbase + (ok ? off + i * 16 : 0), ok ? 16 : 0);
-                kv_cp16(st + KV_TILE_BYTES + i * 16, vbase + (ok ? off + i * 16 : 0), ok ? 16 : 0);
+            const int p0 = start + t * T;
+            const int rows = min(T, end - p0);
+            const int ppr = RB / 16;  // 16-byte pieces per row
+            for (int i = tid; i < T * ppr; i += KV_ATTN_THREADS) {
+                const int r = i / ppr;
+                const bool ok = r < rows;
+                const size_t off = ok ? src.row(p0 + r) * RB + (size_t)(i - r * ppr) * 16 : 0;
+                kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
+                kv_cp16(st + KV_TILE_BYTES + i * 16, src.v + off, ok ? 16 : 0);
             }
-            if constexpr (C::SB > 0) {
+            if constexpr (C::sb(16) > 0) {
                 unsigned char* ss = st + 2 * KV_TILE_BYTES;
-                constexpr int SCALE_STRIDE = ((C::SCALE_BYTES + 15) / 16) * 16;
-                const size_t soff = (size_t)row0 * C::SB;
-                for (int i = tid; i < C::SCALE_BYTES / 4; i += KV_ATTN_THREADS) {
-                    const bool ok = (i * 4) / C::SB < rows;
-                    kv_cp4(ss + i * 4, ksbase + (ok ? soff + i * 4 : 0), ok ? 4 : 0);
-                    kv_cp4(ss + SCALE_STRIDE + i * 4, vsbase + (ok ? soff + i * 4 : 0), ok ? 4 : 0);
+                if (SB % 4 == 0) {
+                    const int wpr = SB / 4;
+                    for (int i = tid; i < T * wpr; i += KV_ATTN_THREADS) {
+                        const int r = i / wpr;
+                        const bool ok = r < rows;
+                        const size_t off = ok ? src.row(p0 + r) * SB + (size_t)(i - r * wpr) * 4 : 0;
+                        kv_cp4(ss + i * 4, src.ks + off, ok ? 4 : 0);
+                        kv_cp4(ss + SCALE_STRIDE + i * 4, src.vs + off, ok ? 4 : 0);
+                    }
+                } else {  // q8_0 with D % 64 == 32: rows of 2-byte scales, loaded directly
+                    const int hpr = SB / 2;
+                    for (int i = tid; i < T * hpr; i += KV_ATTN_THREADS) {
+                        const int r = i / hpr;
+                        const bool ok = r < rows;
+                        uint16_t a = 0, b = 0;
+                        if (ok) {
+                            const size_t off = src.row(p0 + r) * SB + (size_t)(i - r * hpr) * 2;
+                            a = *(const uint16_t*)(src.ks + off);
+                            b = *(const uint16_t*)(src.vs + off);
+                        }
+                        ((uint16_t*)ss)[i] = a;
+                        ((uint16_t*)(ss + SCALE_STRIDE))[i] = b;
+                    }
                 }
             }
         }
@@ -260,7 +378,7 @@ __device__ __forceinline__ void kv_attn_split(
     float qr[GB][C::DPT];
 #pragma unroll
     for (int g = 0; g < GB; g++) {
-        const long long base = ((long long)slot * hq + qh0 + g) * D + c * C::DPT;
+        const long long base = (long long)(row0_out + g) * D + c * C::DPT;
 #pragma unroll
         for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + k) * qk_scale;
     }
@@ -273,27 +391,28 @@ __device__ __forceinline__ void kv_attn_split(
 #pragma unroll
     for (int h = 0; h < C::HPW; h++) { m_run[h] = -INFINITY; l_run[h] = 0.0f; }
 
-    constexpr int SCALE_STRIDE = ((C::SCALE_BYTES + 15) / 16) * 16;
     for (int t = 0; t < ntiles; t++) {
         kv_cp_wait<C::STAGES - 2>();
         __syncthreads();  // tile t visible to all; every thread is done with tile t - 1
         issue(t + C::STAGES - 1);
         const unsigned char* st = stages[t % C::STAGES];
-        const int rows = min(C::T, end - (start + t * C::T));
+        const int rows = min(T, end - (start + t * T));
 
         // a. partial scores of the thread's dims
+        if (rg < RG) {
 #pragma unroll
-        for (int j = 0; j < C::RPT; j++) {
-            const int r = rg + j * C::RG;
-            float kf[C::DPT];
-            kv_load_row<FMT, D, GB>(st + r * D * C::CB + c * C::VB, kf);
-            const float sc = kv_tile_scale<FMT, D>(st + 2 * KV_TILE_BYTES, r, c * C::DPT);
+            for (int j = 0; j < RPT; j++) {
+                const int r = rg + j * RG;
+                float kf[C::DPT];
+                kv_load_row<FMT, GB>(st + r * RB + c * C::VB, kf);
+                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES, r, c * C::DPT, D);
 #pragma unroll
-            for (int g = 0; g < GB; g++) {
-                float s = 0.0f;
+                for (int g = 0; g < GB; g++) {
+                    float s = 0.0f;
 #pragma unroll
-                for (int k = 0; k < C::DPT; k++) s = fmaf(qr[g][k], kf[k], s);
-                part[(g * C::T + r) * C::TPR + c] = s * sc;
+                    for (int k = 0; k < C::DPT; k++) s = fmaf(qr[g][k], kf[k], s);
+                    part[(g * T + r) * TPR + c] = s * sc;
+                }
             }
         }
         __syncthreads();
@@ -303,16 +422,16 @@ __device__ __forceinline__ void kv_attn_split(
         for (int h = 0; h < C::HPW; h++) {
             const int g = warp + h * KV_ATTN_WARPS;
             if (g < GB) {
-                float s[C::RW];
+                float s[RW];
                 float tmax = -INFINITY;
 #pragma unroll
-                for (int i = 0; i < C::RW; i++) {
+                for (int i = 0; i < RW; i++) {
                     const int r = lane + 32 * i;
                     s[i] = -INFINITY;
                     if (r < rows) {
-                        const float* pp = part + (g * C::T + r) * C::TPR;
+                        const float* pp = part + (g * T + r) * TPR;
                         float v = 0.0f;
-                        for (int cc = 0; cc < C::TPR; cc++) v += pp[cc];
+                        for (int cc = 0; cc < TPR; cc++) v += pp[cc];
                         s[i] = v;
                     }
                     tmax = fmaxf(tmax, s[i]);
@@ -323,10 +442,10 @@ __device__ __forceinline__ void kv_attn_split(
                 const float a = exp2f(m_run[h] - m_new);  // 0 on the first tile (-inf)
                 float psum = 0.0f;
 #pragma unroll
-                for (int i = 0; i < C::RW; i++) {
+                for (int i = 0; i < RW; i++) {
                     const int r = lane + 32 * i;
                     const float p = exp2f(s[i] - m_new);  // 0 for masked rows
-                    if (r < C::T) prob[r * GB + g] = p;
+                    if (r < T) prob[r * GB + g] = p;
                     psum += p;
                 }
 #pragma unroll
@@ -347,51 +466,54 @@ __device__ __forceinline__ void kv_attn_split(
                 for (int k = 0; k < C::DPT; k++) acc[g][k] *= a;
             }
         }
+        if (rg < RG) {
 #pragma unroll
-        for (int j = 0; j < C::RPT; j++) {
-            const int r = rg + j * C::RG;
-            float vf[C::DPT];
-            kv_load_row<FMT, D, GB>(st + KV_TILE_BYTES + r * D * C::CB + c * C::VB, vf);
-            const float sc = kv_tile_scale<FMT, D>(st + 2 * KV_TILE_BYTES + SCALE_STRIDE, r, c * C::DPT);
+            for (int j = 0; j < RPT; j++) {
+                const int r = rg + j * RG;
+                float vf[C::DPT];
+                kv_load_row<FMT, GB>(st + KV_TILE_BYTES + r * RB + c * C::VB, vf);
+                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES + SCALE_STRIDE, r, c * C::DPT, D);
 #pragma unroll
-            for (int g = 0; g < GB; g++) {
-                const float pv = prob[r * GB + g] * sc;
+                for (int g = 0; g < GB; g++) {
+                    const float pv = prob[r * GB + g] * sc;
 #pragma unroll
-                for (int k = 0; k < C::DPT; k++) acc[g][k] = fmaf(pv, vf[k], acc[g][k]);
+                    for (int k = 0; k < C::DPT; k++) acc[g][k] = fmaf(pv, vf[k], acc[g][k]);
+                }
             }
         }
     }
     kv_cp_wait<0>();  // only empty groups can be left; drain them before reusing stages
 
-    // Reduce acc over the row groups (tree through shared memory), heads' m and l too.
+    // Reduce acc over the row groups (halving through shared memory), heads' m and l too.
 #pragma unroll
     for (int h = 0; h < C::HPW; h++) {
         const int g = warp + h * KV_ATTN_WARPS;
         if (g < GB && lane == 0) { m_s[g] = m_run[h]; l_s[g] = l_run[h]; }
     }
     float* red = (float*)&stages[0][0];  // [RG/2][GB][D]
-#pragma unroll
-    for (int half = C::RG / 2; half >= 1; half >>= 1) {
+    for (int live = RG; live > 1;) {
+        const int half = (live + 1) / 2;  // groups [half, live) hand their acc to [0, live - half)
         __syncthreads();
-        if (rg >= half && rg < 2 * half) {
+        if (rg >= half && rg < live) {
 #pragma unroll
             for (int g = 0; g < GB; g++)
 #pragma unroll
                 for (int k = 0; k < C::DPT; k++) red[((rg - half) * GB + g) * D + c * C::DPT + k] = acc[g][k];
         }
         __syncthreads();
-        if (rg < half) {
+        if (rg < live - half) {
 #pragma unroll
             for (int g = 0; g < GB; g++)
 #pragma unroll
                 for (int k = 0; k < C::DPT; k++) acc[g][k] += red[(rg * GB + g) * D + c * C::DPT + k];
         }
+        live = half;
     }
     if (rg == 0) {
 #pragma unroll
         for (int g = 0; g < GB; g++) {
             const float inv = 1.0f / l_s[g];  // l >= 1: the max row contributes 2^0
-            const size_t row = (size_t)slot * hq + qh0 + g;
+            const size_t row = row0_out + g;
             float* dst = nsplit == 1 ? out + row * D : ws_o + (row * nsplit + split) * D;
 #pragma unroll
             for (int k = 0; k < C::DPT; k += 4) {
@@ -399,30 +521,58 @@ __device__ __forceinline__ void kv_attn_split(
                                              acc[g][k + 2] * inv, acc[g][k + 3] * inv);
                 *(float4*)(dst + c * C::DPT + k) = v;
             }
-            if (nsplit > 1 && c == 0) ws_lse[row * nsplit + split] = m_s[g] + log2f(l_s[g]);
+            if (c == 0) {
+                const float lse2 = m_s[g] + log2f(l_s[g]);  // base 2, of the scaled scores
+                if (nsplit > 1) ws_lse[row * nsplit + split] = lse2;
+                else if (lse_out) lse_out[row] = lse2 * KV_LN2;
+            }
         }
     }
 }
 
-#define KV_ATTN_ARGS                                                                        \
-    const unsigned long long *k_ptrs, const unsigned long long *v_ptrs,                     \
-        const unsigned long long *ks_ptrs, const unsigned long long *vs_ptrs,               \
-        const int *lengths, int extra, int capacity, const void *q, int q_dtype, int hq,    \
-        int group, float qk_scale, float *out, float *ws_o, float *ws_lse
-#define KV_ATTN_PASS \
-    k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity, q, q_dtype, hq, group, qk_scale, out, ws_o, ws_lse
+// Arguments every instance shares: d the head_dim (read by the _dx instances only);
+// q [R][Hq][D] f32/f16/bf16 (q_dtype 0/1/2); qk_scale = softmax scale * log2(e); out
+// [R][Hq][D] f32 and lse [R][Hq] f32 (natural log; null: not written) when nsplit == 1,
+// else ws_o [R][Hq][nsplit][D] and ws_lse [R][Hq][nsplit] (base 2) for kv_attn_merge.
+#define KV_ATTN_ARGS                                                                         \
+    int d, const void *q, int q_dtype, int hq, int group, float qk_scale, float *out,        \
+        float *lse, float *ws_o, float *ws_lse
+#define KV_ATTN_PASS d, q, q_dtype, hq, group, qk_scale, out, lse, ws_o, ws_lse
 
-// kv_attn_<format>_d<D>_g<GB>: one (split, kv head x head group, slot) per block.
+// kv_attn_<format>_d<D>_g<GB>: GpuKVCache slots. Grid (nsplit, Hkv * G / GB, M).
 //   k_ptrs/v_ptrs [M] u64 -> codes [Hkv][N][D] of the format; ks_ptrs/vs_ptrs [M] u64 ->
 //   scales [Hkv][N][S] (int8/fp8 f32, q8_0 f16; ignored by float formats); lengths [M]
-//   int32; q [M][Hq][D] f32/f16/bf16 (q_dtype 0/1/2); out [M][Hq][D] f32 (nsplit == 1);
-//   ws_o [M][Hq][nsplit][D] f32, ws_lse [M][Hq][nsplit] f32 (nsplit > 1).
-#define KV_ATTN_INSTANCE(FMT, NAME, D, GB)                                                    \
-    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS)                             \
-        kv_attn_##NAME##_d##D##_g##GB(KV_ATTN_ARGS) {                                         \
-        kv_attn_split<FMT, D, GB>(KV_ATTN_PASS);                                              \
+//   int32 (+ extra, at most capacity N).
+// kv_pattn_<format>_d<D>_g<GB>: GpuKVPool step rows (KvPagedStorage). Grid (nsplit,
+//   Hkv * G / GB, R). k_codes.. v_scales: one layer's bases; block_tables int32
+//   [max_batch][max_pages]; lengths int32 [max_batch]; q_offsets int32 [max_batch + 1].
+// D is 64, 128, 256 or x (any multiple of 16 up to 256, given as d).
+#define KV_ATTN_INSTANCE(FMT, NAME, DN, DT, GB)                                                \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS) kv_attn_##NAME##_d##DN##_g##GB( \
+        const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,                    \
+        const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,                  \
+        const int* lengths, int extra, int capacity, KV_ATTN_ARGS) {                           \
+        using C = AttnCfg<FMT, GB>;                                                            \
+        const int D = DT ? DT : d;                                                             \
+        kv_attn_split<FMT, DT, GB>(                                                            \
+            kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity,        \
+                            kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS) kv_pattn_##NAME##_d##DN##_g##GB( \
+        const unsigned char* k_codes, const unsigned char* v_codes,                            \
+        const unsigned char* k_scales, const unsigned char* v_scales,                          \
+        const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,      \
+        int max_batch, int page_size, int hkv, int causal, KV_ATTN_ARGS) {                     \
+        using C = AttnCfg<FMT, GB>;                                                            \
+        const int D = DT ? DT : d;                                                             \
+        kv_attn_split<FMT, DT, GB>(                                                            \
+            kv_paged_storage(k_codes, v_codes, k_scales, v_scales, block_tables, max_pages,    \
+                             lengths, q_offsets, max_batch, page_size, hkv, causal,            \
+                             kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);     \
     }
-#define KV_ATTN_GB(FMT, NAME, D) \
-    KV_ATTN_INSTANCE(FMT, NAME, D, 1) KV_ATTN_INSTANCE(FMT, NAME, D, 2) \
-    KV_ATTN_INSTANCE(FMT, NAME, D, 4) KV_ATTN_INSTANCE(FMT, NAME, D, 8)
-#define KV_ATTN_FORMAT(FMT, NAME) KV_ATTN_GB(FMT, NAME, 64) KV_ATTN_GB(FMT, NAME, 128) KV_ATTN_GB(FMT, NAME, 256)
+#define KV_ATTN_GB(FMT, NAME, DN, DT) \
+    KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 1) KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 2) \
+    KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 4) KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 8)
+#define KV_ATTN_FORMAT(FMT, NAME) \
+    KV_ATTN_GB(FMT, NAME, 64, 64) KV_ATTN_GB(FMT, NAME, 128, 128) KV_ATTN_GB(FMT, NAME, 256, 256) \
+    KV_ATTN_GB(FMT, NAME, x, 0)

@@ -1,5 +1,5 @@
 // Decode attention kernels kv_attn_bf16_d<D>_g<GB> for the bf16 format
-// (D 64/128/256, GB 1/2/4/8); see attention.cuh.
+// and kv_pattn_* (pool), D 64/128/256/x, GB 1/2/4/8; see attention.cuh.
 #include "attention.cuh"
 
 KV_ATTN_FORMAT(KV_BF16, bf16)

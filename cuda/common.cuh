@@ -30,6 +30,7 @@
 #define KV_Q8_0 6
 
 #define KV_Q8_0_BLOCK 32
+#define KV_LN2 0.6931471805599453f  // ln 2, float: base-2 log-sum-exp -> natural
 #define KV_INT8_MAX 127.0f
 #define KV_E4M3_MAX 448.0f
 #define KV_E5M2_MAX 57344.0f

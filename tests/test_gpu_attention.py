@@ -1,9 +1,11 @@
 """GPU decode attention and RoPE (kvcore.gpu.attention).
 
 CPU-only: the planning rules and the split / log-sum-exp algorithm of the kernels,
-emulated in numpy. `gpu`: every format, head_dim 64/128/256, GQA 1/4/8, lengths 1, 33,
-4095, 4096, 4097 and 65536 with one empty slot in the batch, q that overflows a naive exp,
-forced split counts; all against a float64 reference on the dequantized cache values.
+emulated in numpy. `gpu`: every format, head_dim 64/128/256 and the run-time-D instance
+(16, 80, 96, 112, 160, 192), GQA 1/4/8, lengths 1, 33, 4095, 4096, 4097 and 65536 with one
+empty slot in the batch, q that overflows a naive exp, forced split counts, a grid that
+does not follow the capacity; out and lse against a float64 reference on the dequantized
+cache values. (The paged storage of the same kernel: tests/test_gpu_pool.py.)
 RoPE against float64 numpy at position 100000.
 """
 import math
@@ -90,6 +92,14 @@ def reference(q, k, v, scale):
     return out
 
 
+def reference_lse(q, k, scale):
+    """float64 natural log-sum-exp of the scaled scores of q [Hq, D] over k [n, Hkv, D]."""
+    g = q.shape[0] // k.shape[1]
+    s = np.einsum("hd,nhd->hn", q, np.repeat(k, g, axis=1)) * scale
+    top = s.max(axis=1)
+    return top + np.log(np.exp(s - top[:, None]).sum(axis=1))
+
+
 def float32_attention(q, k, v, scale):
     """The same in plain float32 numpy (the same-precision peer for the error bound)."""
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
@@ -123,33 +133,38 @@ def test_tile_positions():
 
 
 @pytest.mark.parametrize("blocks", [1, 8, 64, 256, 1024, 4096])
-@pytest.mark.parametrize("max_length", [1, 100, 4096, 65536])
+@pytest.mark.parametrize("max_length", [None, 1, 100, 4096, 65536])
 def test_choose_splits_fills_the_gpu_without_tiny_splits(blocks, max_length):
     resident = 528  # 132 SMs x 4 blocks
-    s = choose_splits(blocks, max_length, resident)
-    assert 1 <= s <= max(1, -(-max_length // MIN_SPLIT_POSITIONS))
+    s = choose_splits(blocks, resident, max_length)
+    cap = MAX_SPLITS if max_length is None else max(1, -(-max_length // MIN_SPLIT_POSITIONS))
+    assert 1 <= s <= cap
     if blocks >= resident:
         assert s == 1  # already a full wave or more
-    if blocks * s < 0.9 * resident:  # only when the positions ran out
-        assert s == min(MAX_SPLITS, max(1, -(-max_length // MIN_SPLIT_POSITIONS)))
+    if blocks * s < 0.9 * resident:  # only when the splits ran out
+        assert s == min(MAX_SPLITS, cap)
 
 
-def test_choose_splits_batch_one_long_context():
-    # batch 1, 8 kv heads, 4096 positions: 32 splits of 128 positions
-    assert choose_splits(8, 4096, 528) == 32
+def test_choose_splits_from_the_device_and_batch():
+    # batch 1, 8 kv heads: 60 splits make 480 of 528 blocks busy (a 4096-position slot
+    # keeps 32 of them busy, chunks of 128; a 100-position slot one)
+    assert choose_splits(8, 528) == 60
+    assert choose_splits(8, 528, 4096) == 32
     # batch 32 x 8 heads = 256 blocks: 2 splits make one full wave (3 would spill into a second)
-    assert choose_splits(256, 16384, 528) == 2
+    assert choose_splits(256, 528) == 2
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 4095, 4097])
 @pytest.mark.parametrize("nsplit", [1, 3, 8, 64])
 def test_split_and_merge_algorithm(n, nsplit, rng):
-    """The kernels' algorithm in numpy: chunk = ceil(n / nsplit) rounded up to the tile,
-    base-2 online softmax per tile, lse = m + log2(l), then the merge; equals softmax."""
+    """The kernels' algorithm in numpy: chunk = max(ceil(n / nsplit), MIN_SPLIT_POSITIONS)
+    rounded up to the tile, base-2 online softmax per tile, lse = m + log2(l), then the
+    merge over the non-empty splits; equals softmax, and the merged lse (times ln 2) the
+    natural log-sum-exp."""
     T, D = 32, 16
     s = rng.standard_normal(n) * 30 * math.log2(math.e)  # scores in base 2, large
     v = rng.standard_normal((n, D))
-    chunk = -(-(-(-n // nsplit)) // T) * T
+    chunk = -(-max(-(-n // nsplit), MIN_SPLIT_POSITIONS) // T) * T
     os_, lses = [], []
     for sp in range(nsplit):
         a, b = sp * chunk, min(n, sp * chunk + chunk)
@@ -173,6 +188,9 @@ def test_split_and_merge_algorithm(n, nsplit, rng):
     out = (w[:, None] * np.array(os_)).sum(0) / w.sum()
     p = np.exp2(s - s.max())
     np.testing.assert_allclose(out, p @ v / p.sum(), rtol=1e-12, atol=1e-12)
+    lse = (lses.max() + math.log2(w.sum())) * math.log(2)
+    assert lse == pytest.approx(np.log(np.exp(s * math.log(2) - s.max() * math.log(2)).sum())
+                                + s.max() * math.log(2), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- device
@@ -206,10 +224,11 @@ def _run_case(fmt, head_dim, group, lengths, q_dtype, rng, *, q_gain=1.0, num_sp
         qh = (rng.standard_normal((M, spec.num_heads, head_dim)) * q_gain).astype(_q_dtype(q_dtype))
         q = _device_array(qh)
         out = _device_array(np.full((M, spec.num_heads, head_dim), np.nan, np.float32))  # poisoned
+        lse = _device_array(np.full((M, spec.num_heads), np.nan, np.float32))
         plan = AttentionPlan(cache, q_dtype=q_dtype, num_splits=num_splits)
-        plan.run(q, out, 0)
+        plan.run(q, out, 0, lse=lse)
         cache.check()
-        got = out.to_numpy()
+        got, got_lse = out.to_numpy(), lse.to_numpy()
         plan.free()
     finally:
         cache.free()
@@ -221,7 +240,10 @@ def _run_case(fmt, head_dim, group, lengths, q_dtype, rng, *, q_gain=1.0, num_sp
         ref = reference(q64[m], k, v, scale)
         if lengths[m] == 0:
             assert (got[m] == 0).all(), "an empty slot must give zeros"
+            assert (got_lse[m] == -np.inf).all()
             continue
+        ref_lse = reference_lse(q64[m], k, scale)
+        assert (np.abs(got_lse[m] - ref_lse) <= 2e-5 * (1 + np.abs(ref_lse))).all(), f"lse of slot {m}"
         results.append((m, got[m], ref, q64[m], k, v))
     return results, scale
 
@@ -268,6 +290,58 @@ def test_forced_split_counts(num_splits, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt,head_dim,group", [
+    ("f16", 80, 1), ("q8_0", 96, 8), ("int8", 112, 4), ("f32", 160, 2), ("fp8_e5m2", 192, 8),
+    ("bf16", 16, 1), ("fp8_e4m3", 96, 1)])
+def test_attention_any_head_dim(fmt, head_dim, group, rng):
+    """The run-time-D instance (every multiple of 16 up to 256 besides 64/128/256): q8_0 at
+    D = 96 has rows of 3 f16 scales (not 4-byte aligned), f32 at 160 a row group count
+    that is not a power of two; lengths across tiles and splits."""
+    results, _ = _run_case(fmt, head_dim, group, [300, 0, 1, 33], "float32", rng, num_splits=3)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < 1e-5, f"slot {m}"
+
+
+@pytest.mark.gpu
+def test_grid_follows_the_device_not_the_capacity(rng, monkeypatch):
+    """A 100-position decode in a 100000-capacity cache launches the grids that a
+    128-capacity cache does (splits from the SMs and the batch; each block's positions
+    from the slot's length on the device), with the same result, bit for bit."""
+    from kvcore.gpu import GpuKVCache, driver
+    from kvcore.gpu.attention import AttentionPlan
+    launched = []
+    real_launch = driver.launch
+
+    def spy(fn, grid, *args, **kw):
+        launched.append(grid)
+        return real_launch(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(driver, "launch", spy)
+    small = KVSpec(num_layers=1, num_kv_heads=2, head_dim=128, capacity=128, num_heads=8, format="int8")
+    parts = random_parts(small, 100, rng)
+    q = _device_array(rng.standard_normal((1, 8, 128)).astype(np.float32))
+    runs = []
+    for capacity in (128, 100_000):
+        spec = small.replace(capacity=capacity)
+        cache = GpuKVCache(spec, slots=1)
+        cache.scatter(Snapshot(spec, 100, *parts), 0)
+        out = _device_array(np.zeros((1, 8, 128), np.float32))
+        plan = AttentionPlan(cache, q_dtype="float32")
+        del launched[:]
+        plan.run(q, out, 0)
+        cache.check()
+        runs.append((list(launched), out.to_numpy()))
+        plan.free()
+        cache.free()
+    (grids_small, out_small), (grids_large, out_large) = runs
+    assert grids_small == grids_large and grids_small[0][0] > 1   # split kernel and merge
+    assert out_small.tobytes() == out_large.tobytes()
+    ref = reference(q.to_numpy()[0].astype(np.float64), dequantize(parts[0], parts[2], "int8")[0],
+                    dequantize(parts[1], parts[3], "int8")[0], 1 / math.sqrt(128))
+    assert rel_err(out_large[0], ref) < 1e-5
+
+
+@pytest.mark.gpu
 def test_plan_validation(rng):
     from kvcore.gpu import GpuKVCache
     from kvcore.gpu.attention import AttentionPlan
@@ -288,8 +362,8 @@ def test_plan_validation(rng):
     with pytest.raises(StateError, match="make a new plan"):
         plan.run(q, out, 0)
     cache.free()
-    cache = GpuKVCache(spec.replace(head_dim=96, format="f16"), slots=1)
-    with pytest.raises(FormatError, match="head_dim 64, 128 or 256"):
+    cache = GpuKVCache(spec.replace(head_dim=40, format="f16"), slots=1)
+    with pytest.raises(FormatError, match="head_dim a multiple of 16 from 16 to 256, got 40"):
         AttentionPlan(cache)
     cache.free()
 

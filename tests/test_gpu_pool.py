@@ -266,8 +266,9 @@ def test_nonfinite_and_out_of_range_rows(gpu, rng):
 
 def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     """One graph of every layer's append and decode attention, captured once, replayed while
-    sequences join, fork and finish between steps (new block tables, lengths and slots each
-    step): the pages equal the CPU pool's, the outputs a pool run eagerly, bit for bit."""
+    sequences join, fork and finish between steps (new block tables, lengths, query offsets
+    and slots each step, 1 or 2 tokens per sequence): the pages equal the CPU pool's, the
+    outputs a pool run eagerly, bit for bit, and the eager ones the CPU pool's attention."""
     drv = gpu.driver.cuda()
     B, T = 3, 2
     graphed, eager = (pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0] for _ in range(2))
@@ -275,8 +276,9 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     inp = gpu.DeviceBuffer.alloc(L * 2 * B * T * H * D * 2)
     views = [[inp.view((B * T, H, D), np.float16, offset=((l * 2 + w) * B * T * H * D) * 2)
               for w in range(2)] for l in range(L)]
-    qo = gpu.DeviceBuffer.alloc(3 * L * B * H * D * 4)     # q, graphed out, eager out per layer
-    q, out, ref = ([qo.view((B, H, D), np.float32, offset=((i * L + l) * B * H * D) * 4)
+    R = B * T   # a row per input row: every new token of the step (causal)
+    qo = gpu.DeviceBuffer.alloc(3 * L * R * H * D * 4)     # q, graphed out, eager out per layer
+    q, out, ref = ([qo.view((R, H, D), np.float32, offset=((i * L + l) * R * H * D) * 4)
                     for l in range(L)] for i in range(3))
     st = graphed.stream
     with st.ctx:  # the raw driver calls of this test need the context current
@@ -314,7 +316,7 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         graphed.begin_step(seqs, counts)
         eager.begin_step(seqs, counts)
         inp.copy_from_host(xs)
-        qo.copy_from_host(rng.standard_normal(3 * L * B * H * D).astype(np.float32))
+        qo.copy_from_host(rng.standard_normal(3 * L * R * H * D).astype(np.float32))
         with st.ctx:
             gpu.driver.call("cuGraphLaunch", exe, st.handle)
         for layer in range(L):
@@ -322,6 +324,8 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
             eager.append(layer, keep[-2], keep[-1])
             eager.decode_attention(q[layer], ref[layer], layer)
             cpu.append_batch(layer, seqs, xs[layer, 0, :n], xs[layer, 1, :n], counts)
+            want = kvcore_attention(q[layer].to_numpy()[:n], cpu, layer, seqs=seqs, counts=counts)
+            np.testing.assert_allclose(ref[layer].to_numpy()[:n], want, rtol=2e-5, atol=2e-5)
         graphed.advance(), eager.advance(), cpu.advance(seqs)
         for layer in range(L):
             assert out[layer].to_numpy().tobytes() == ref[layer].to_numpy().tobytes()
@@ -367,77 +371,121 @@ def test_offload_and_bring_back_bit_identical(gpu, rng, fmt):
 
 # ------------------------------------------------------------------ paged decode attention
 
-def reference64(q, k, v):
-    """float64 attention of q [Hq, D] over k, v [n, Hkv, D] (GQA: head h reads kv h // G)."""
+def reference64(q, k, v, scale):
+    """float64 (out, lse) of q [Hq, D] over k, v [n, Hkv, D] (GQA: head h reads kv h // G)."""
     G = q.shape[0] // k.shape[1]
     k, v = (np.repeat(x.astype(np.float64), G, axis=1) for x in (k, v))
-    s = np.einsum("hd,nhd->hn", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
-    w = np.exp(s - s.max(axis=1, keepdims=True))
-    return np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), v)
+    s = np.einsum("hd,nhd->hn", q.astype(np.float64), k) * scale
+    top = s.max(axis=1, keepdims=True)
+    w = np.exp(s - top)
+    return (np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), v),
+            top[:, 0] + np.log(w.sum(axis=1)))
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_decode_attention_equals_cpu_pool(gpu, rng, fmt):
-    """One query token per sequence, GQA 2, pages taken in a shuffled physical order, a long,
-    a short, a one-position and an empty sequence, and rows past the step's sequences: the
-    CPU pool's decode_attention on the same pages, within float32 rounding; zeros where a
-    row attends nothing."""
-    s = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=64, num_heads=2 * H, format=fmt)
-    gp = gpu.GpuKVPool(s, 24, PS, max_batch=4, max_pages_per_seq=8, max_tokens=3)
-    cp = KVPool(s, 24, PS)
-    perm = rng.permutation(24).tolist()
+DECODE_CASES = [   # format, GQA ratio, head_dim, page_size, max_pages_per_seq, q dtype
+    ("f32", 1, 112, 4, 8, np.float32),     # 32 positions at most: one split
+    ("f16", 8, 64, 4, 80, np.float16),
+    ("bf16", 1, 64, 16, 8, np.float32),    # 128: one split
+    ("int8", 8, 96, 4, 80, np.float32),
+    ("fp8_e4m3", 8, 80, 16, 20, np.float32),
+    ("fp8_e5m2", 1, 128, 4, 80, np.float32),
+    ("q8_0", 8, 96, 4, 80, np.float32),    # 3 f16 scales per row: 2-byte aligned rows
+]
+
+
+@pytest.mark.parametrize("fmt,group,head_dim,ps,max_pages,q_dtype", DECODE_CASES)
+def test_decode_attention_equals_cpu_pool(gpu, rng, fmt, group, head_dim, ps, max_pages, q_dtype):
+    """A step of 2, 0, 3 and 1 new tokens (rows packed in step order, causal) for a short
+    sequence, an empty one, a long one (split over the context when the tables allow more
+    than 128 positions) and a new one (one position), pages in a shuffled physical order:
+    out and lse equal the CPU pool's decode_attention on the same pages within float32
+    rounding (causal and not), err against float64 at most about the CPU's; rows past the
+    step's tokens give zeros and lse -inf."""
+    Hkv, R = 2, 12
+    s = KVSpec(num_layers=1, num_kv_heads=Hkv, head_dim=head_dim, capacity=max_pages * ps,
+               num_heads=group * Hkv, format=fmt)
+    Hq, pages = s.num_heads, 2 * max_pages + 4
+    gp = gpu.GpuKVPool(s, pages, ps, max_batch=4, max_pages_per_seq=max_pages, max_tokens=3)
+    cp = KVPool(s, pages, ps)
+    assert (gp.num_splits > 1) == (max_pages * ps > 128)
+    perm = rng.permutation(pages).tolist()
     gp._table.free[:] = perm
     cp._table.free[:] = list(perm)
-    a, b, d, e = (gp.new_sequence() for _ in range(4))
-    for _ in range(4):
-        cp.new_sequence()
-    normal = lambda n: rng.standard_normal((n, H, D)).astype(np.float32)
-    keep = []
-    for counts in ([3, 2], [3, 3], [3, 0], [2, 1]):
-        gp.begin_step([a, b], counts)
-        for layer in range(L):
-            k, v = normal(sum(counts)), normal(sum(counts))
-            keep += [dev(gpu, k), dev(gpu, v)]
-            gp.append(layer, keep[-2], keep[-1])
-            cp.append_batch(layer, [a, b], k, v, counts)
-        gp.advance(), cp.advance([a, b])
-    q_buf = gpu.DeviceBuffer.alloc(4 * 2 * H * D * 4)
-    o_buf = gpu.DeviceBuffer.alloc(4 * 2 * H * D * 4)
-    q_dev, o_dev = q_buf.view((4, 2 * H, D), np.float32), o_buf.view((4, 2 * H, D), np.float32)
-    for seqs, counts in (([a, b, d, e], [1, 1, 1, 0]), ([b, a], [1, 1])):
-        live = [x for x, c in zip(seqs, counts) if c]
-        gp.begin_step(seqs, counts)
-        q = rng.standard_normal((4, 2 * H, D)).astype(np.float32)
-        q_dev.copy_from_numpy(q)
-        for layer in range(L):
-            k, v = normal(len(live)), normal(len(live))
-            keep += [dev(gpu, k), dev(gpu, v)]
-            gp.append(layer, keep[-2], keep[-1])
-            cp.append_batch(layer, live, k, v)
-            o_buf.fill(0xFF)
-            gp.decode_attention(q_dev, o_dev, layer)
-            gp.check()
-            got = o_dev.to_numpy()
-            want = kvcore_attention(q[:len(live)], cp, layer, seqs=live)
-            np.testing.assert_allclose(got[:len(live)], want, rtol=2e-5, atol=2e-5)
-            for i, x in enumerate(live):   # error against float64: at most ~the CPU's
-                ref = reference64(q[i], cp.dequantize(x, layer, "k", pending=True),
-                                  cp.dequantize(x, layer, "v", pending=True))
-                err, cpu_err = np.abs(got[i] - ref).max(), np.abs(want[i] - ref).max()
-                assert err <= 2 * cpu_err + 4 * 2**-24 * np.abs(ref).max()
-            assert (got[len(live):] == 0).all()
-        gp.advance(), cp.advance(live)
-    assert gp.length(d) == 1 and gp.length(e) == 0
-    q_buf.free(), o_buf.free()
+    short, empty, long_, new = (cp.new_sequence() for _ in range(4))
+    normal = lambda n: rng.standard_normal((n, Hkv, head_dim)).astype(np.float32)
+    before = [5, max_pages * ps - 3]
+    cp.append_batch(0, [short, long_], normal(sum(before)), normal(sum(before)), before)
+    cp.advance([short, long_])
+    for x in (short, empty, long_, new):
+        assert gp.bring_back(cp, x) == x if cp.length(x) else gp.new_sequence() == x
+    seqs, counts = [short, empty, long_, new], [2, 0, 3, 1]
+    gp.begin_step(seqs, counts)
+    k, v = normal(6), normal(6)
+    kd, vd = dev(gpu, k), dev(gpu, v)
+    gp.append(0, kd, vd)
+    live = [x for x, c in zip(seqs, counts) if c]
+    cp.append_batch(0, seqs, k, v, counts)
+    q = rng.standard_normal((R, Hq, head_dim)).astype(q_dtype)
+    qd = dev(gpu, q)
+    q32 = q.astype(np.float32)[:6]
+    buf = gpu.DeviceBuffer.alloc(4 * R * Hq * (head_dim + 1))
+    out = buf.view((R, Hq, head_dim), np.float32)
+    lse = buf.view((R, Hq), np.float32, offset=4 * R * Hq * head_dim)
+    scale = 1 / np.sqrt(head_dim)
+    for causal in (True, False):
+        buf.fill(0xFF)
+        gp.decode_attention(qd, out, 0, lse=lse, causal=causal)
+        gp.check()
+        got, got_lse = out.to_numpy(), lse.to_numpy()
+        want, want_lse = kvcore_attention(q32, cp, 0, seqs=seqs, counts=counts, causal=causal,
+                                          return_lse=True)
+        np.testing.assert_allclose(got[:6], want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got_lse[:6], want_lse, rtol=2e-6, atol=2e-6)
+        assert (got[6:] == 0).all() and (got_lse[6:] == -np.inf).all()
+        r = 0
+        for x, c in zip(seqs, counts):
+            kk, vv = (cp.dequantize(x, 0, w, pending=True) for w in ("k", "v"))
+            for t in range(c):
+                n = len(kk) - c + t + 1 if causal else len(kk)
+                ref, ref_lse = reference64(q32[r], kk[:n], vv[:n], scale)
+                err, cpu_err = np.abs(got[r] - ref).max(), np.abs(want[r] - ref).max()
+                assert err <= 2 * cpu_err + 4 * 2**-24 * np.abs(ref).max(), (x, t)
+                assert np.abs(got_lse[r] - ref_lse).max() <= 4e-6 * (1 + np.abs(ref_lse).max())
+                r += 1
+    gp.advance(), cp.advance(live)
+    assert gp.length(new) == 1 and gp.length(empty) == 0 and gp.length(long_) == max_pages * ps
+    buf.free()
+    gp.free()
+
+
+def test_decode_attention_head_dims(gpu):
+    """Every multiple of 16 up to 256 has a decode kernel; another head_dim keeps the pool
+    (append, pages) but its decode_attention refuses, naming the supported ones."""
+    from kvcore.gpu.attention import HEAD_DIMS
+    assert HEAD_DIMS == tuple(range(16, 257, 16))
+    gp = gpu.GpuKVPool(spec("f16").replace(head_dim=40), 4, PS, max_batch=1, max_pages_per_seq=1)
+    q = gpu.DeviceBuffer.alloc(2 * H * 40 * 4)
+    with pytest.raises(FormatError, match="head_dim a multiple of 16 from 16 to 256, got 40"):
+        gp.decode_attention(q.view((1, H, 40), np.float32), q.view((1, H, 40), np.float32), 0)
+    q.free()
     gp.free()
 
 
 def test_decode_attention_refusals(gpu):
     gp, _ = pools(gpu, "f16")
     q = gpu.DeviceBuffer.alloc(4 * H * D * 4)
-    with pytest.raises(ShapeError, match=r"invalid q: expected float32 \[4, 2, 64\]"):
-        gp.decode_attention(q.view((2, H, D), np.float32), q.view((2, H, D), np.float32), 0)
+    with pytest.raises(ShapeError, match=r"invalid q: expected float32, float16 or bfloat16 "
+                                         r"\[R, 2, 64\] with 1 <= R <= 12"):
+        gp.decode_attention(q.view((2, H, 2 * D), np.float32), q.view((2, H, D), np.float32), 0)
     with pytest.raises(ShapeError, match="invalid out"):
         gp.decode_attention(q.view((4, H, D), np.float32), q.view((4, H, D), np.int32), 0)
+    with pytest.raises(ShapeError, match=r"invalid shape of lse: expected \[4, 2\]"):
+        gp.decode_attention(q.view((4, H, D), np.float32), q.view((4, H, D), np.float32), 0,
+                            lse=q.view((4, 4), np.float32))
+    a = gp.new_sequence()
+    gp.begin_step([a], [3])
+    with pytest.raises(ShapeError, match="the step has 3 new tokens, q holds 2 rows"):
+        gp.decode_attention(q.view((2, H, D), np.float32), q.view((2, H, D), np.float32), 0)
+    gp.advance()
     q.free()
     gp.free()

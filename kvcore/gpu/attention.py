@@ -2,18 +2,24 @@
 
 1. Plan once, run many (FlashInfer's plan()/run()): `AttentionPlan(cache, ...)` validates
    the shapes, picks the kernel (format, head_dim, heads per block), chooses the number of
-   splits of the context from the slots, the kv heads and an upper bound of the lengths
-   (the capacity by default) so that a batch of one still fills every SM, and allocates
-   the split workspace. `plan.run(q, out, layer)` only launches (capturable): the split
-   kernel (grid splits x kv-head groups x slots) and, with more than one split, the
-   log-sum-exp merge. Lengths and slot pointers are read on the device (cuda/attention.cuh).
+   splits of the context from the device (SMs x resident blocks) and the batch (slots x
+   kv-head groups), never from the capacity, and allocates the split workspace.
+   `plan.run(q, out, layer)` only launches (capturable): the split kernel (grid splits x
+   kv-head groups x slots) and, with more than one split, the log-sum-exp merge. Lengths
+   and slot pointers are read on the device, and each block computes its split's
+   positions from its slot's length (cuda/attention.cuh): a split past the length exits
+   at once, so the work follows the lengths while the grid stays fixed for graphs.
 2. Inputs: q [M, Hq, D] float32, float16 or bfloat16, C-contiguous device array; out
-   [M, Hq, D] float32, C-contiguous, 16-byte aligned. Slot m attends to positions
-   [0, lengths[m] + pending) of `layer`, where pending (0 or 1) counts the position that
-   `append` wrote for this step before `advance` commits it. A slot with no position
-   gives zeros.
-3. Supported: every format, head_dim 64, 128 or 256, any GQA ratio (query heads of one
-   kv head are processed 8, 4, 2 or 1 per block; the K/V rows are read once per block).
+   [M, Hq, D] float32, C-contiguous, 16-byte aligned; lse (optional) [M, Hq] float32, the
+   natural-log log-sum-exp of each row's scaled scores (as kvcore.decode_attention's).
+   Slot m attends to positions [0, lengths[m] + pending) of `layer`, where pending (0 or
+   1) counts the position that `append` wrote for this step before `advance` commits it.
+   A slot with no position gives zeros (lse -inf).
+3. Supported: every format, head_dim a multiple of 16 up to 256 (HEAD_DIMS; 64, 128 and
+   256 have their own compiled instances, the others share one taking D at run time),
+   any GQA ratio (query heads of one kv head are processed 8, 4, 2 or 1 per block; the
+   K/V rows are read once per block). The same kernel serves GpuKVPool (kvcore/gpu/pool.py)
+   through its paged storage.
 4. `apply_rope(q, cache, k=...)` rotates q (and k) in place at each slot's position
    lengths[m] + offset, read on the device; angles in float64 (cuda/rope.cu).
 """
@@ -29,10 +35,11 @@ from ..errors import DTypeError, FormatError, ShapeError, StateError
 from . import driver, kernels
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0: % 32 too)
+_FIXED_HEAD_DIMS = (64, 128, 256)         # compiled for exactly that D; others: the _dx instance
 THREADS = 128               # threads per block of the split kernel
 TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
-MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions
+MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions (KV_MIN_SPLIT)
 MAX_SPLITS = 256
 MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
 _INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -46,18 +53,21 @@ def heads_per_block(group: int) -> int:
 
 
 def tile_positions(fmt, head_dim: int) -> int:
-    """Positions per tile of the split kernel (4 KiB of K codes)."""
+    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, at most
+    64 positions: cuda/attention.cuh KV_MAX_TILE)."""
     return TILE_BYTES // (head_dim * fmt.code_bytes)
 
 
-def choose_splits(blocks: int, max_length: int, resident: int) -> int:
-    """Splits of the context for `blocks` (slot, kv-head group) pairs when `resident`
-    blocks fit on the GPU at once and no slot holds more than `max_length` positions.
-
-    The fewest splits whose waves of blocks keep 90% of the GPU busy (a count of blocks
-    just past a multiple of `resident` would leave it idle for most of a wave), else the
-    busiest count; no split shorter than MIN_SPLIT_POSITIONS."""
-    cap = max(1, min(MAX_SPLITS, -(-max_length // MIN_SPLIT_POSITIONS)))
+def choose_splits(blocks: int, resident: int, max_length: int | None = None) -> int:
+    """Splits of the context for `blocks` (query row, kv-head group) pairs when `resident`
+    blocks fit on the GPU at once: the fewest splits whose waves of blocks keep 90% of the
+    GPU busy (a count of blocks just past a multiple of `resident` would leave it idle for
+    most of a wave), else the busiest count, at most MAX_SPLITS. Lengths are not needed:
+    each block takes ceil(n / splits) of its row's n positions, at least
+    MIN_SPLIT_POSITIONS, on the device, so short rows leave later splits empty (they exit
+    at once). max_length, an optional bound of every n, caps the splits to those that can
+    hold positions."""
+    cap = MAX_SPLITS if max_length is None else max(1, min(MAX_SPLITS, -(-max_length // MIN_SPLIT_POSITIONS)))
     best, best_eff = 1, 0.0
     for s in range(1, cap + 1):
         total = blocks * s
@@ -67,6 +77,35 @@ def choose_splits(blocks: int, max_length: int, resident: int) -> int:
         if eff > best_eff:
             best, best_eff = s, eff
     return best
+
+
+def check_head_dim(head_dim: int, what: str) -> None:
+    """FormatError naming the supported head_dims unless the decode kernel takes head_dim."""
+    if head_dim not in HEAD_DIMS:
+        raise FormatError(f"{what} needs head_dim a multiple of 16 from 16 to 256, got {head_dim}")
+
+
+def split_kernel(fmt_name: str, head_dim: int, group: int, ctx, *, paged: bool):
+    """(function, heads per block, resident blocks on the device) of the split kernel for
+    a GpuKVCache (paged=False) or a GpuKVPool (paged=True)."""
+    gb = heads_per_block(group)
+    d = head_dim if head_dim in _FIXED_HEAD_DIMS else "x"
+    fn = kernels.function(f"attention_{fmt_name}",
+                          f"kv_{'pattn' if paged else 'attn'}_{fmt_name}_d{d}_g{gb}", ctx)
+    with ctx:
+        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", fn, THREADS, 0)
+    return fn, gb, max(1, per_sm) * ctx.sm_count
+
+
+def check_lse(lse, rows: int, hq: int, stream, ctx) -> int:
+    """Device address of an optional lse output float32 [rows, hq], C-contiguous (0: None)."""
+    if lse is None:
+        return 0
+    a = as_device_array(lse, "lse", stream=stream, ctx=ctx)
+    _check_array("lse", a, (rows, hq))
+    if a.dtype != np.float32:
+        raise DTypeError(f"invalid dtype of lse: expected float32, got {a.dtype}")
+    return a.ptr
 
 
 def _input_dtype_id(name: str, x: DeviceArray) -> int:
@@ -90,17 +129,17 @@ class AttentionPlan:
     """Decode attention over every slot of one GpuKVCache (any layer), planned once.
 
     cache: the GpuKVCache; q_dtype: "float32", "float16" or "bfloat16" (the dtype of the q
-    given to run); max_length: an upper bound of every slot's length while the plan is
-    used (default: the capacity), only used to choose the splits; scale: the softmax scale
-    (default 1/sqrt(head_dim)); num_splits: force the number of splits (tests, tuning).
+    given to run); max_length: an optional upper bound of every slot's length while the
+    plan is used, which only caps the number of splits (the default plans from the
+    device and the batch alone); scale: the softmax scale (default 1/sqrt(head_dim));
+    num_splits: force the number of splits (tests, tuning).
     The plan owns its workspace; `free()` releases it (also when garbage-collected).
     """
 
     def __init__(self, cache, *, q_dtype: str = "float16", max_length: int | None = None,
                  scale: float | None = None, num_splits: int | None = None):
         spec = cache.spec
-        if spec.head_dim not in HEAD_DIMS:
-            raise FormatError(f"GPU decode attention needs head_dim 64, 128 or 256, got {spec.head_dim}")
+        check_head_dim(spec.head_dim, "GPU decode attention")
         if q_dtype not in _INPUT_DTYPES:
             raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
         self.cache = cache
@@ -114,21 +153,16 @@ class AttentionPlan:
                              f"over several caches")
         self.shape = (M, Hq, D)
         self.group = spec.group_size
-        self.gb = heads_per_block(self.group)
         self.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         if not math.isfinite(self.scale):
             raise ShapeError(f"invalid scale: expected a finite float, got {scale!r}")
         ctx = cache.ctx
-        self._fn = kernels.function(f"attention_{spec.format}",
-                                    f"kv_attn_{spec.format}_d{D}_g{self.gb}", ctx)
+        self._fn, self.gb, self.resident = split_kernel(spec.format, D, self.group, ctx, paged=False)
         self._fn_merge = kernels.function("attention", "kv_attn_merge", ctx)
-        with ctx:
-            per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self._fn, THREADS, 0)
-        self.resident = max(1, per_sm) * ctx.sm_count
         self.blocks = M * Hkv * (self.group // self.gb)
-        bound = spec.capacity if max_length is None else check_index("max_length", max_length, spec.capacity + 1)
+        bound = None if max_length is None else max(1, check_index("max_length", max_length, spec.capacity + 1))
         if num_splits is None:
-            self.num_splits = choose_splits(self.blocks, max(bound, 1), self.resident)
+            self.num_splits = choose_splits(self.blocks, self.resident, bound)
         else:
             self.num_splits = check_index("num_splits", num_splits, MAX_SPLITS + 1)
             if self.num_splits == 0:
@@ -146,10 +180,12 @@ class AttentionPlan:
         return 0 if self._ws is None else self._ws.nbytes
 
     @driver.in_context
-    def run(self, q, out, layer: int, *, pending: int = 0, stream=None) -> None:
+    def run(self, q, out, layer: int, *, pending: int = 0, lse=None, stream=None) -> None:
         """out = softmax(scale * q K^T) V per slot and query head, for `layer` (launch only;
         capturable). q: [M, Hq, D] of the plan's q_dtype, C-contiguous; out: [M, Hq, D]
-        float32, C-contiguous. pending: 0 or 1 uncommitted positions to include."""
+        float32, C-contiguous; lse: None or float32 [M, Hq], C-contiguous, gets the natural
+        log-sum-exp of each row's scaled scores (-inf for an empty slot). pending: 0 or 1
+        uncommitted positions to include."""
         c = self.cache
         if self.freed:
             raise StateError("use of a freed AttentionPlan: make a new plan")
@@ -170,26 +206,16 @@ class AttentionPlan:
             raise ShapeError(f"invalid address of out: 0x{out.ptr:x} is not 16-byte aligned")
         if q.ptr % q.dtype.itemsize:
             raise ShapeError(f"invalid address of q: 0x{q.ptr:x} is not {q.dtype.itemsize}-byte aligned")
-        self._launch(q.ptr, out.ptr, layer, pending, st)
-
-    def _launch(self, q_ptr: int, out_ptr: int, layer: int, pending: int, stream) -> None:
-        c, s = self.cache, self.cache.spec
-        M, Hq, D = self.shape
-        ns = self.num_splits
-        driver.launch(self._fn, (ns, s.num_kv_heads * (self.group // self.gb), M), (THREADS, 1, 1), [
+        lse_ptr = check_lse(lse, self.shape[0], self.shape[1], st, c.ctx)
+        s = c.spec
+        storage = [
             (c.k_ptrs(layer).ptr, None), (c.v_ptrs(layer).ptr, None),
             (c.k_scale_ptrs(layer).ptr, None), (c.v_scale_ptrs(layer).ptr, None),
-            (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int),
-            (q_ptr, None), (_INPUT_DTYPES[self.q_dtype], ctypes.c_int), (Hq, ctypes.c_int),
-            (self.group, ctypes.c_int), (self.scale * _LOG2E, ctypes.c_float),
-            (out_ptr, None), (self._ws_o, None), (self._ws_lse, None),
-        ], stream=stream)
-        if ns > 1:
-            driver.launch(self._fn_merge, (M * Hq, 1, 1), (D, 1, 1), [
-                (self._ws_o, None), (self._ws_lse, None), (out_ptr, None),
-                (ns, ctypes.c_int), (D, ctypes.c_int),
-            ], stream=stream)
-        c.launched_on(stream)
+            (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int)]
+        launch_split(self._fn, self._fn_merge, storage, self.shape, s.num_kv_heads, self.group,
+                     self.gb, self.num_splits, q.ptr, _INPUT_DTYPES[self.q_dtype], self.scale,
+                     out.ptr, lse_ptr, self._ws_o, self._ws_lse, st)
+        c.launched_on(st)
 
     @property
     def freed(self) -> bool:
@@ -205,6 +231,24 @@ class AttentionPlan:
     def __repr__(self):
         return (f"AttentionPlan(shape={list(self.shape)}, q_dtype={self.q_dtype}, "
                 f"heads_per_block={self.gb}, num_splits={self.num_splits})")
+
+
+def launch_split(fn, fn_merge, storage: list, shape: tuple[int, int, int], hkv: int, group: int,
+                 gb: int, nsplit: int, q_ptr: int, q_dtype: int, scale: float, out_ptr: int,
+                 lse_ptr: int, ws_o: int, ws_lse: int, stream) -> None:
+    """Launches the split kernel `fn` over R = shape[0] query rows, with its storage's
+    arguments first (cuda/attention.cuh), then the merge when nsplit > 1."""
+    R, Hq, D = shape
+    driver.launch(fn, (nsplit, hkv * (group // gb), R), (THREADS, 1, 1), storage + [
+        (D, ctypes.c_int), (q_ptr, None), (q_dtype, ctypes.c_int), (Hq, ctypes.c_int),
+        (group, ctypes.c_int), (scale * _LOG2E, ctypes.c_float),
+        (out_ptr, None), (lse_ptr, None), (ws_o, None), (ws_lse, None),
+    ], stream=stream)
+    if nsplit > 1:
+        driver.launch(fn_merge, (R * Hq, 1, 1), (D, 1, 1), [
+            (ws_o, None), (ws_lse, None), (out_ptr, None), (lse_ptr, None),
+            (nsplit, ctypes.c_int), (D, ctypes.c_int),
+        ], stream=stream)
 
 
 def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale: float | None = None,

@@ -13,6 +13,8 @@
 3. Step metadata, one device allocation of fixed address and capacity:
        block_tables int32 [max_batch][max_pages_per_seq]  (-1 past a sequence's pages)
        lengths      int32 [max_batch]     positions each row holds once the step is written
+       q_offsets    int32 [max_batch + 1] CSR: the step's new tokens (input rows) of row b
+                                          are [q_offsets[b], q_offsets[b + 1])
        slot_mapping int64 [max_batch * max_tokens]  the slot of each input row, -1 padding
        status       int32                  device error bits (kept apart from the rest)
    `begin_step` writes them into a host staging array of the same layout and copies it in
@@ -22,6 +24,10 @@
    and replays it between begin_step and advance.
 4. One call at a time (CallGuard, as the CPU KVPool): every public call that writes the
    pool or reads its tables refuses a second thread with StateError (`_one_call`).
+5. Decode attention: the split kernel of the GpuKVCache (cuda/attention.cuh) reading the
+   pages through the block tables (its paged storage), for every new token of the step
+   (causal), splits fixed at construction from the device and max_batch (workspace
+   allocated once), so `decode_attention` only launches.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ from ..pool import _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
+from .attention import (MAX_GRID_Z, check_head_dim, check_lse, choose_splits,
+                        launch_split, split_kernel, _INPUT_DTYPES)
 from .cache import _check_input
 from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
@@ -112,7 +120,8 @@ class GpuKVPool:
         data_bytes = off
         B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
         self.meta_offsets = {"block_tables": 0, "lengths": _align(4 * B * M)}
-        self.meta_offsets["slot_mapping"] = self.meta_offsets["lengths"] + _align(4 * B)
+        self.meta_offsets["q_offsets"] = self.meta_offsets["lengths"] + _align(4 * B)
+        self.meta_offsets["slot_mapping"] = self.meta_offsets["q_offsets"] + _align(4 * (B + 1))
         self.meta_offsets["status"] = self.meta_offsets["slot_mapping"] + _align(8 * T)
         meta_bytes = self.meta_offsets["status"] + 256
         self.ctx = Context.get(device)
@@ -122,33 +131,73 @@ class GpuKVPool:
     def _create(self, data_bytes: int, meta_bytes: int) -> None:
         # kernels first: a driver that cannot load them leaves nothing behind
         self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
-        self._fn_decode = kernels.function("paged", "kv_paged_decode", self.ctx)
         driver.refuse_while_capturing("GpuKVPool()")
+        self._plan_decode()
         P, ps = self.num_pages, self.page_size
         B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
         free, _ = self.ctx.mem_get_info()
-        if data_bytes + meta_bytes > free:
+        ws_bytes = self._ws_bytes()
+        if data_bytes + meta_bytes + ws_bytes > free:
             raise SpecError(f"GpuKVPool of {P} pages of {ps} positions needs "
-                            f"{data_bytes + meta_bytes} bytes, the device has {free} free")
+                            f"{data_bytes + meta_bytes + ws_bytes} bytes, the device has "
+                            f"{free} free")
         self.stream = Stream.create(self.ctx)
         self.generation = 0
+        self._ws: DeviceBuffer | None = None
         try:
             self._data = DeviceBuffer.alloc(data_bytes, ctx=self.ctx)
             self._meta = DeviceBuffer.zeros(meta_bytes, ctx=self.ctx)
+            if ws_bytes:
+                self._ws = DeviceBuffer.alloc(ws_bytes, ctx=self.ctx)
         except BaseException:
-            if hasattr(self, "_data"):
-                self._data.free()
+            for buf in ("_meta", "_data"):
+                if hasattr(self, buf):
+                    getattr(self, buf).free()
             self.stream.destroy()
             raise
-        # host staging of [block tables][lengths][slot mapping], page-aligned
+        # host staging of [block tables][lengths][q offsets][slot mapping], page-aligned
         self._staging = zeroed_pages(self.meta_offsets["status"])
         self._host_tables = self._view_staging("block_tables", (B, M), np.int32)
         self._host_lengths = self._view_staging("lengths", (B,), np.int32)
+        self._host_q_offsets = self._view_staging("q_offsets", (B + 1,), np.int32)
         self._host_slots = self._view_staging("slot_mapping", (T,), np.int64)
         self._host_tables[:] = -1
         self._host_slots[:] = -1
         self._meta.copy_from_host(self._staging)
         self._step: tuple[list[int], list[int]] | None = None
+
+    def _plan_decode(self) -> None:
+        """The decode kernel and its splits, fixed for the pool's life: splits from the
+        device and max_batch (one token per sequence) alone, never from lengths (each block
+        takes its share of its row's length on the device). A head_dim the kernel does not
+        take leaves decode_attention refusing (append and the rest work)."""
+        s = self.spec
+        self._decode_error: Exception | None = None
+        self._fn_decode = self._fn_merge = None
+        self.num_splits = 1
+        rows = self.max_batch * self.max_tokens
+        try:
+            check_head_dim(s.head_dim, "GpuKVPool.decode_attention")
+        except FormatError as e:
+            self._decode_error = e
+            return
+        if rows > MAX_GRID_Z:
+            self._decode_error = ShapeError(
+                f"GpuKVPool.decode_attention takes at most {MAX_GRID_Z} query rows (the grid's "
+                f"z dimension), max_batch x max_tokens is {rows}")
+            return
+        self._fn_decode, self._gb, resident = split_kernel(s.format, s.head_dim, s.group_size,
+                                                           self.ctx, paged=True)
+        self._fn_merge = kernels.function("attention", "kv_attn_merge", self.ctx)
+        blocks = self.max_batch * s.num_kv_heads * (s.group_size // self._gb)
+        self.num_splits = choose_splits(blocks, resident, self.max_pages_per_seq * self.page_size)
+
+    def _ws_bytes(self) -> int:
+        """Bytes of the split workspace: o [rows][Hq][splits][D] and lse [rows][Hq][splits]."""
+        if self.num_splits == 1:
+            return 0
+        s = self.spec
+        return 4 * self.max_batch * self.max_tokens * s.num_heads * self.num_splits * (s.head_dim + 1)
 
     def _view_staging(self, name: str, shape, dtype) -> np.ndarray:
         off = self.meta_offsets[name]
@@ -188,8 +237,8 @@ class GpuKVPool:
 
     @property
     def memory_bytes(self) -> int:
-        """Device bytes allocated (data and metadata)."""
-        return self._data.nbytes + self._meta.nbytes
+        """Device bytes allocated (data, metadata and the decode's split workspace)."""
+        return self._data.nbytes + self._meta.nbytes + (0 if self._ws is None else self._ws.nbytes)
 
     # ------------------------------------------------------------------ device views
 
@@ -208,6 +257,13 @@ class GpuKVPool:
         """Device int32 [max_batch]: positions row b holds once the step is written (0 past
         the step's sequences)."""
         return self._meta_view("lengths", (self.max_batch,), np.int32)
+
+    @property
+    def q_offsets(self) -> DeviceArray:
+        """Device int32 [max_batch + 1]: the step's input rows of row b are
+        [q_offsets[b], q_offsets[b + 1]) (written by begin_step; the total past the
+        step's sequences)."""
+        return self._meta_view("q_offsets", (self.max_batch + 1,), np.int32)
 
     @property
     def slot_mapping(self) -> DeviceArray:
@@ -366,6 +422,9 @@ class GpuKVPool:
         self._host_tables[:] = -1
         self._host_lengths[:] = 0
         self._host_slots[:] = -1
+        self._host_q_offsets[0] = 0
+        self._host_q_offsets[1:] = sum(counts)
+        self._host_q_offsets[1:len(counts) + 1] = np.cumsum(counts)
         for b, (s, c) in enumerate(zip(seqs, counts)):
             pages = self._table.get(s).pages
             n = self._table.get(s).length + c
@@ -419,43 +478,64 @@ class GpuKVPool:
 
     @_one_call
     @driver.in_context
-    def decode_attention(self, q, out, layer: int, *, scale: float | None = None,
-                         stream=None) -> None:
-        """Attention of one new query token per row b of the step over positions
-        [0, lengths[b]) of `layer`, read through block_tables[b] in the storage's format
-        (rows past the step's sequences, and empty ones, give zeros). Launch only (no sync;
-        capturable): call it after `append` of the layer, before `advance`.
-        q, out: device float32 [max_batch, Hq, D], C-contiguous. scale: default 1/sqrt(D).
-        Needs D % 32 == 0 and D <= 256 (SpecError)."""
+    def decode_attention(self, q, out, layer: int, *, lse=None, causal: bool = True,
+                         scale: float | None = None, stream=None) -> None:
+        """Attention of the step's new tokens over `layer` of their sequences, read through
+        the block tables in the storage's format. Input row r (as append's: sequence b's
+        tokens are rows [q_offsets[b], q_offsets[b + 1]), in begin_step's order) is token
+        t of the T_b new tokens of b, and sees positions [0, lengths[b] - T_b + t + 1)
+        (causal; causal=False: all lengths[b]), as kvcore.decode_attention on the CPU pool.
+        Launch only (no sync; capturable): call it after `append` of the layer, before
+        `advance`. q: device [R, Hq, D] float32, float16 or bfloat16, C-contiguous, R <=
+        max_batch * max_tokens (rows past the step's tokens give zeros; a step with more
+        tokens than R is refused); out: float32 [R, Hq, D], C-contiguous, 16-byte aligned;
+        lse: None or float32 [R, Hq], the natural log-sum-exp of each row's scaled scores
+        (-inf for a row that sees nothing). scale: default 1/sqrt(D). FormatError for a
+        head_dim the kernel does not take (kvcore.gpu.attention.HEAD_DIMS)."""
         self._alive()
+        if self._decode_error is not None:
+            raise self._decode_error
         s = self.spec
         layer = check_index("layer", layer, s.num_layers)
-        if s.head_dim % 32 or s.head_dim > 256:
-            raise SpecError(f"GpuKVPool.decode_attention needs head_dim a multiple of 32 up to "
-                            f"256, got {s.head_dim}")
         scale = _check_scale(scale, s.head_dim)
         st = self.stream if stream is None else stream
-        shape = (self.max_batch, s.num_heads, s.head_dim)
-        arrays = []
-        for name, x in (("q", q), ("out", out)):
-            x = as_device_array(x, name, stream=st)
-            if x.dtype != np.float32 or x.shape != shape or not x.is_c_contiguous:
-                raise ShapeError(f"invalid {name}: expected float32 {list(shape)} C-contiguous, "
-                                 f"got {x.dtype} {list(x.shape)} strides {list(x.strides)}")
-            arrays.append(x)
-        rows = self.num_pages * self.page_size
-        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] for r in REGIONS]
+        qa = as_device_array(q, "q", stream=st)
+        rows_max = self.max_batch * self.max_tokens
+        R = qa.shape[0] if qa.ndim == 3 else 0
+        if (qa.ndim != 3 or not 1 <= R <= rows_max or qa.shape[1:] != (s.num_heads, s.head_dim)
+                or qa.dtype.name not in _INPUT_DTYPES or not qa.is_c_contiguous
+                or qa.ptr % qa.dtype.itemsize):
+            raise ShapeError(f"invalid q: expected float32, float16 or bfloat16 [R, {s.num_heads}, "
+                             f"{s.head_dim}] with 1 <= R <= {rows_max}, C-contiguous, got "
+                             f"{qa.dtype} {list(qa.shape)} strides {list(qa.strides)}")
+        if self._step is not None and sum(self._step[1]) > R:
+            raise ShapeError(f"invalid q: the step has {sum(self._step[1])} new tokens, q holds "
+                             f"{R} rows")
+        oa = as_device_array(out, "out", stream=st)
+        if oa.dtype != np.float32 or oa.shape != qa.shape or not oa.is_c_contiguous or oa.ptr % 16:
+            raise ShapeError(f"invalid out: expected float32 {list(qa.shape)} C-contiguous, "
+                             f"16-byte aligned, got {oa.dtype} {list(oa.shape)} strides "
+                             f"{list(oa.strides)} at 0x{oa.ptr:x}")
+        lse_ptr = check_lse(lse, R, s.num_heads, st, self.ctx)
+        n_rows = self.num_pages * self.page_size
+        base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] for r in REGIONS]
         if not s.fmt.quantized:
             base[2] = base[3] = 0
         meta = self._meta.ptr
-        driver.launch(self._fn_decode, (s.num_heads, self.max_batch, 1), (128, 1, 1), [
-            (arrays[0].ptr, None), (arrays[1].ptr, None), *((b, None) for b in base),
-            (meta + self.meta_offsets["block_tables"], None),
-            (meta + self.meta_offsets["lengths"], None),
-            (self.max_pages_per_seq, ctypes.c_int), (self.page_size, ctypes.c_int),
-            (s.fmt.id, ctypes.c_int), (s.num_heads, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
-            (s.head_dim, ctypes.c_int), (scale, ctypes.c_float),
-        ], stream=st)
+        storage = [*((b, None) for b in base),
+                   (meta + self.meta_offsets["block_tables"], None),
+                   (self.max_pages_per_seq, ctypes.c_int),
+                   (meta + self.meta_offsets["lengths"], None),
+                   (meta + self.meta_offsets["q_offsets"], None),
+                   (self.max_batch, ctypes.c_int), (self.page_size, ctypes.c_int),
+                   (s.num_kv_heads, ctypes.c_int), (int(bool(causal)), ctypes.c_int)]
+        ws_o = ws_lse = 0
+        if self._ws is not None:
+            ws_o = self._ws.ptr
+            ws_lse = ws_o + 4 * R * s.num_heads * self.num_splits * s.head_dim
+        launch_split(self._fn_decode, self._fn_merge, storage, qa.shape, s.num_kv_heads,
+                     s.group_size, self._gb, self.num_splits, qa.ptr, _INPUT_DTYPES[qa.dtype.name],
+                     scale, oa.ptr, lse_ptr, ws_o, ws_lse, st)
 
     @_one_call
     @driver.in_context
@@ -594,6 +674,8 @@ class GpuKVPool:
         self.stream.synchronize()
         self._meta.free()
         self._data.free()
+        if self._ws is not None:
+            self._ws.free()
         self.stream.destroy()
         self.generation += 1
 
