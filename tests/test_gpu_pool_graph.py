@@ -96,7 +96,7 @@ def test_replay_while_sequences_join_finish_fork_equals_eager_and_cpu_pool(gpu, 
 
     def decode(seqs):
         n = len(seqs)
-        q = rng.standard_normal((L, n, HQ, D)).astype(np.float32)
+        q = rng.standard_normal((L, n, HQ, D)).astype(np.float16)
         k = rng.standard_normal((L, n, H, D)).astype(np.float16)
         v = rng.standard_normal((L, n, H, D)).astype(np.float16)
         positions = np.array([cpu.length(s) for s in seqs])
@@ -107,10 +107,10 @@ def test_replay_while_sequences_join_finish_fork_equals_eager_and_cpu_pool(gpu, 
             assert x.tobytes() == y.tobytes(), f"layer {layer}: replay != eager"
             assert (x[n:] == 0).all()                        # padding rows: zero length
         for layer in range(L):
-            q_rot = graphed.graph.q(layer).to_numpy()[:n]
+            q_rot = graphed.graph.q(layer).to_numpy()[:n].astype(np.float32)
             k_rot = graphed.graph.k(layer).to_numpy()[:n]
-            want_q = cpu_rope(q[layer].copy(), positions)
-            np.testing.assert_allclose(q_rot, want_q, rtol=1e-5, atol=1e-5)
+            want_q = cpu_rope(q[layer].astype(np.float32), positions)
+            np.testing.assert_allclose(q_rot, want_q, rtol=2e-3, atol=2e-3)
             want_k = cpu_rope(k[layer].astype(np.float32), positions)
             np.testing.assert_allclose(k_rot.astype(np.float32), want_k, rtol=2e-3, atol=2e-3)
             cpu.append_batch(layer, seqs, k_rot, v[layer])
@@ -157,7 +157,7 @@ def test_tables_written_after_capture_are_the_ones_read(gpu, rng):
     a, b = side.pool.new_sequence(), side.pool.new_sequence()
     cpu.new_sequence(), cpu.new_sequence()
     prefill(gpu, (side,), cpu, [a, b], [6, 1], rng)
-    one_q = rng.standard_normal((HQ, D)).astype(np.float32)
+    one_q = rng.standard_normal((HQ, D)).astype(np.float16).astype(np.float32)   # exact in the f16 q
     tables = []
 
     def decode(seqs):
@@ -196,7 +196,7 @@ def test_pool_graph_refusals(gpu, rng):
         gpu.DecodeGraph(pool, max_length=8)
     graph = gpu.DecodeGraph(pool, dtype="bfloat16")
     assert graph.plan is None and graph.rows == B and graph.stream is pool.stream
-    assert graph.q(0).dtype == np.float32 and graph.k(1).shape == (B, H, D)
+    assert graph.q(0).dtype == graph.k(1).dtype and graph.k(1).shape == (B, H, D)
     with pytest.raises(StateError, match="no active set"):
         graph.active
     a = pool.new_sequence()

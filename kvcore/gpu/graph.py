@@ -3,8 +3,7 @@ over a GpuKVCache (M slots) or a GpuKVPool (max_batch rows of a paged step).
 
 1. Fixed buffers (graph mode means fixed addresses): the graph owns one device allocation
    holding, per layer, q [R, Hq, D] and k, v [R, Hkv, D] in `dtype`, and out [R, Hq, D]
-   float32 (R rows: the cache's slots, or the pool's max_batch; over a pool q is float32,
-   what its decode reads). The caller writes q/k/v of the next token between replays and
+   float32 (R rows: the cache's slots, or the pool's max_batch). The caller writes q/k/v of the next token between replays and
    reads out.
 2. The captured step, on the graph's stream, is for each layer
        RoPE on q and k at each row's new position  (skipped with rope=False)
@@ -112,15 +111,14 @@ class _CacheSteps:
 
 class _PoolSteps:
     """The storage part of a DecodeGraph over a GpuKVPool: row b is the b-th sequence of the
-    step begun by `pool.begin_step` (one position each); q float32 (the pool's decode
-    reads float32); runs on the pool's stream, which begin_step synchronises before it
+    step begun by `pool.begin_step` (one position each); runs on the pool's stream, which begin_step synchronises before it
     rewrites the tables; the advance is the host's `pool.advance()`."""
 
-    def __init__(self, pool, scale, max_length):
+    def __init__(self, pool, dtype, scale, max_length):
         if max_length is not None:
             raise SpecError("max_length applies to a GpuKVCache's AttentionPlan; a GpuKVPool's "
                             "decode reads each row's length on the device")
-        self.store, self.rows, self.q_dtype = pool, pool.max_batch, "float32"
+        self.store, self.rows, self.q_dtype = pool, pool.max_batch, dtype
         self.plan = None
         self._scale = scale
         self.stream, self.owns_stream = pool.stream, False
@@ -173,9 +171,8 @@ class DecodeGraph:
     slot m) or a GpuKVPool (row b = the b-th sequence of `pool.begin_step`, up to
     max_batch).
 
-    dtype: dtype of the q/k/v buffers ("float32", "float16", "bfloat16"; q is float32 over
-    a pool); rope: apply RoPE (theta, style, rotary_dim as in apply_rope) before the
-    append; scale: softmax scale (default 1/sqrt(head_dim)); max_length: as in
+    dtype: dtype of the q/k/v buffers ("float32", "float16", "bfloat16"); rope: apply RoPE
+    (theta, style, rotary_dim as in apply_rope) before the append; scale: softmax scale (default 1/sqrt(head_dim)); max_length: as in
     AttentionPlan (cache only). Over a cache the graph runs on its own stream unless
     `stream` is given to replay/step_eager; over a pool on the pool's stream.
     """
@@ -191,7 +188,7 @@ class DecodeGraph:
             driver.refuse_while_capturing("DecodeGraph()", storage.stream)
             if isinstance(storage, GpuKVPool):
                 storage._alive()
-                self._steps = _PoolSteps(storage, scale, max_length)
+                self._steps = _PoolSteps(storage, dtype, scale, max_length)
             else:
                 self._steps = _CacheSteps(storage, dtype, scale, max_length)
             with self._steps.guard("DecodeGraph()"):
@@ -238,8 +235,7 @@ class DecodeGraph:
                               offset=layer * self._layer_bytes + self._offsets[which])
 
     def q(self, layer: int) -> DeviceArray:
-        """The q input of `layer`: [R, Hq, D] of the graph's dtype (float32 over a pool),
-        rotated in place."""
+        """The q input of `layer`: [R, Hq, D] of the graph's dtype, rotated in place."""
         return self._view(0, layer)
 
     def k(self, layer: int) -> DeviceArray:
