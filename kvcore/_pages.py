@@ -289,7 +289,10 @@ class PageTable:
     def plan_write(self, layer: int | None, ids: list[int], counts: list[int]) -> WritePlan:
         """Checks a write of counts[b] positions after the held ones of sequence ids[b] in
         `layer` (None: after the committed ones, for every layer: a reservation) and plans
-        it; changes nothing. Raises StateError (unknown or repeated sequence),
+        it; changes nothing. A write into a page that others hold copies it first; when
+        several of the call's sequences hold it, each but the last copies it and the last
+        writes in place, as one call per sequence would (the caller makes every copy
+        before it writes a row). Raises StateError (unknown or repeated sequence),
         CapacityError (a sequence past `capacity`, or too few free pages for the call)."""
         ps, refs, table = self.page_size, self.refs, self.seqs
         pick: _Taker | None = None   # made when a page is needed
@@ -304,6 +307,7 @@ class PageTable:
             raise StateError(f"sequence {twice} appears twice in one write")
         short = []    # (sequence, pages it takes) for the error message
         take = 0
+        moved: dict[int, int] = {}   # page -> holders this call's earlier copies took off it
         for s, t in zip(ids, counts):
             seq = table.get(s) if s.__class__ is int else None
             if seq is None:
@@ -327,7 +331,10 @@ class PageTable:
             pages = seq.pages
             first, last = end // ps, (stop - 1) // ps
             held = len(pages)
-            shared = [i for i in range(first, min(last + 1, held)) if refs[pages[i]] > 1]
+            # a page the call's earlier writes copied away from is shared by fewer: its
+            # last holder writes in place (as one call per sequence would)
+            shared = [i for i in range(first, min(last + 1, held))
+                      if refs[pages[i]] - moved.get(pages[i], 0) > 1]
             new = None
             if shared or last >= held:
                 if pick is None:
@@ -338,6 +345,7 @@ class PageTable:
                     take += 1
                     dst = pick(take)
                     plan.copies.append((pages[i], dst))
+                    moved[pages[i]] = moved.get(pages[i], 0) + 1
                     new[i] = dst
                 for _ in range(held, last + 1):
                     take += 1
@@ -371,6 +379,7 @@ class PageTable:
                         refs[g] = 1
                     elif g != old[i]:       # copied: the source stays with its other holders
                         refs[old[i]] -= 1
+                        assert refs[old[i]] > 0     # plan_write: its last holder keeps it
                         refs[g] = 1
                 seq.pages = new
             if layer is not None:

@@ -51,8 +51,11 @@ def same_snapshot(a, b):
 
 
 def same_pages(gp, cp):
-    """Every held page, every layer and region: the device bytes equal the CPU pool's."""
+    """Every held page, every layer and region: the device bytes equal the CPU pool's;
+    every page no sequence holds is free."""
     assert gp._table.refs == cp._table.refs and gp._table.free == cp._table.free
+    held = {g for seq in cp.sequences for g in cp.page_table(seq).tolist()}
+    assert sorted(gp._table.free) == sorted(set(range(gp.num_pages)) - held)
     for seq in cp.sequences:
         n = cp.length(seq)
         rows = np.array(cp._table.rows(seq, 0, n), np.int64)
@@ -182,6 +185,13 @@ def test_append_fork_truncate_equal_cpu_pool(gpu, rng, fmt):
     same_pages(gp, cp)
     gp.free_sequence(b), cp.free(b)
     step(gpu, gp, cp, [d, c], [1, 2], rng, dtype, keep)
+    same_pages(gp, cp)
+    e = gp.fork(c)                      # c: 14 positions; e shares its 3 full pages
+    assert e == cp.fork(c)
+    for s, n in ((c, 5), (e, 6)):       # both next write into their shared page 1
+        gp.truncate(s, n), cp.truncate(s, n)
+    step(gpu, gp, cp, [e, c], [1, 1], rng, dtype, keep)   # e copies it, c writes in place
+    assert gp.page_table(c)[1] != gp.page_table(e)[1]
     same_pages(gp, cp)
     for s in cp.sequences:
         same_snapshot(gp.snapshot(s), cp.snapshot(s))

@@ -127,7 +127,7 @@ def test_greedy_matches_eager_on_the_same_values(shape1, fmt):
     got_ids, got_logits = _generate(model, "kvcore", cache)
     assert torch.equal(got_ids, want_ids)
     _assert_logits_close(got_logits, want_logits)
-    assert cache.layers[0].kv.spec.format == fmt
+    assert cache.layers[0].pool.spec.format == fmt
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -141,8 +141,9 @@ def test_every_layer_matches_eager_on_the_stored_codes(fmt, monkeypatch):
 
     def checked(module, query, key, value, attention_mask, scaling=None, **kw):
         out, _ = kvcore_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
-        kv = key.layer.kv
-        k, v = (torch.from_numpy(kv.dequantize(0, w)).transpose(0, 1)[None] for w in "kv")
+        layer = key.layer
+        k, v = (torch.from_numpy(layer.pool.dequantize(layer.seqs[0], 0, w)).transpose(0, 1)[None]
+                for w in "kv")
         t, n = query.shape[2], k.shape[2]
         causal = torch.ones(t, n, dtype=torch.bool).tril(n - t)
         mask = torch.zeros(1, 1, t, n).masked_fill(~causal, float("-inf"))
@@ -219,8 +220,9 @@ def test_reset_and_growth():
     grown_cache = _kvcore_cache(model, "int8")
     grown, _ = _generate(model, "kvcore", grown_cache, ids=ids)
     assert torch.equal(first, again) and torch.equal(first, grown)
-    assert grown_cache.layers[0].kv.spec.capacity == 600   # 300 -> 600 at the first decode step
-    assert sized.memory_bytes == 2 * sized.layers[0].kv.memory_bytes
+    # 19 pages of 16 positions to start (300 positions), doubled when position 305 comes
+    assert grown_cache.layers[0].pool.num_pages == 38
+    assert sized.memory_bytes == 2 * sized.layers[0].pool.memory_bytes
 
 
 @pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, "int8"), (torch.bfloat16, "bf16"),
@@ -241,21 +243,168 @@ def test_half_precision_models(dtype, fmt):
     assert err < 0.05, err   # the model dtype's rounding (eager attends in it)
 
 
+LENGTHS = [19, 11, 5]     # the padded batch's prompts (left padded to 19)
+
+
+def _padded(lengths=LENGTHS):
+    """Prompts of these lengths, left padded with token 0 (as generate expects for
+    decoder-only models), and their attention mask."""
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, ids.shape[1] - n:] = _prompt(n, seed=b + 1)[0]
+        mask[b, ids.shape[1] - n:] = 1
+    return ids, mask
+
+
+def _generate_batch(model, impl, cache, ids, mask, **kw):
+    model.set_attn_implementation(impl)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_padded_batch_matches_eager_and_each_row_alone():
+    """Batch 3, left padded: f32 gives eager's tokens and logits per row, each row equals
+    that row generated alone at batch 1, and the pool holds only real positions."""
+    model = _model(8, 2, 128)
+    ids, mask = _padded()
+    want_ids, want_logits = _generate_batch(model, "eager", DynamicCache(), ids, mask)
+    cache = _kvcore_cache(model, "f32")
+    got_ids, got_logits = _generate_batch(model, "kvcore", cache, ids, mask)
+    assert torch.equal(got_ids, want_ids)
+    _assert_logits_close(got_logits, want_logits)
+    for layer in cache.layers:
+        assert [layer.pool.length(s) for s in layer.seqs] == [n + NEW - 1 for n in LENGTHS]
+    assert cache.get_seq_length() == max(LENGTHS) + NEW - 1
+    for b, n in enumerate(LENGTHS):
+        alone_ids, alone_logits = _generate(model, "kvcore", _kvcore_cache(model, "f32"),
+                                            ids=_prompt(n, seed=b + 1))
+        assert torch.equal(alone_ids[0], got_ids[b, max(LENGTHS) - n:])
+        _assert_logits_close(alone_logits[:, 0], got_logits[:, b])
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "f32"])
+def test_padded_batch_matches_eager_on_the_same_values(fmt):
+    """Every other format: eager on the same quantize/dequantize round trip of K/V gives
+    the same tokens and logits, row by row (one layer, as above)."""
+    model = _model(4, 1, 64, layers=1)
+    ids, mask = _padded()
+    want_ids, want_logits = _generate_batch(model, "eager", _reference_cache(model, fmt), ids, mask)
+    got_ids, got_logits = _generate_batch(model, "kvcore", _kvcore_cache(model, fmt), ids, mask)
+    assert torch.equal(got_ids, want_ids)
+    _assert_logits_close(got_logits, want_logits)
+
+
+def test_padded_batch_sampling_and_chunked_prefill():
+    model = _model(4, 4, 64)
+    ids, mask = _padded()
+    torch.manual_seed(5)
+    want, _ = _generate_batch(model, "eager", DynamicCache(), ids, mask, do_sample=True, top_k=50)
+    torch.manual_seed(5)
+    got, _ = _generate_batch(model, "kvcore", _kvcore_cache(model, "f32"), ids, mask,
+                             do_sample=True, top_k=50)
+    assert torch.equal(got, want)
+    # the padded prompt in two chunks (the first cut inside every row's padding but one)
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, past_key_values=_kvcore_cache(model, "int8")).logits
+        cache = _kvcore_cache(model, "int8")
+        parts = [model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+                 for a, b in [(0, 10), (10, 19)]]
+    real = mask.bool()
+    _assert_logits_close(torch.cat(parts, dim=1)[real], whole[real])
+
+
+def test_crop_with_a_padded_batch():
+    """crop(-k) on a batch drops the last k columns of every row (only real positions are
+    stored, so a row drops the real ones among them): running the dropped columns again
+    gives the same logits as the first time. Assisted generation itself is batch 1 in
+    transformers (it refuses a batch, before the cache is touched)."""
+    model = _model(8, 2, 128)
+    ids, mask = _padded()
+    cache = _kvcore_cache(model, "q8_0")
+    steps = torch.randint(0, 1000, (3, 4), generator=torch.Generator().manual_seed(9))
+    full = torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        first = model(steps, attention_mask=full, past_key_values=cache).logits
+        for k in (4, 10):        # the second crop cuts into the prompts and row 2's padding
+            cache.crop(-k)
+            assert cache.get_seq_length() == 23 - k
+            again = model(torch.cat([ids, steps], dim=1)[:, -k:], attention_mask=full,
+                          past_key_values=cache).logits
+            _assert_logits_close(again[:, -4:], first)
+    for layer in cache.layers:
+        assert [layer.pool.length(s) for s in layer.seqs] == [n + 4 for n in LENGTHS]
+    assistant = _model(4, 4, 64, layers=1, seed=7)
+    assistant.set_attn_implementation("sdpa")
+    empty = _kvcore_cache(model, "f32")
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        _generate_batch(model, "kvcore", empty, ids, mask, assistant_model=assistant)
+    assert empty.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("lengths, fmt", [([PROMPT], "int8"), ([19, 8], "f32")],
+                         ids=["batch1-int8", "padded-batch2-f32"])
+def test_beam_search_matches_eager(lengths, fmt):
+    """Beam search reorders rows (reorder_cache) by forking pool sequences: the beams
+    equal eager's (on the same round trip of K/V; one layer for int8, as above)."""
+    model = _model(8, 2, 128, layers=2 if fmt == "f32" else 1)
+    ids, mask = _padded(lengths)
+    want, _ = _generate_batch(model, "eager", _reference_cache(model, fmt), ids, mask, num_beams=3)
+    cache = _kvcore_cache(model, fmt)
+    reorders = []
+    reorder = cache.reorder_cache
+    cache.reorder_cache = lambda idx: (reorders.append(idx.tolist()), reorder(idx))
+    got, _ = _generate_batch(model, "kvcore", cache, ids, mask, num_beams=3)
+    assert torch.equal(got, want)
+    assert any(r != sorted(r) for r in reorders), reorders   # rows really moved
+    layer = cache.layers[0]
+    assert len(layer.seqs) == 3 * len(lengths) == len(layer.pool.sequences)
+
+
+def test_reset_takes_another_batch_size():
+    model = _model(4, 1, 64)
+    ids, mask = _padded()
+    cache = _kvcore_cache(model, "int8")
+    batch, _ = _generate_batch(model, "kvcore", cache, ids, mask)
+    cache.reset()
+    alone, _ = _generate(model, "kvcore", cache, ids=_prompt(11, seed=2))
+    assert torch.equal(alone[0], batch[1, 8:])
+    assert len(cache.layers[0].pool.sequences) == 1
+
+
 def test_refusals():
     model = _model(4, 1, 64)
     with pytest.raises(kvcore.StateError, match="attn_implementation='kvcore'"):
         model.set_attn_implementation("sdpa")
         kvhf.KVCoreCache(model.config)
     cache = _kvcore_cache(model, "int8")
-    # a padded batch is refused before any layer writes
+    # a padded batch: the next step must bring a mask that keeps the held padding, and the
+    # same rows; a refused step writes nothing in any layer
     ids = torch.cat([_prompt(6), _prompt(6, seed=2)])
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    with pytest.raises(kvcore.StateError, match="padding"), torch.no_grad():
+    with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache)
-    assert cache.get_seq_length() == 0
-    with pytest.raises(kvcore.ShapeError, match="batch size 1"), torch.no_grad():
-        model(ids, past_key_values=cache)
+    lengths = lambda: [[layer.pool.length(s) for s in layer.seqs] for layer in cache.layers]
+    assert lengths() == [[6, 4]] * 2
+    step = torch.tensor([[3], [4]])
+    for bad, error, match in [(None, kvcore.StateError, "holds padded rows"),
+                              (torch.ones(2, 7, dtype=torch.long), kvcore.StateError,
+                               "holds padded rows"),
+                              (torch.tensor([[1] * 7, [1, 0, 0] + [1] * 4]), kvcore.StateError,
+                               "changes which held positions"),
+                              (torch.ones(2, 9, dtype=torch.long), kvcore.ShapeError,
+                               "attention_mask"),
+                              (torch.zeros(2, 1, 1, 7), kvcore.StateError, "custom attention mask")]:
+        with pytest.raises(error, match=match), torch.no_grad():
+            model(step, attention_mask=bad, past_key_values=cache)
+        assert cache.get_seq_length() == 6 and lengths() == [[6, 4]] * 2
+    with pytest.raises(kvcore.ShapeError, match="invalid K/V"), torch.no_grad():
+        model(step[:1], past_key_values=cache)           # the batch size changed
+    assert cache.get_seq_length() == 6 and lengths() == [[6, 4]] * 2
+    cache.reset()
     # the kvcore attention without a KVCoreCache, and a KVCoreCache under another attention
     with pytest.raises(kvcore.StateError, match="KVCoreCache"), torch.no_grad():
         model(_prompt(6), past_key_values=DynamicCache())

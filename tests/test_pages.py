@@ -101,6 +101,42 @@ def test_write_into_a_shared_page_copies_it_first():
     check(t)
 
 
+def test_a_write_into_a_page_its_sequences_share_copies_it_for_all_but_the_last():
+    """One batched write to every holder of a shared page: each but the last takes a
+    copy, the last writes in place (the page is its alone by then), as the same writes
+    one call at a time would. (Each used to take a copy: the page kept no holder and
+    never went back to the free list.)"""
+    t = table(pages=5)
+    s = t.new()
+    write(t, 0, [s], [4])
+    write(t, 1, [s], [4])
+    t.advance([s])
+    u, _ = t.fork(s)
+    w, _ = t.fork(s)                   # page 0 held by s, u and w
+    shared = t.get(s).pages[0]
+    for x, n in ((s, 1), (u, 1), (w, 3)):
+        t.truncate(x, n)               # the next write of each lands in page 0
+    plan = write(t, 0, [u, s, w], [1, 2, 1])
+    assert plan.take == 2 and [src for src, _ in plan.copies] == [shared, shared]
+    assert shared not in t.get(u).pages + t.get(s).pages and t.get(w).pages == [shared]
+    assert t.refs[shared] == 1 and plan.rows[-1] == shared * 4 + 3
+    check(t)
+    write(t, 1, [w, s, u], [1, 2, 1])  # layer 1 finds the pages layer 0 took
+    assert len(t.free) == 2
+    check(t)
+    # so one free page is enough for two holders of a shared page
+    t = table(pages=2)
+    s = t.new()
+    write(t, 0, [s], [4])
+    write(t, 1, [s], [4])
+    t.advance([s])
+    u, _ = t.fork(s)
+    t.truncate(s, 2)
+    t.truncate(u, 2)
+    assert write(t, 0, [s, u], [1, 1]).take == 1 and not t.free
+    check(t)
+
+
 def test_truncate_and_free_return_unheld_pages():
     t = table()
     s = t.new()

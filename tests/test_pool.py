@@ -194,6 +194,42 @@ def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
     assert pool.num_free_pages == 12 and pool.sequences == []
 
 
+def test_one_write_to_every_holder_of_a_shared_page(rng):
+    """b and a share page 0 (a fork, then truncates into it); one append_batch writes to
+    both: b takes a copy and a writes in place, over a row b's copy keeps (copies are
+    made before any row is written). Nothing leaks: 2 pages used, the rest free."""
+    s = spec("q8_0")
+    pool = KVPool(s, num_pages=3, page_size=4)
+    a = pool.new_sequence()
+    ca = KVCache(s)
+    k, v = steps(rng, 4)
+    for layer in range(L):
+        pool.append(a, layer, k, v)
+        ca.append(layer, k, v)
+    pool.advance(a)
+    ca.advance()
+    b = pool.fork(a)
+    cb = KVCache(s)
+    cb.restore(ca.snapshot())
+    for seq, cache, n in ((a, ca, 1), (b, cb, 3)):
+        pool.truncate(seq, n)
+        cache.truncate(n)
+    k2, v2 = steps(rng, 2)
+    for layer in range(L):
+        pool.append_batch(layer, [b, a], k2, v2)
+        cb.append(layer, k2[:1], v2[:1])
+        ca.append(layer, k2[1:], v2[1:])
+    assert pool.advance([b, a]) == [1, 1]
+    ca.advance()
+    cb.advance()
+    assert_same(pool, a, ca)
+    assert_same(pool, b, cb)
+    assert pool.num_used_pages == 2 and pool.num_free_pages == 1
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free_pages == 3
+
+
 def test_fork_without_a_free_page_is_refused():
     pool = KVPool(spec(capacity=8), num_pages=2, page_size=4)
     a = pool.new_sequence()

@@ -5,6 +5,7 @@ import), all on the same threads.
 
     python tools/bench_hf.py [--contexts 1024,4096,16384] [--new 32] [--threads 2]
                              [--layers 4] [--impls kvcore-int8,sdpa,...] [--rounds 1]
+                             [--batch 1]
 
 Each row runs in its own process (peak memory is that process's ru_maxrss). The model:
 hidden 2048, 32 query heads, 8 kv heads, head_dim 128, MLP 4096, vocab 8000, float32,
@@ -12,7 +13,9 @@ random weights, built from a config (no download). The context is written into t
 as random K/V of N positions (chunks of 512, QuantizedCache in one piece; a real prefill of 16k tokens takes minutes on
 2 cores, and is not what is measured), then `generate` runs on N + 1 prompt tokens: one
 forward of the last prompt token, then `--new` - 1 decode steps.
-tokens/s = 1 / the median time between two new tokens' logits (the first forward and
+--batch B runs B rows, each with its own random context of N positions (no padding:
+tests/test_hf.py checks padded batches; here every row is full length), and
+tokens/s = B / the median time between two steps' logits (the first forward and
 generate's setup are not counted; the median keeps other processes' bursts out). peak MB: the process's peak RSS minus its RSS
 after the model was built (the cache plus whatever attention allocates: QuantizedCache
 decodes the whole history to floats every step). cache MB: the bytes the cache holds
@@ -80,7 +83,7 @@ def _cache_mb(cache) -> float | None:
     return None
 
 
-def child(impl: str, context: int, new: int, threads: int, layers: int) -> dict:
+def child(impl: str, context: int, new: int, threads: int, layers: int, batch: int) -> dict:
     import torch
     import kvcore
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
@@ -102,10 +105,10 @@ def child(impl: str, context: int, new: int, threads: int, layers: int) -> dict:
         for start in range(0, context, chunk):
             t = min(chunk, context - start)
             for layer in range(layers):
-                k, v = (torch.randn(1, KV_HEADS, t, HEAD_DIM, generator=gen) for _ in "kv")
+                k, v = (torch.randn(batch, KV_HEADS, t, HEAD_DIM, generator=gen) for _ in "kv")
                 cache.update(k, v, layer)
         del k, v
-        ids = torch.randint(0, VOCAB, (1, context + 1), generator=gen)
+        ids = torch.randint(0, VOCAB, (batch, context + 1), generator=gen)
         stamps = []
 
         def stamp(input_ids, scores):   # a logits processor: called once per new token
@@ -115,10 +118,10 @@ def child(impl: str, context: int, new: int, threads: int, layers: int) -> dict:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=0,
                              logits_processor=LogitsProcessorList([stamp]))
-    assert out.shape[1] == context + 1 + new and len(stamps) == new
+    assert out.shape == (batch, context + 1 + new) and len(stamps) == new
     step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"impl": impl, "context": context, "tokens_per_s": 1.0 / step,
+    return {"impl": impl, "context": context, "tokens_per_s": batch / step,
             "peak_mb": peak_mb - base_mb, "cache_mb": _cache_mb(cache)}
 
 
@@ -132,14 +135,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="passes over the impls per context (every other one in reverse "
                          "order); tokens/s is the best pass, its range is shown")
+    ap.add_argument("--batch", type=int, default=1, help="rows generated together")
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "CONTEXT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], int(a.child[1]), a.new, a.threads, a.layers)))
+        print(json.dumps(child(a.child[0], int(a.child[1]), a.new, a.threads, a.layers,
+                               a.batch)))
         return
     print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs; "
           f"threads {a.threads}; model: {a.layers} layers, hidden {HIDDEN}, {HEADS} heads / "
-          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32; {a.new} new tokens")
+          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32; batch {a.batch}; {a.new} new "
+          f"tokens per row")
     rows = []
     for context in map(int, a.contexts.split(",")):
         impls = a.impls.split(",")
@@ -153,19 +159,20 @@ def main() -> None:
         ref = best.get("sdpa")
         for impl, b in best.items():
             speeds = [x["tokens_per_s"] for x in runs[impl]]
-            rows.append([impl, context, b["tokens_per_s"],
+            rows.append([impl, a.batch, context, b["tokens_per_s"],
                          f"{min(speeds):.3g}-{max(speeds):.3g}",
                          b["tokens_per_s"] / ref["tokens_per_s"] if ref else "-",
                          max(x["peak_mb"] for x in runs[impl]),
                          "-" if b["cache_mb"] is None else b["cache_mb"]])
-    print_table("generate: tokens/s and memory", ["cache + attention", "context", "tokens/s",
-                f"range over {a.rounds} runs", "x DynamicCache+SDPA", "peak MB over the model",
+    print_table("generate: tokens/s and memory", ["cache + attention", "batch", "context",
+                "tokens/s", f"range over {a.rounds} runs", "x DynamicCache+SDPA", "peak MB over the model",
                 "cache MB"], rows)
 
 
 def _run_child(impl: str, context: int, a) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, str(context),
-           "--new", str(a.new), "--threads", str(a.threads), "--layers", str(a.layers)]
+           "--new", str(a.new), "--threads", str(a.threads), "--layers", str(a.layers),
+           "--batch", str(a.batch)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         err = (p.stderr.strip().splitlines() or ["?"])[-1]
