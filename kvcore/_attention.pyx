@@ -376,7 +376,10 @@ cdef extern from *:
     static int kv_all_finite(const float* x, size_t n);
 
     /* A stream of prefetches over the next tile's K and V codes (its runs of rows),
-       issued a few lines at a time between the score blocks of the current tile. */
+       issued a few lines at a time between the score blocks of the current tile, into
+       L2 (prefetcht2), not L1: a tile's K and V (256 KiB in f16 at Hkv = 8, D = 128)
+       are far larger than L1, and prefetching them into L1 (prefetcht0) made f16/bf16
+       decode 3-4x slower on a Zen 4 core (docs/attention.md). */
     typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
@@ -385,7 +388,7 @@ cdef extern from *:
             const size_t run = (size_t)f->t->rl[f->run] * f->cs - f->off;
             const size_t n = b < run ? b : run;
             const size_t at = (size_t)f->t->rs[f->run] * f->cs + f->off;
-            for (size_t o = 0; o < n; o += 64) { __builtin_prefetch(f->k + at + o, 0, 3); __builtin_prefetch(f->v + at + o, 0, 3); }
+            for (size_t o = 0; o < n; o += 64) { __builtin_prefetch(f->k + at + o, 0, 1); __builtin_prefetch(f->v + at + o, 0, 1); }
             b -= n;
             f->off += n;
             if (n == run) { f->run++; f->off = 0; }
