@@ -116,7 +116,7 @@ def test_driver_version_and_device_properties(machine):
     assert ok(d.cuDriverGetVersion()) == 12020
     dev = ok(d.cuDeviceGet(0))
     A = d.CUdevice_attribute
-    assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)) == 132
+    assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)) == 16
     assert (ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)),
             ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))) == (9, 0)
     assert ok(d.cuDeviceTotalMem(dev)) == 1 << 20
