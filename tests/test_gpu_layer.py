@@ -137,7 +137,8 @@ def test_ptx_is_found():
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
                     reason="nvcc/ptxas not on PATH")
 def test_build_ptx_check():
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check"],
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check",
+                          "--no-cache"],
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
 

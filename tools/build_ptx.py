@@ -4,6 +4,12 @@
     python3 tools/build_ptx.py            # rebuild cuda/*.ptx in place
     python3 tools/build_ptx.py --check    # rebuild into a temp dir, fail on any difference,
                                           # then ptxas -arch=sm_80 and sm_90 -v each PTX, fail on spills
+    python3 tools/build_ptx.py --check --no-cache   # the same, ignoring earlier passes
+
+A passed check of one source is remembered (like ccache) under
+$XDG_CACHE_HOME/kvcore/ptx-check (default ~/.cache), keyed by a hash of every cuda/*.cu
+and *.cuh, that shipped PTX, the flags and the nvcc/ptxas releases: an unchanged tree is
+checked again in seconds; any change to those inputs runs the full check.
 
 Flags: nvcc -ptx -arch=compute_80 -O3 with IEEE division and square root and no
 flush-to-zero (the encoders must equal the CPU's bit for bit); never --use_fast_math.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -117,10 +124,45 @@ def _check_one(src: str, tmp: str) -> tuple[str, list[str]]:
     return line, [f"cuda/{name} spills registers on sm_80 or sm_90:\n{report}"] if spills else []
 
 
-def check() -> int:
+def _tool_versions() -> str:
+    return "".join(subprocess.run([t, "--version"], capture_output=True, text=True,
+                                  check=True).stdout for t in ("nvcc", "ptxas"))
+
+
+def _pass_record(src: str, versions: str) -> str:
+    """The file that records a passed check of src: named by a hash of every input."""
+    h = hashlib.sha256(versions.encode() + repr((NVCC_FLAGS, PTX_ISA)).encode())
+    for path in sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu*"))) + [
+            src, os.path.join(CUDA_DIR, os.path.splitext(os.path.basename(src))[0] + ".ptx")]:
+        h.update(os.path.basename(path).encode())
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(f.read())
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvcore", "ptx-check", h.hexdigest())
+
+
+def _check_cached(src: str, tmp: str, versions: str | None) -> tuple[str, list[str]]:
+    """_check_one, skipped when a pass with the same inputs is recorded (versions None:
+    no records read or written)."""
+    record = _pass_record(src, versions) if versions is not None else None
+    if record is not None and os.path.exists(record):
+        with open(record) as f:
+            return f.read(), []
+    line, failed = _check_one(src, tmp)
+    if record is not None and not failed:
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        with open(record + ".tmp", "w") as f:
+            f.write(line)
+        os.replace(record + ".tmp", record)
+    return line, failed
+
+
+def check(use_cache: bool = True) -> int:
     failures = []
+    versions = _tool_versions() if use_cache else None
     with tempfile.TemporaryDirectory() as tmp:
-        for line, failed in _parallel(lambda src: _check_one(src, tmp),
+        for line, failed in _parallel(lambda src: _check_cached(src, tmp, versions),
                                       _largest_first(sources())):
             if line:
                 print(line)
@@ -140,12 +182,14 @@ def main() -> int:
     ap.add_argument("--check", action="store_true",
                     help="fail if a checked-in PTX is stale, does not assemble for sm_80 and "
                          "sm_90, or a kernel spills")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="with --check: ignore and do not record earlier passes")
     args = ap.parse_args()
     for tool in ("nvcc", "ptxas"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found on PATH")
     if args.check:
-        return check()
+        return check(use_cache=not args.no_cache)
     build()
     return 0
 
