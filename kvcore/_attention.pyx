@@ -34,7 +34,8 @@
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
-   V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
+   V: a register block of 4 rows x KV_CB column vectors walks the tile's positions (in
+   passes of KV_VJ = 8 positions over all columns where rows lie a multiple of 4 KiB apart).
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
    Row-wise jobs (more than KV_SPLIT_ROWS = 128 rows per kv head: prefill) run as work
    items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][256]),
@@ -77,6 +78,10 @@ cdef extern from *:
     #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
     #define KV_P 64            /* positions per tile (a multiple of 16) */
     #define KV_RB 4            /* query rows per register block */
+    /* V rows per pass over the columns when rows lie a multiple of 4 KiB apart (f32 at
+       Hkv = 8, D = 128): such rows share one L1 set, 8 ways, so a pass over all the
+       tile's rows would evict each line before the next column block reads it again. */
+    #define KV_VJ 8
     /* Lanes per vector: the widest registers (GCC 12 keeps a 16-lane vector that has no
        register of its size on the stack, so AVX2 gets 8 lanes), and the register blocks
        that fit 32 (AVX-512) or 16 registers. */
@@ -460,11 +465,11 @@ cdef extern from *:
     /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r * ws + j * wp] V row j [...], RB rows, CB
        column vectors (the last one passes d when `tail`). */
     KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
-                                  int np, const float* w, int ws, int wp, float* acc, int dp, int i0) {
+                                  int j0, int j1, const float* w, int ws, int wp, float* acc, int dp, int i0) {
         kv_vf a[KV_RB][KV_CB];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
-        for (int j = 0; j < np; j++) {
+        for (int j = j0; j < j1; j++) {
             const char* row = v.c + v.ph[j] * v.cs;
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
@@ -482,10 +487,14 @@ cdef extern from *:
 
     KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w, int ws,
                                  int wp, float* acc, int dp) {
-        int i0 = 0;
-        for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, ws, wp, acc, dp, i0);
-        for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, ws, wp, acc, dp, i0);
-        if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, np, w, ws, wp, acc, dp, i0);
+        const int vj = v.cs % 4096 == 0 ? KV_VJ : np;
+        for (int j0 = 0; j0 < np; j0 += vj) {
+            const int j1 = j0 + vj < np ? j0 + vj : np;
+            int i0 = 0;
+            for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, j0, j1, w, ws, wp, acc, dp, i0);
+            for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
+            if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
+        }
     }
 
     /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights x V rows (row r's
