@@ -970,6 +970,24 @@ cdef extern from *:
         return sum;
     }
 
+    /* rounds x 12 independent chains of KV_W-lane multiply-adds, as the kernel issues them
+       (kv_fma): more chains than any FMA unit's latency x throughput, so the rate is the
+       unit's peak. Returns a value of the chains, which keeps them live. */
+    static float kv_fma_burn(int64_t rounds, float seed) {
+        const kv_vf m = kv_splat(0.99999994f), c = kv_splat(seed * 1e-7f);
+        kv_vf a0 = kv_splat(seed), a1 = a0 + 1, a2 = a0 + 2, a3 = a0 + 3, a4 = a0 + 4, a5 = a0 + 5,
+              a6 = a0 + 6, a7 = a0 + 7, a8 = a0 + 8, a9 = a0 + 9, a10 = a0 + 10, a11 = a0 + 11;
+        for (int64_t n = 0; n < rounds; n++) {
+            a0 = kv_fma(a0, m, c); a1 = kv_fma(a1, m, c); a2 = kv_fma(a2, m, c); a3 = kv_fma(a3, m, c);
+            a4 = kv_fma(a4, m, c); a5 = kv_fma(a5, m, c); a6 = kv_fma(a6, m, c); a7 = kv_fma(a7, m, c);
+            a8 = kv_fma(a8, m, c); a9 = kv_fma(a9, m, c); a10 = kv_fma(a10, m, c); a11 = kv_fma(a11, m, c);
+            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),
+                                  "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+        }
+        kv_vf t = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+        return t[0];
+    }
+
     /* 1 when x [n] holds no NaN or inf. */
     static int kv_all_finite(const float* x, size_t n) {
         uint32_t bad = 0;
@@ -1012,6 +1030,8 @@ cdef extern from *:
     bint KV_ROWWISE(const kv_job* J) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
+    float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
+    int KV_W
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -1270,6 +1290,22 @@ def stream_sum(const unsigned char[::1] buf) -> int:
             w0 = min(words, t * per)
             total += kv_stream_sum(p, w0, min(words, w0 + per))
     return total
+
+
+def fma_burn(int64_t rounds) -> int:
+    """Runs rounds x 12 independent chains of vector multiply-adds (the kernel's float32
+    vectors and FMA instruction) on each of num_threads() threads; returns the float32
+    multiply-adds done. Timed, it gives this machine's arithmetic limit on those threads:
+    decode attention needs 2 * G * D multiply-adds per position and kv head whatever the
+    format (tools/bench_attention.py's FMA limit)."""
+    cdef int nt = num_threads(), t
+    cdef float sink = 0
+    if rounds < 0:
+        raise ValueError(f"fma_burn takes rounds >= 0, got {rounds}")
+    with nogil:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            sink += kv_fma_burn(rounds, <float>(t + 1))
+    return int(rounds) * 12 * KV_W * nt if sink == sink else 0
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,
