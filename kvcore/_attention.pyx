@@ -1274,7 +1274,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
 def stream_sum(const unsigned char[::1] buf) -> int:
     """The wrapping uint64 sum of buf's 64-bit words (buf's length a multiple of 8) on
     num_threads() threads, each a contiguous range: the rate at which this machine streams
-    bytes from memory to the vector registers on those threads, the limit of decode
+    bytes from memory to the vector registers on those threads, the memory limit of decode
     attention over the same bytes (tools/bench_attention.py's probe)."""
     cdef size_t words = buf.shape[0] // 8, per, w0
     cdef int nt = num_threads(), t

@@ -8,7 +8,7 @@ of its K/V to pass twice the last-level cache. Columns per context: microseconds
 call, GB/s of cache bytes read (K and V codes plus scales; float32 for the peers), that
 rate as a share of the streaming-read probe's, and torch's time over ours (> 1: faster
 than torch at the same thread count).
-- probe: the physical limit of decode attention. `kvcore._attention.stream_sum` sums the
+- probe: the memory limit of decode attention. `kvcore._attention.stream_sum` sums the
   same bytes (each format's own cache storage, the same copies cycled past the
   last-level cache) as 64-bit words on the same threads, one contiguous range per
   thread; its calls alternate with the attention calls in the same rounds (each reading
