@@ -34,7 +34,8 @@
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
-   V: a register block of 4 rows x KV_CB column vectors walks the tile's positions.
+   V: a register block of 4 rows x KV_CB column vectors walks the tile's positions (in
+   passes of KV_VJ = 8 positions over all columns where rows lie a multiple of 4 KiB apart).
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
    Row-wise jobs (more than KV_SPLIT_ROWS = 128 rows per kv head: prefill) run as work
    items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][256]),
@@ -77,6 +78,10 @@ cdef extern from *:
     #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
     #define KV_P 64            /* positions per tile (a multiple of 16) */
     #define KV_RB 4            /* query rows per register block */
+    /* V rows per pass over the columns when rows lie a multiple of 4 KiB apart (f32 at
+       Hkv = 8, D = 128): such rows share one L1 set, 8 ways, so a pass over all the
+       tile's rows would evict each line before the next column block reads it again. */
+    #define KV_VJ 8
     /* Lanes per vector: the widest registers (GCC 12 keeps a 16-lane vector that has no
        register of its size on the stack, so AVX2 gets 8 lanes), and the register blocks
        that fit 32 (AVX-512) or 16 registers. */
@@ -460,11 +465,11 @@ cdef extern from *:
     /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r * ws + j * wp] V row j [...], RB rows, CB
        column vectors (the last one passes d when `tail`). */
     KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
-                                  int np, const float* w, int ws, int wp, float* acc, int dp, int i0) {
+                                  int j0, int j1, const float* w, int ws, int wp, float* acc, int dp, int i0) {
         kv_vf a[KV_RB][KV_CB];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
-        for (int j = 0; j < np; j++) {
+        for (int j = j0; j < j1; j++) {
             const char* row = v.c + v.ph[j] * v.cs;
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
@@ -482,10 +487,14 @@ cdef extern from *:
 
     KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w, int ws,
                                  int wp, float* acc, int dp) {
-        int i0 = 0;
-        for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, np, w, ws, wp, acc, dp, i0);
-        for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, np, w, ws, wp, acc, dp, i0);
-        if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, np, w, ws, wp, acc, dp, i0);
+        const int vj = v.cs % 4096 == 0 ? KV_VJ : np;
+        for (int j0 = 0; j0 < np; j0 += vj) {
+            const int j1 = j0 + vj < np ? j0 + vj : np;
+            int i0 = 0;
+            for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, j0, j1, w, ws, wp, acc, dp, i0);
+            for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
+            if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
+        }
     }
 
     /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights x V rows (row r's
@@ -961,6 +970,24 @@ cdef extern from *:
         return sum;
     }
 
+    /* rounds x 12 independent chains of KV_W-lane multiply-adds, as the kernel issues them
+       (kv_fma): more chains than any FMA unit's latency x throughput, so the rate is the
+       unit's peak. Returns a value of the chains, which keeps them live. */
+    static float kv_fma_burn(int64_t rounds, float seed) {
+        const kv_vf m = kv_splat(0.99999994f), c = kv_splat(seed * 1e-7f);
+        kv_vf a0 = kv_splat(seed), a1 = a0 + 1, a2 = a0 + 2, a3 = a0 + 3, a4 = a0 + 4, a5 = a0 + 5,
+              a6 = a0 + 6, a7 = a0 + 7, a8 = a0 + 8, a9 = a0 + 9, a10 = a0 + 10, a11 = a0 + 11;
+        for (int64_t n = 0; n < rounds; n++) {
+            a0 = kv_fma(a0, m, c); a1 = kv_fma(a1, m, c); a2 = kv_fma(a2, m, c); a3 = kv_fma(a3, m, c);
+            a4 = kv_fma(a4, m, c); a5 = kv_fma(a5, m, c); a6 = kv_fma(a6, m, c); a7 = kv_fma(a7, m, c);
+            a8 = kv_fma(a8, m, c); a9 = kv_fma(a9, m, c); a10 = kv_fma(a10, m, c); a11 = kv_fma(a11, m, c);
+            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),
+                                  "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+        }
+        kv_vf t = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+        return t[0];
+    }
+
     /* 1 when x [n] holds no NaN or inf. */
     static int kv_all_finite(const float* x, size_t n) {
         uint32_t bad = 0;
@@ -1003,6 +1030,8 @@ cdef extern from *:
     bint KV_ROWWISE(const kv_job* J) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
+    float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
+    int KV_W
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
 
@@ -1245,7 +1274,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
 def stream_sum(const unsigned char[::1] buf) -> int:
     """The wrapping uint64 sum of buf's 64-bit words (buf's length a multiple of 8) on
     num_threads() threads, each a contiguous range: the rate at which this machine streams
-    bytes from memory to the vector registers on those threads, the limit of decode
+    bytes from memory to the vector registers on those threads, the memory limit of decode
     attention over the same bytes (tools/bench_attention.py's probe)."""
     cdef size_t words = buf.shape[0] // 8, per, w0
     cdef int nt = num_threads(), t
@@ -1261,6 +1290,22 @@ def stream_sum(const unsigned char[::1] buf) -> int:
             w0 = min(words, t * per)
             total += kv_stream_sum(p, w0, min(words, w0 + per))
     return total
+
+
+def fma_burn(int64_t rounds) -> int:
+    """Runs rounds x 12 independent chains of vector multiply-adds (the kernel's float32
+    vectors and FMA instruction) on each of num_threads() threads; returns the float32
+    multiply-adds done. Timed, it gives this machine's arithmetic limit on those threads:
+    decode attention needs 2 * G * D multiply-adds per position and kv head whatever the
+    format (tools/bench_attention.py's FMA limit)."""
+    cdef int nt = num_threads(), t
+    cdef float sink = 0
+    if rounds < 0:
+        raise ValueError(f"fma_burn takes rounds >= 0, got {rounds}")
+    with nogil:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            sink += kv_fma_burn(rounds, <float>(t + 1))
+    return int(rounds) * 12 * KV_W * nt if sink == sink else 0
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,

@@ -322,3 +322,23 @@ def test_demo_decode_loop(rng):
     errors = {r[0]: float(r[3]) for r in rows}
     assert errors["f32"] == 0 and 0 < errors["f16"] < 1e-3 and errors["q8_0"] < 0.1
     assert all(float(r[4]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_benchmark_probes(rng, threads):
+    """The two limits tools/bench_attention.py measures: stream_sum is the wrapping uint64
+    sum of the words whatever the threads; fma_burn counts the multiply-adds it ran."""
+    from kvcore._attention import fma_burn, stream_sum
+    words = rng.integers(0, 2**64, size=1001, dtype=np.uint64)
+    kvcore.set_num_threads(threads)
+    try:
+        assert stream_sum(words.view(np.uint8)) == int(words.sum(dtype=np.uint64))
+        assert stream_sum(np.zeros(0, np.uint8)) == 0
+        with pytest.raises(ValueError, match="64-bit words, got 12 bytes"):
+            stream_sum(np.zeros(12, np.uint8))
+        assert fma_burn(0) == 0
+        assert fma_burn(5) in {5 * 12 * lanes * threads for lanes in (8, 16)}
+        with pytest.raises(ValueError, match="rounds >= 0, got -1"):
+            fma_burn(-1)
+    finally:
+        kvcore.set_num_threads(0)

@@ -44,6 +44,12 @@ def attention_bandwidth(results: dict[str, Any], path: str, source: str) -> None
         if probe:   # the streaming-read probe: median over the formats' bytes
             ax.plot(ns, [float(np.median(r)) for r in rates], color="red", linewidth=1.2,
                     linestyle="--", label="streaming-read probe")
+        fma = results.get("fma", {}).get(t)
+        if fma:   # the arithmetic limit: 2 * G * D = 1,024 multiply-adds per position and
+            # kv head (G = 4, D = 128), over its 256 bytes of 8-bit codes or 512 of 16-bit
+            for nbytes, style in ((256, "-."), (512, ":")):
+                ax.axhline(fma / 1024 * nbytes / 1e9, color="purple", linewidth=1.0,
+                           linestyle=style, label=f"FMA limit, {nbytes // 256 * 8}-bit codes")
         ax.axhline(results["copy_GBps"] / 2, color="red", linewidth=0.8, alpha=0.6,
                    label="np.copyto / 2 (read share)")
         ax.set_xscale("log", base=2)

@@ -8,12 +8,19 @@ of its K/V to pass twice the last-level cache. Columns per context: microseconds
 call, GB/s of cache bytes read (K and V codes plus scales; float32 for the peers), that
 rate as a share of the streaming-read probe's, and torch's time over ours (> 1: faster
 than torch at the same thread count).
-- probe: the physical limit of decode attention. `kvcore._attention.stream_sum` sums the
+- probe: the memory limit of decode attention. `kvcore._attention.stream_sum` sums the
   same bytes (each format's own cache storage, the same copies cycled past the
   last-level cache) as 64-bit words on the same threads, one contiguous range per
   thread; its calls alternate with the attention calls in the same rounds (each reading
   a copy the other did not just read), so a change of machine load hits both alike. The
   peers (float32) are compared with the probe of the f32 cache, which holds their bytes.
+- FMA limit: the other physical limit. Decode attention does 2 * G * D float32
+  multiply-adds per position and kv head (G = Hq / Hkv) whatever the format;
+  `kvcore._attention.fma_burn` times the kernel's own vector FMA on the same threads,
+  in bursts between the attention calls. A call can take no less than the longer of the
+  probe's time and the FMA time: `% limit` is that bound over the call's time, the table
+  of limits says which one binds (the 8-bit formats at G = 4 are FMA-bound on 2-FMA-pipe
+  cores: 1,024 multiply-adds per 256 bytes).
 - kvcore: `kvcore.decode_attention` on a KVCache in each format;
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
@@ -34,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchlib import copy_bandwidth, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
-from kvcore._attention import stream_sum  # noqa: E402
+from kvcore._attention import fma_burn, stream_sum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
@@ -90,6 +97,18 @@ def _paired_time(calls: Sequence[Callable[[], object]], probes: Sequence[Callabl
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
+def _fma_rate(seconds: float = 0.005) -> float:
+    """float32 multiply-adds per second on num_threads() threads, over about `seconds`."""
+    rounds = 1000
+    while True:
+        t0 = time.perf_counter()
+        done = fma_burn(rounds)
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return done / dt
+        rounds *= 2 if dt <= 0 else max(2, math.ceil(seconds / dt))
+
+
 def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
     """Calls of decode_attention on copies of one cache in fmt, the probe's calls on the
     same copies' storage; bytes one call reads."""
@@ -139,7 +158,8 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
     calls it that way). Returns the figures: {"times": {(implementation, threads):
     {context: (seconds, bytes read)}}, "probe": {(format, threads): {context: (seconds,
-    bytes)}}, "copy_GBps": np.copyto bandwidth} (for --plot)."""
+    bytes)}}, "fma": {threads: float32 multiply-adds per second}, "copy_GBps": np.copyto
+    bandwidth} (for --plot)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -152,6 +172,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     q = rng.standard_normal((HQ, D), dtype=np.float32)
     results: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
     probe: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+    bursts: dict[int, list[float]] = {}
     for n in args.contexts:
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
@@ -164,6 +185,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
             if torch is not None:
                 torch.set_num_threads(threads)
             for fmt, (calls, probes, nbytes) in ours.items():
+                bursts.setdefault(threads, []).append(_fma_rate())
                 secs, psecs = _paired_time(calls, probes, _rounds(len(calls)))
                 results.setdefault((f"kvcore {fmt}", threads), {})[n] = (secs, nbytes)
                 probe.setdefault((fmt, threads), {})[n] = (psecs, nbytes)
@@ -172,6 +194,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 results.setdefault((name, threads), {})[n] = (secs, nbytes)
         del ours, peers
     kvcore.set_num_threads(0)
+    fma = {t: float(np.median(b)) for t, b in bursts.items()}
 
     def probe_gbps(name: str, threads: int, n: int) -> float:
         """The probe's GB/s over the bytes `name` reads (the peers': the f32 cache's)."""
@@ -179,9 +202,15 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
         psecs, nbytes = probe[(fmt, threads)][n]
         return nbytes / psecs / 1e9
 
+    def limit_gbps(name: str, threads: int, n: int) -> float:
+        """GB/s over `name`'s bytes at the slower of the probe and the FMA limit."""
+        nbytes = results[(name, threads)][n][1]
+        fma_secs = 2 * HQ * D * n / fma[threads]
+        return min(probe_gbps(name, threads, n), nbytes / fma_secs / 1e9)
+
     header = ["implementation", "threads"]
     for n in args.contexts:
-        header += [f"us @{n}", f"GB/s @{n}", f"% probe @{n}", f"x torch @{n}"]
+        header += [f"us @{n}", f"GB/s @{n}", f"% probe @{n}", f"% limit @{n}", f"x torch @{n}"]
     rows = []
     for (name, threads), per_n in results.items():
         row = [name, threads]
@@ -190,7 +219,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
             ref = results.get(("torch SDPA f32 enable_gqa", threads), {}).get(n)
             gbps = nbytes / secs / 1e9
             row += [secs * 1e6, gbps, f"{gbps / probe_gbps(name, threads, n):.0%}",
-                    ref[0] / secs if ref else "-"]
+                    f"{gbps / limit_gbps(name, threads, n):.0%}", ref[0] / secs if ref else "-"]
         rows.append(row)
     print_table(f"Decode attention, 1 new token, Hq={HQ}, Hkv={HKV}, D={D}, batch 1, "
                 f"K/V cycled past the {_llc_bytes() >> 20} MiB last-level cache", header, rows)
@@ -200,19 +229,27 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 ["format", "threads"] + [f"@{n}" for n in args.contexts],
                 [[fmt, t] + [per_n[n][1] / per_n[n][0] / 1e9 for n in args.contexts]
                  for (fmt, t), per_n in probe.items()])
+    print_table("FMA limit: 2 * G * D float32 multiply-adds per position and kv head at the "
+                "measured FMA rate, as GB/s of each format's bytes (the probe's in brackets)",
+                ["format", "threads", "G FMA/s"] + [f"@{n}" for n in args.contexts],
+                [[fmt, t, fma[t] / 1e9] + [
+                    f"{per_n[n][1] / (2 * HQ * D * n / fma[t]) / 1e9:.1f} "
+                    f"({per_n[n][1] / per_n[n][0] / 1e9:.1f})" for n in args.contexts]
+                 for (fmt, t), per_n in probe.items()])
     copy = copy_bandwidth(256 * 2**20)
     print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s")
     for n in [c for c in (4096, 16384) if c in args.contexts]:
         for threads in args.threads:
-            share = {}
-            for fmt in kvcore.FORMATS:
-                secs, nbytes = results[(f"kvcore {fmt}", threads)][n]
-                share[fmt] = nbytes / secs / 1e9 / probe_gbps(f"kvcore {fmt}", threads, n)
-            low, high = min(share, key=share.get), max(share, key=share.get)
-            print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format at "
-                  f">= 90% of the probe; lowest {low} {share[low]:.0%}, highest {high} "
-                  f"{share[high]:.0%}")
-    return {"times": results, "probe": probe, "copy_GBps": copy}
+            for what, bound in (("the probe", probe_gbps), ("the limit", limit_gbps)):
+                share = {}
+                for fmt in kvcore.FORMATS:
+                    secs, nbytes = results[(f"kvcore {fmt}", threads)][n]
+                    share[fmt] = nbytes / secs / 1e9 / bound(f"kvcore {fmt}", threads, n)
+                low, high = min(share, key=share.get), max(share, key=share.get)
+                print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format "
+                      f"at >= 90% of {what}; lowest {low} {share[low]:.0%}, highest {high} "
+                      f"{share[high]:.0%}")
+    return {"times": results, "probe": probe, "fma": fma, "copy_GBps": copy}
 
 
 if __name__ == "__main__":
