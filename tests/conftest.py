@@ -14,10 +14,16 @@ CUDA arrays (torch, CuPy) and a real device, and skip under the emulator.
 import functools
 import gc
 import os
+import signal
+import subprocess
+import sys
 import zlib
 
 import numpy as np
 import pytest
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
@@ -51,6 +57,63 @@ def _mode(option: str) -> tuple[str, str | None]:
     if option == "off":
         return "off", "--gpu=off"
     return "off", "no usable CUDA device and no C++ compiler for the emulator"
+
+
+# ------------------------------------------------------------------ child checks
+# Tests marked child(argv) check the answer of a child process that runs for minutes on
+# one core (nvcc and ptxas over every kernel; the sanitizer build of the emulated
+# kernels). The suite runs on one core, so each child starts as soon as collection has
+# selected its test (and nothing marks it skipped), beside the rest of the suite; its
+# test runs last and waits for the answer (the `child` fixture).
+_CHILDREN = pytest.StashKey[dict]()
+
+
+def _runnable(item) -> bool:
+    """False when a skipif mark, or the gpu mode, will skip the item."""
+    if any(m.args and m.args[0] for m in item.iter_markers("skipif")):
+        return False
+    return item.get_closest_marker("gpu") is None or _mode(item.config.getoption("--gpu"))[1] is None
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    """argv in a process group of its own (killed whole: nvcc, ptxas, pytest children)."""
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection
+def pytest_collection_modifyitems(config, items):
+    children = [i for i in items if i.get_closest_marker("child") is not None]
+    config.stash[_CHILDREN] = {i.nodeid: _spawn(i.get_closest_marker("child").args[0])
+                               for i in children if _runnable(i)}
+    items[:] = [i for i in items if i.get_closest_marker("child") is None] + children
+
+
+def pytest_unconfigure(config):   # an interrupted or stopped (-x) run leaves none running
+    for proc in config.stash.get(_CHILDREN, {}).values():
+        _kill(proc)
+
+
+@pytest.fixture
+def child(request):
+    """The finished child process of the test's child(argv) mark (started at collection,
+    or now): subprocess.CompletedProcess with text stdout and stderr."""
+    argv = request.node.get_closest_marker("child").args[0]
+    children = request.config.stash.setdefault(_CHILDREN, {})
+    proc = children.setdefault(request.node.nodeid, None) or _spawn(argv)
+    children[request.node.nodeid] = proc
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        pytest.fail(f"{' '.join(argv)} ran past 900 s", pytrace=False)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def pytest_report_header(config):

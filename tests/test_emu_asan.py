@@ -34,12 +34,12 @@ def test_the_sanitizer_reports_shared_and_device_memory_overruns():
     assert "global memory overrun: reported" in res.stdout
 
 
-def test_kernels_are_clean_under_the_sanitizer():
-    res = _tool("tests/test_emu_kernels.py", "tests/test_gpu_pool.py", "-q", "-x",
-                "-p", "no:cacheprovider", "-k",
-                "kv_append or append_fork_truncate or "
-                "((against_float64 or full_slots or equals_cpu_pool) and (int8 or q8_0))")
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
+@pytest.mark.child([sys.executable, TOOL, "tests/test_emu_kernels.py", "tests/test_gpu_pool.py",
+                    "-q", "-x", "-p", "no:cacheprovider", "-k",
+                    "kv_append or append_fork_truncate or "
+                    "((against_float64 or full_slots or equals_cpu_pool) and (int8 or q8_0))"])
+def test_kernels_are_clean_under_the_sanitizer(child):
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out[-6000:]
     assert "ERROR: AddressSanitizer" not in out and "runtime error:" not in out
     assert " passed" in out and " failed" not in out

@@ -136,11 +136,10 @@ def test_ptx_is_found():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
                     reason="nvcc/ptxas not on PATH")
-def test_build_ptx_check():
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check",
-                          "--no-cache"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 0, res.stdout + res.stderr
+@pytest.mark.child([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check",
+                    "--no-cache", "--jobs", "1"])
+def test_build_ptx_check(child):
+    assert child.returncode == 0, child.stdout + child.stderr
 
 
 def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):

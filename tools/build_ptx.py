@@ -93,9 +93,12 @@ def _largest_first(paths: list[str]) -> list[str]:
     return sorted(paths, key=lambda p: ("attention" not in p, p))
 
 
+JOBS = os.cpu_count() or 1   # --jobs
+
+
 def _parallel(fn, items):
-    """fn over items on a thread per core (nvcc and ptxas run as child processes)."""
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    """fn over items on JOBS threads (nvcc and ptxas run as child processes)."""
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
         return list(pool.map(fn, items))
 
 
@@ -178,13 +181,19 @@ def check(use_cache: bool = True) -> int:
 
 
 def main() -> int:
+    global JOBS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="fail if a checked-in PTX is stale, does not assemble for sm_80 and "
                          "sm_90, or a kernel spills")
     ap.add_argument("--no-cache", action="store_true",
                     help="with --check: ignore and do not record earlier passes")
+    ap.add_argument("--jobs", type=int, default=JOBS,
+                    help=f"sources compiled at once (default: the cores, {JOBS})")
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error(f"--jobs takes 1 or more, got {args.jobs}")
+    JOBS = args.jobs
     for tool in ("nvcc", "ptxas"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found on PATH")
