@@ -385,6 +385,38 @@ def test_decode_attention_one_off(rng):
     cache.free()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_attention_one_off_lse(fmt, group, rng):
+    """return_lse gives (out, lse) as the CPU decode_attention does: lse [M, Hq] the
+    natural log-sum-exp of each row's scaled scores, -inf for an empty slot."""
+    import kvcore
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import decode_attention
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=200, num_heads=2 * group, format=fmt)
+    n = 157
+    parts = random_parts(spec, n, rng)
+    cache = GpuKVCache(spec, slots=2)
+    cache.scatter(Snapshot(spec, n, *parts), 1)
+    cpu = kvcore.KVCache(spec)
+    cpu.restore(Snapshot(spec, n, *parts))
+    q = rng.standard_normal((2, 2 * group, 64)).astype(np.float32)
+    out, lse = decode_attention(_device_array(q), cache, 0, return_lse=True)
+    out, lse = out.to_numpy(), lse.to_numpy()
+    assert lse.shape == (2, 2 * group) and lse.dtype == np.float32
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    k = dequantize(parts[0], parts[2], fmt)[0]
+    v = dequantize(parts[1], parts[3], fmt)[0]
+    assert rel_err(out[1], reference(q[1].astype(np.float64), k, v, 1 / 8)) < 1e-5
+    want = reference_lse(q[1].astype(np.float64), k, 1 / 8)
+    assert np.abs(lse[1] - want).max() < 1e-5 * np.abs(want).max()
+    cpu_out, cpu_lse = kvcore.decode_attention(q[1], cpu, 0, return_lse=True)
+    assert np.abs(out[1] - cpu_out).max() < 2e-5 * np.abs(cpu_out).max()
+    assert np.abs(lse[1] - cpu_lse).max() < 2e-6 * np.abs(cpu_lse).max()
+    cache.free()
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 def rope_reference(x, positions, theta, neox, rotary_dim):

@@ -252,15 +252,17 @@ def launch_split(fn, fn_merge, storage: list, shape: tuple[int, int, int], hkv: 
 
 
 def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale: float | None = None,
-                     stream=None):
+                     stream=None, return_lse: bool = False):
     """One-off decode attention (plans, allocates `out` when None, runs, keeps no plan).
     Not capturable (it allocates): inside graphs use an AttentionPlan. Returns out, a
-    DeviceArray float32 [M, Hq, D] when allocated here."""
+    DeviceArray float32 [M, Hq, D] when allocated here; with return_lse, (out, lse): lse a
+    new DeviceArray float32 [M, Hq], each row's natural-log log-sum-exp of its scaled
+    scores (-inf for an empty slot), as the CPU decode_attention(..., return_lse=True)."""
     with cache.ctx:
-        return _decode_attention(q, cache, layer, out, pending, scale, stream)
+        return _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse)
 
 
-def _decode_attention(q, cache, layer, out, pending, scale, stream):
+def _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse):
     st = cache.stream if stream is None else stream
     qa = as_device_array(q, "q", stream=st, ctx=cache.ctx)
     name = qa.dtype.name
@@ -271,10 +273,16 @@ def _decode_attention(q, cache, layer, out, pending, scale, stream):
     if out is None:
         buf = DeviceBuffer.alloc(4 * int(np.prod(plan.shape)), ctx=cache.ctx)
         out = buf.view(plan.shape, np.float32)
-    plan.run(qa, out, layer, pending=pending, stream=st)
-    driver.call("cuStreamSynchronize", driver.stream_handle(st))  # before freeing the workspace
-    plan.free()
-    return out
+    lse = None
+    if return_lse:
+        rows = plan.shape[:2]
+        lse = DeviceBuffer.alloc(4 * rows[0] * rows[1], ctx=cache.ctx).view(rows, np.float32)
+    try:
+        plan.run(qa, out, layer, pending=pending, lse=lse, stream=st)
+        driver.call("cuStreamSynchronize", driver.stream_handle(st))  # before freeing the workspace
+    finally:
+        plan.free()
+    return (out, lse) if return_lse else out
 
 
 def apply_rope(q, cache, *, k=None, theta: float = 10000.0, style: str = "neox",
