@@ -98,6 +98,10 @@ cdef extern from *:
     #define KV_REP(x) {x, x, x, x, x, x, x, x}
     #define KV_LANES {0, 1, 2, 3, 4, 5, 6, 7}
     #endif
+    /* Prefetch bursts per score register block (kv_prefetch): one per 2 K rows, so a
+       burst covers as few lines with 4 K rows per block as with 2 (bursts twice as
+       large cost f16/bf16/f32 13-28% past the LLC on a Zen 4 core, docs/attention.md). */
+    #define KV_PFB (KV_PB / 2)
 
     typedef float kv_vf __attribute__((vector_size(4 * KV_W)));      /* KV_W float32 */
     typedef int32_t kv_vi __attribute__((vector_size(4 * KV_W)));
@@ -435,6 +439,7 @@ cdef extern from *:
             int i = 0;
             for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
             if (i < k.d) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            if (KV_PFB > 1) kv_prefetch(pf);
             for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, KV_W / 2);
         }
         for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], KV_W / KV_PB, KV_W / 2 / KV_PB);
@@ -650,7 +655,7 @@ cdef extern from *:
         for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = cur->np;
             const int64_t next = j0 + KV_P + KV_P < end ? j0 + KV_P + KV_P : end;
-            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * ((nr + KV_RB - 1) / KV_RB);
+            const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * KV_PFB * ((nr + KV_RB - 1) / KV_RB);
             if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
             kv_pf pf = {J->kc, J->vc, nxt, J->cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
