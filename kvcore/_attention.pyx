@@ -100,7 +100,7 @@ cdef extern from *:
     #endif
     /* Prefetch bursts per score register block (kv_prefetch): one per 2 K rows, so a
        burst covers as few lines with 4 K rows per block as with 2 (bursts twice as
-       large cost f16/bf16/f32 13-28% past the LLC on a Zen 4 core, docs/attention.md). */
+       large made f16/bf16 1.3-1.4x slower past the LLC on a Zen 4 core, docs/attention.md). */
     #define KV_PFB (KV_PB / 2)
 
     typedef float kv_vf __attribute__((vector_size(4 * KV_W)));      /* KV_W float32 */
