@@ -12,21 +12,26 @@
 //    KV_ERR_SLOT into *status; an input row holding NaN/inf is skipped and ORs
 //    KV_ERR_NONFINITE, one past the format's range KV_ERR_RANGE (as kv_append.cu).
 //    Two rows naming the same slot are not detected (the host never maps them so).
+// 4. The slot mapping holds `cap` entries, packed: the step's rows first, then -1. A launch
+//    of fewer input rows than the step has (slots[T] != -1: a graph captured for fewer
+//    tokens than a later step's) refuses the whole launch and ORs KV_ERR_ROWS, so no
+//    position of the step is left unwritten without an error.
 #include "encode.cuh"
 
 #define KV_ERR_SLOT 8
+#define KV_ERR_ROWS 16
 
 // Appends T input rows to one layer.
 //   k_in, v_in [T][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
 //   k_codes, v_codes [num_slots][Hkv][D]; k_scales, v_scales [num_slots][Hkv][S] (layer bases)
-//   slots int64[T]: row t goes to slot slots[t] (-1: skipped); status int32 (OR'ed)
+//   slots int64[cap]: row t goes to slot slots[t] (-1: skipped); status int32 (OR'ed)
 // One warp per head row: warps [0, T*Hkv) write K, [T*Hkv, 2*T*Hkv) write V.
 extern "C" __global__ void kv_paged_append(
         const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
         long long s_r, long long s_h,
         void* k_codes, void* v_codes, void* k_scales, void* v_scales,
         const long long* __restrict__ slots, long long num_slots, int* status,
-        int fmt, int T, int Hkv, int D) {
+        int fmt, int T, int cap, int Hkv, int D) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const long long rows = (long long)T * Hkv;
@@ -38,8 +43,9 @@ extern "C" __global__ void kv_paged_append(
         const long long s = slots[t];
         bad |= s < -1 || s >= num_slots;
     }
-    if (__any_sync(0xffffffffu, bad)) {
-        if (warp == 0 && lane == 0) atomicOr(status, KV_ERR_SLOT);
+    const bool short_launch = T < cap && slots[T] != -1;
+    if (__any_sync(0xffffffffu, bad) || short_launch) {
+        if (warp == 0 && lane == 0) atomicOr(status, short_launch ? KV_ERR_ROWS : KV_ERR_SLOT);
         return;
     }
 

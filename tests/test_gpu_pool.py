@@ -245,6 +245,59 @@ def test_slot_outside_pool_refused_by_status(gpu, rng, bad):
     gp.free()
 
 
+def test_append_of_fewer_rows_than_the_step_refused(gpu, rng):
+    """An append whose k holds fewer rows than the step's new positions would leave
+    positions to be committed unwritten: eagerly it is refused on the host; in a graph
+    captured for fewer tokens than a later step's, the device refuses the whole launch
+    and advance raises, commits nothing and leaves every byte of the pool as it was."""
+    gp, cp = pools(gpu, "int8", max_batch=2, max_tokens=2)
+    a, b = gp.new_sequence(), gp.new_sequence()
+    cp.new_sequence(), cp.new_sequence()
+    one, two = dev(gpu, inputs(rng, 1, np.float32)), dev(gpu, inputs(rng, 2, np.float32))
+    gp.begin_step([a, b])
+    with pytest.raises(ShapeError, match="the step has 2 new positions, k holds 1 rows"):
+        gp.append(0, one, one)
+    gp.free()
+
+    gp, cp = pools(gpu, "int8", max_batch=2, max_tokens=2)
+    a, b = gp.new_sequence(), gp.new_sequence()
+    cp.new_sequence(), cp.new_sequence()
+    drv, st = gpu.driver.cuda(), gp.stream
+    with st.ctx:
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        for layer in range(L):
+            gp.append(layer, one, one)              # captured for steps of one token
+    finally:
+        with st.ctx:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    with st.ctx:
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+    before = gp._data.view((gp._data.nbytes,), np.uint8).to_numpy()
+    for seqs, counts in (([a], [2]), ([a, b], [1, 1])):
+        gp.begin_step(seqs, counts)
+        with st.ctx:
+            gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        with pytest.raises(ShapeError, match="fewer input rows than the step's 2 new positions"):
+            gp.advance()
+        assert gp._data.view((gp._data.nbytes,), np.uint8).to_numpy().tobytes() == before.tobytes()
+        assert gp.length(a) == gp.length(b) == 0
+    gp.begin_step([b])                               # one token: the graph fits the step
+    with st.ctx:
+        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+    assert gp.advance() == [1]
+    x = one.to_numpy()
+    for layer in range(L):
+        cp.append_batch(layer, [b], x, x, [1])
+    cp.advance([b])
+    same_snapshot(gp.snapshot(b), cp.snapshot(b))
+    with st.ctx:
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
+    gp.free()
+
+
 def test_nonfinite_and_out_of_range_rows(gpu, rng):
     gp, _ = pools(gpu, "f16")
     a = gp.new_sequence()

@@ -23,6 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTENTION_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "-k", "attention"]
+POOL_TESTS = ["tests/test_gpu_pool.py", "tests/test_gpu_pool_graph.py"]
 APPEND_TESTS = ["tests/test_gpu_cache.py", "tests/test_emu_kernels.py", "-k", "append or cache or f16"]
 
 # name: (file, original text, mutated text, what it models, tests to run)
@@ -63,6 +64,12 @@ MUTANTS = {
         "u += 0x80000u;                          // ties away from zero",
         "the fp8 e4m3 encoder rounds ties away from zero instead of to even",
         APPEND_TESTS),
+    "short-launch-unchecked": (
+        "paged.cu",
+        "const bool short_launch = T < cap && slots[T] != -1;",
+        "const bool short_launch = false;",
+        "the paged append writes a launch of fewer rows than the step's new positions",
+        POOL_TESTS),
 }
 
 

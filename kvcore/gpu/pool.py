@@ -56,7 +56,7 @@ from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
-ERR_NONFINITE, ERR_RANGE, ERR_SLOT = 2, 4, 8     # status bits (cuda/paged.cu)
+ERR_NONFINITE, ERR_RANGE, ERR_SLOT, ERR_ROWS = 2, 4, 8, 16   # status bits (cuda/paged.cu)
 _APPEND_WARPS = 4
 
 
@@ -440,7 +440,9 @@ class GpuKVPool:
     def append(self, layer: int, k, v, *, stream=None) -> None:
         """Quantizes input rows t of k, v (device float32/float16/bfloat16 [T, Hkv, D], last
         axis contiguous, T <= max_batch * max_tokens) into `layer` at slot_mapping[t]
-        (-1: skipped). Launch only (no sync; capturable). A slot outside the pool writes
+        (-1: skipped). Launch only (no sync; capturable). T must cover the step's new
+        positions: fewer is refused here (ShapeError) and, in a replayed graph, by the
+        device (the launch writes nothing; advance raises). A slot outside the pool writes
         nothing and sets the status; so does (for its row) a non-finite or out-of-range value."""
         self._alive()
         s = self.spec
@@ -457,6 +459,9 @@ class GpuKVPool:
         if not 1 <= T <= self.max_batch * self.max_tokens:
             raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
                              f"with 1 <= T <= {self.max_batch * self.max_tokens}, got {list(k.shape)}")
+        if self._step is not None and sum(self._step[1]) > T:
+            raise ShapeError(f"invalid k: the step has {sum(self._step[1])} new positions, k holds "
+                             f"{T} rows")
         in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
         isz = k.dtype.itemsize
         rows = self.num_pages * self.page_size
@@ -472,7 +477,8 @@ class GpuKVPool:
             *((b, None) for b in base),
             (meta + self.meta_offsets["slot_mapping"], None), (rows, ctypes.c_longlong),
             (meta + self.meta_offsets["status"], None),
-            (s.fmt.id, ctypes.c_int), (T, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.fmt.id, ctypes.c_int), (T, ctypes.c_int),
+            (self.max_batch * self.max_tokens, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
             (s.head_dim, ctypes.c_int),
         ], stream=st)
 
@@ -540,18 +546,24 @@ class GpuKVPool:
     @_one_call
     @driver.in_context
     def check(self) -> None:
-        """Synchronises the pool's stream; raises (and clears) a status set since: OutOfRangeError
-        (a slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
+        """Synchronises the pool's stream; raises (and clears) a status set since: ShapeError
+        (an append of fewer input rows than the step's new positions), OutOfRangeError (a
+        slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
         self._host_call("check")
-        self._raise_status()
+        self._raise_status(None if self._step is None else sum(self._step[1]))
 
-    def _raise_status(self) -> None:
+    def _raise_status(self, positions: int | None) -> None:
+        """Raises (and clears) the device status; positions: the step's new positions."""
         self.stream.synchronize()
         flag = np.zeros(1, np.int32)
         self._meta.copy_to_host(flag, offset=self.meta_offsets["status"])
         if not flag[0]:
             return
         self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.meta_offsets["status"])
+        if flag[0] & ERR_ROWS:
+            step = "the step's new positions" if positions is None else f"the step's {positions} new positions"
+            raise ShapeError(f"a GPU paged append had fewer input rows than {step} (a graph "
+                             f"captured for fewer tokens?); nothing was written by that launch")
         if flag[0] & ERR_SLOT:
             raise OutOfRangeError(f"a GPU paged append got a slot outside the pool's "
                                   f"{self.num_pages * self.page_size} (or one below -1); "
@@ -574,7 +586,7 @@ class GpuKVPool:
             raise StateError("GpuKVPool.advance without begin_step")
         seqs, counts = self._step
         self._step = None
-        self._raise_status()
+        self._raise_status(sum(counts))
         for s, c in zip(seqs, counts):
             self._table.get(s).length += c
         return counts
