@@ -5,6 +5,7 @@ on the test kernels of tests/emu_cases/. Needs only a C++ compiler."""
 import ctypes
 import math
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -79,6 +80,34 @@ def test_load_is_cached_and_a_build_error_names_the_compiler_error(tmp_path):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken(int* p) { p[0] = undeclared_name; }\n')
     with pytest.raises(CudaError, match="(?s)building the emulated module broken failed.*undeclared_name"):
         kernels.load("broken", source_dir=str(tmp_path))
+
+
+def test_builds_of_edited_sources_are_pruned(tmp_path, monkeypatch):
+    """A new build keeps the KEEP_BUILDS most recently used builds of its module and
+    variant and any used within PRUNE_AFTER_S; a cache hit renews its build's time."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "kvcore" / "emu"
+    cache.mkdir(parents=True)
+    now, day = time.time(), kernels.PRUNE_AFTER_S
+    rope = [f"rope-{i:024x}.so" for i in range(6)]
+    ages = dict(zip(rope, [1, 2, 3, 4, 2 * day, 3 * day]))
+    others = [f"rope-{9:024x}-asan.so", f"kv_append-{9:024x}.so", "rope-notahash.so"]
+    ages |= dict.fromkeys(others, 5 * day)
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"")
+        os.utime(cache / name, (now - age, now - age))
+
+    built = kernels._build("rope", kernels.default_source_dir(), False)   # a real build
+    assert os.path.dirname(built) == str(cache)
+    # kept: the new build and the 2 next most recent; beyond them the recent ones too
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(built), *rope[:4], *others])
+    later = now + 10 * day                             # now all are old: 3 remain
+    assert sorted(kernels.prune("rope", False, now=later)) == [str(cache / n) for n in rope[2:4]]
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(built), *rope[:2], *others])
+    assert kernels.prune("rope", True, now=later) == []          # one asan build: kept
+    os.utime(built, (now - 3 * day, now - 3 * day))
+    assert kernels._build("rope", kernels.default_source_dir(), False) == built   # a hit:
+    assert os.stat(built).st_mtime > now - 60                                   # renewed
 
 
 def test_launch_checks_the_dims_like_the_device(cases):

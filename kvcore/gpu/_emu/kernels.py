@@ -10,7 +10,11 @@ see docs/gpu.md, "Emulated kernels"), loaded with ctypes.
 Builds are cached under $XDG_CACHE_HOME/kvcore/emu (default ~/.cache/kvcore/emu), keyed by
 every byte of the module's sources (its .cu, what it includes, cuda/emu/), its kernel names,
 the compiler's version and the flags; a build writes a temporary file and
-renames it, so concurrent processes never see half a library.
+renames it, so concurrent processes never see half a library. Each use of a build renews
+its modification time; a new build removes the builds of the same module (and variant)
+beyond the KEEP_BUILDS most recently used that no process used for PRUNE_AFTER_S seconds,
+so edited sources do not pile up libraries while a build another process may be about to
+load is never removed.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,6 +47,8 @@ _FAULTS = {1: "CUDA_ERROR_ILLEGAL_INSTRUCTION", 2: "CUDA_ERROR_ILLEGAL_ADDRESS",
            5: "CUDA_ERROR_MISALIGNED_ADDRESS"}
 _ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\w+)", re.M)
 _SOURCE_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+KEEP_BUILDS = 3           # builds kept per module and variant, however old
+PRUNE_AFTER_S = 86400     # builds unused this long beyond those may be removed
 _REDZONE = 256            # canary bytes after each allocation (builds without ASan)
 _REDZONE_BYTE = 0xA5
 _ALIGN = 256              # cuMemAlloc's alignment
@@ -270,6 +277,10 @@ def _build(module: str, src: str, asan: bool) -> str:
     out_dir = cache_dir()
     out = os.path.join(out_dir, f"{module}-{key.hexdigest()[:24]}{'-asan' if asan else ''}.so")
     if os.path.exists(out):
+        try:
+            os.utime(out)    # used now: not pruned for PRUNE_AFTER_S
+        except OSError:
+            pass             # a read-only cache still serves
         return out
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -285,7 +296,32 @@ def _build(module: str, src: str, asan: bool) -> str:
         raise CudaError(f"building the emulated module {module} failed ({os.path.basename(cxx)} "
                         f"exit {res.returncode}):\n{res.stderr[-8000:]}")
     os.replace(tmp, out)
+    prune(module, asan)
     return out
+
+
+def prune(module: str, asan: bool, *, now: float | None = None) -> list[str]:
+    """Removes the cached builds of `module` (asan: its ASan variant) beyond the
+    KEEP_BUILDS most recently used that are older than PRUNE_AFTER_S; returns their paths.
+    A process that loaded one keeps it mapped; files that vanish meanwhile are skipped."""
+    pattern = re.compile(re.escape(module) + r"-[0-9a-f]{24}" + ("-asan" if asan else "") + r"\.so$")
+    out_dir, now = cache_dir(), time.time() if now is None else now
+    builds = []
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else ():
+        if pattern.fullmatch(name):
+            try:
+                builds.append((os.stat(os.path.join(out_dir, name)).st_mtime, name))
+            except FileNotFoundError:
+                pass
+    removed = []
+    for mtime, name in sorted(builds, reverse=True)[KEEP_BUILDS:]:
+        if now - mtime > PRUNE_AFTER_S:
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                removed.append(os.path.join(out_dir, name))
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 # ---- device memory ----------------------------------------------------------------------
