@@ -183,6 +183,22 @@ cdef extern from *:
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
         char tmp[4 * KV_W];
         p += (size_t)i * cb;
+    #if KV_W == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+        /* masked loads (lanes past d read as 0): the memcpy below is a call, which would
+           make GCC keep the caller's accumulators in memory (every vector register is
+           caller-saved) */
+        if (tail) {
+            const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+            switch (fmt) {
+            case KV_F32: return (kv_vf)_mm512_maskz_loadu_ps(m, p);
+            case KV_F16: return kv_half((kv_vh)_mm256_maskz_loadu_epi16(m, p));
+            case KV_BF16: return (kv_vf)((kv_vu)_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)) << 16);
+            case KV_E4M3: return kv_half(((kv_vh)_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p)) << 7) & 0xBF80);
+            case KV_E5M2: return kv_half((kv_vh)_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p)) << 8);
+            default: return __builtin_convertvector((kv_vi)_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)), kv_vf);
+            }
+        }
+    #endif
         if (tail) {
             memset(tmp, 0, sizeof tmp);
             memcpy(tmp, p, (size_t)(d - i) * cb);
@@ -415,13 +431,18 @@ cdef extern from *:
         }
         for (int r = 0; r < RB; r++) {
             kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
+            __asm__("" : "+v"(qv));   /* one load of q, not one per FMA (GCC folds it into each) */
             for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
         }
     }
 
     /* out[r] lane L = q[r] . K row (j + L) of the tile, for RB rows (dp floats apart);
-       rows past np are read as row np - 1 (the caller masks their lanes). */
-    KV_INLINE void kv_score_group(const int fmt, const int RB, kv_rows k, int j, int np,
+       rows past np are read as row np - 1 (the caller masks their lanes). `tail` (a
+       constant): d is not a multiple of KV_W. The first tree levels take the block's
+       accumulators as values: with kv_tree's array, or with the tail step in the same
+       copy of the code, GCC 12 spilled all 16 AVX-512 accumulators to the stack after
+       every block (12-14% of the in-cache time, docs/attention.md). */
+    KV_INLINE void kv_score_group(const int fmt, const int tail, const int RB, kv_rows k, int j, int np,
                                   const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
         kv_vf part[KV_RB][KV_W / KV_PB];
         for (int b = 0; b < KV_W / KV_PB; b++) {
@@ -438,9 +459,15 @@ cdef extern from *:
             }
             int i = 0;
             for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
-            if (i < k.d) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            if (tail) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            for (int r = 0; r < RB; r++)
+    #if KV_PB == 4
+                part[r][b] = kv_comb(kv_comb(acc[r][0], acc[r][1], KV_W / 2),
+                                     kv_comb(acc[r][2], acc[r][3], KV_W / 2), KV_W / 4);
+    #else
+                part[r][b] = kv_comb(acc[r][0], acc[r][1], KV_W / 2);
+    #endif
             if (KV_PFB > 1) kv_prefetch(pf);
-            for (int r = 0; r < RB; r++) part[r][b] = kv_tree(acc[r], KV_PB, KV_W / 2);
         }
         for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], KV_W / KV_PB, KV_W / 2 / KV_PB);
     }
@@ -453,7 +480,8 @@ cdef extern from *:
         const kv_vi lane = KV_LANES;
         for (int j = 0; j < np; j += KV_W) {
             kv_vf o[KV_RB];
-            kv_score_group(fmt, RB, k, j, np, q, dp, o, pf);
+            if (k.d % KV_W) kv_score_group(fmt, 1, RB, k, j, np, q, dp, o, pf);
+            else kv_score_group(fmt, 0, RB, k, j, np, q, dp, o, pf);
             for (int r = 0; r < RB; r++) {
                 kv_vf x = rs ? o[r] * kv_loadf(rs + j) : o[r];
                 int64_t seen = last[r] - j0 + 1;
