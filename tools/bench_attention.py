@@ -21,6 +21,10 @@ than torch at the same thread count).
   probe's time and the FMA time: `% limit` is that bound over the call's time, the table
   of limits says which one binds (the 8-bit formats at G = 4 are FMA-bound on 2-FMA-pipe
   cores: 1,024 multiply-adds per 256 bytes).
+- in cache: ns per position and kv head of kvcore on one thread over a cache small enough
+  to stay in the CPU caches (the slope between 128 and 512 positions, so fixed costs
+  cancel), and the FMAs' share of it (2 * G * D multiply-adds at the measured rate): how
+  efficiently the kernel runs its arithmetic, memory aside.
 - kvcore: `kvcore.decode_attention` on a KVCache in each format;
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
@@ -126,6 +130,29 @@ def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
             [lambda c=c: stream_sum(c._storage) for c in caches], nbytes)
 
 
+def _in_cache_ns(fmt: str, q: np.ndarray, rng: np.random.Generator,
+                 sizes: tuple[int, int] = (128, 512), calls: int = 100, rounds: int = 5) -> float:
+    """ns per position and kv head of decode_attention in fmt on the current threads, the
+    cache in the CPU caches: the slope between the two sizes, fastest of `rounds`."""
+    caches = {}
+    for n in sizes:
+        spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=n,
+                             num_heads=HQ, format=fmt)
+        caches[n] = kvcore.KVCache(spec)
+        caches[n].append(0, *(rng.standard_normal((2, n, HKV, D), dtype=np.float32)))
+        caches[n].advance()
+    out = np.empty_like(q)
+    best = dict.fromkeys(sizes, math.inf)
+    for _ in range(rounds):
+        for n, c in caches.items():
+            kvcore.decode_attention(q, c, 0, out=out)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                kvcore.decode_attention(q, c, 0, out=out)
+            best[n] = min(best[n], (time.perf_counter() - t0) / calls)
+    return (best[sizes[1]] - best[sizes[0]]) / ((sizes[1] - sizes[0]) * HKV) * 1e9
+
+
 def _numpy_calls(k: np.ndarray, v: np.ndarray, q: np.ndarray):
     """numpy float32 grouped matmul: s = q K^T per kv head, softmax, s V."""
     kh = np.ascontiguousarray(k.transpose(1, 0, 2))  # [Hkv, n, D]
@@ -158,8 +185,9 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
     calls it that way). Returns the figures: {"times": {(implementation, threads):
     {context: (seconds, bytes read)}}, "probe": {(format, threads): {context: (seconds,
-    bytes)}}, "fma": {threads: float32 multiply-adds per second}, "copy_GBps": np.copyto
-    bandwidth} (for --plot)."""
+    bytes)}}, "fma": {threads: float32 multiply-adds per second}, "in_cache_ns": {format:
+    ns per position and kv head in cache, 1 thread}, "copy_GBps": np.copyto bandwidth}
+    (for --plot)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -236,6 +264,15 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                     f"{per_n[n][1] / (2 * HQ * D * n / fma[t]) / 1e9:.1f} "
                     f"({per_n[n][1] / per_n[n][0] / 1e9:.1f})" for n in args.contexts]
                  for (fmt, t), per_n in probe.items()])
+    kvcore.set_num_threads(1)
+    fma1 = fma.get(1) or _fma_rate()
+    fma_ns = 2 * (HQ // HKV) * D / fma1 * 1e9
+    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in kvcore.FORMATS}
+    kvcore.set_num_threads(0)
+    print_table(f"In cache, 1 thread: ns per position and kv head (the slope between 128 and "
+                f"512 positions) and the FMAs' share of it ({fma_ns:.1f} ns at "
+                f"{fma1 / 1e9:.1f} G multiply-adds/s)", ["format", "ns", "FMA share"],
+                [[fmt, ns, f"{fma_ns / ns:.0%}"] for fmt, ns in in_cache.items()])
     copy = copy_bandwidth(256 * 2**20)
     print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s")
     for n in [c for c in (4096, 16384) if c in args.contexts]:
@@ -249,7 +286,8 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format "
                       f"at >= 90% of {what}; lowest {low} {share[low]:.0%}, highest {high} "
                       f"{share[high]:.0%}")
-    return {"times": results, "probe": probe, "fma": fma, "copy_GBps": copy}
+    return {"times": results, "probe": probe, "fma": fma, "in_cache_ns": in_cache,
+            "copy_GBps": copy}
 
 
 if __name__ == "__main__":
