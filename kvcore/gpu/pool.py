@@ -561,9 +561,10 @@ class GpuKVPool:
             return
         self._meta.copy_from_host(np.zeros(1, np.int32), offset=self.meta_offsets["status"])
         if flag[0] & ERR_ROWS:
-            step = "the step's new positions" if positions is None else f"the step's {positions} new positions"
-            raise ShapeError(f"a GPU paged append had fewer input rows than {step} (a graph "
-                             f"captured for fewer tokens?); nothing was written by that launch")
+            n = "" if positions is None else f"{positions} "
+            raise ShapeError(f"a GPU paged append had fewer input rows than the step's {n}new "
+                             f"positions (a graph captured for fewer tokens?); nothing was "
+                             f"written by that launch")
         if flag[0] & ERR_SLOT:
             raise OutOfRangeError(f"a GPU paged append got a slot outside the pool's "
                                   f"{self.num_pages * self.page_size} (or one below -1); "
