@@ -113,17 +113,22 @@ def _fma_rate(seconds: float = 0.005) -> float:
         rounds *= 2 if dt <= 0 else max(2, math.ceil(seconds / dt))
 
 
+def _cache(fmt: str, k: np.ndarray, v: np.ndarray) -> kvcore.KVCache:
+    """A one-layer KVCache in fmt holding K/V [n, HKV, D] (capacity n)."""
+    spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=k.shape[0],
+                         num_heads=HQ, format=fmt)
+    cache = kvcore.KVCache(spec)
+    cache.append(0, k, v)
+    cache.advance()
+    return cache
+
+
 def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
     """Calls of decode_attention on copies of one cache in fmt, the probe's calls on the
     same copies' storage; bytes one call reads."""
-    n = k.shape[0]
-    spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=n,
-                         num_heads=HQ, format=fmt)
-    caches = [kvcore.KVCache(spec) for _ in range(_copies(spec.memory_bytes))]
-    for c in caches:
-        c.append(0, k, v)
-        c.advance()
-    nbytes = spec.memory_bytes
+    first = _cache(fmt, k, v)
+    nbytes = first.spec.memory_bytes
+    caches = [first] + [_cache(fmt, k, v) for _ in range(_copies(nbytes) - 1)]
     out = np.empty_like(q)
     assert all(c._storage.nbytes == nbytes for c in caches)
     return ([lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in caches],
@@ -134,13 +139,8 @@ def _in_cache_ns(fmt: str, q: np.ndarray, rng: np.random.Generator,
                  sizes: tuple[int, int] = (128, 512), calls: int = 100, rounds: int = 5) -> float:
     """ns per position and kv head of decode_attention in fmt on the current threads, the
     cache in the CPU caches: the slope between the two sizes, fastest of `rounds`."""
-    caches = {}
-    for n in sizes:
-        spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=n,
-                             num_heads=HQ, format=fmt)
-        caches[n] = kvcore.KVCache(spec)
-        caches[n].append(0, *(rng.standard_normal((2, n, HKV, D), dtype=np.float32)))
-        caches[n].advance()
+    caches = {n: _cache(fmt, *rng.standard_normal((2, n, HKV, D), dtype=np.float32))
+              for n in sizes}
     out = np.empty_like(q)
     best = dict.fromkeys(sizes, math.inf)
     for _ in range(rounds):

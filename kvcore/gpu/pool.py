@@ -459,9 +459,9 @@ class GpuKVPool:
         if not 1 <= T <= self.max_batch * self.max_tokens:
             raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
                              f"with 1 <= T <= {self.max_batch * self.max_tokens}, got {list(k.shape)}")
-        if self._step is not None and sum(self._step[1]) > T:
-            raise ShapeError(f"invalid k: the step has {sum(self._step[1])} new positions, k holds "
-                             f"{T} rows")
+        n = self._step_positions()
+        if n is not None and n > T:
+            raise ShapeError(f"invalid k: the step has {n} new positions, k holds {T} rows")
         in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
         isz = k.dtype.itemsize
         rows = self.num_pages * self.page_size
@@ -514,8 +514,9 @@ class GpuKVPool:
             raise ShapeError(f"invalid q: expected float32, float16 or bfloat16 [R, {s.num_heads}, "
                              f"{s.head_dim}] with 1 <= R <= {rows_max}, C-contiguous, got "
                              f"{qa.dtype} {list(qa.shape)} strides {list(qa.strides)}")
-        if self._step is not None and sum(self._step[1]) > R:
-            raise ShapeError(f"invalid q: the step has {sum(self._step[1])} new tokens, q holds "
+        n = self._step_positions()
+        if n is not None and n > R:
+            raise ShapeError(f"invalid q: the step has {n} new tokens, q holds "
                              f"{R} rows")
         oa = as_device_array(out, "out", stream=st)
         if oa.dtype != np.float32 or oa.shape != qa.shape or not oa.is_c_contiguous or oa.ptr % 16:
@@ -550,7 +551,11 @@ class GpuKVPool:
         (an append of fewer input rows than the step's new positions), OutOfRangeError (a
         slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
         self._host_call("check")
-        self._raise_status(None if self._step is None else sum(self._step[1]))
+        self._raise_status(self._step_positions())
+
+    def _step_positions(self) -> int | None:
+        """New positions of the step begun by begin_step (None: no step)."""
+        return None if self._step is None else sum(self._step[1])
 
     def _raise_status(self, positions: int | None) -> None:
         """Raises (and clears) the device status; positions: the step's new positions."""
