@@ -2,6 +2,15 @@
 
 Public API; everything else lives behind a leading underscore.
 """
+try:
+    from . import _cpu
+except ImportError:   # a source tree whose extensions were never compiled
+    raise ImportError(
+        f"kvcore's compiled extensions are missing (no kvcore._cpu beside {__file__}): this "
+        "copy of kvcore was not built. "
+        "Install it with pip (it compiles the Cython kernels: a C compiler with OpenMP is "
+        "needed), or in a checkout run: pip install -e .") from None
+_cpu.check()   # before any kernel module: an ImportError, not an illegal instruction
 from .errors import (CapacityError, ChunkError, CudaError, DTypeError, FormatError,
                      KVCacheError, NonFiniteError, OutOfRangeError, RangeError, ShapeError,
                      SnapshotError, SpecError, StateError, StoreError)
