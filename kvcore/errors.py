@@ -66,8 +66,21 @@ class CudaError(KVCacheError, RuntimeError):
     """A CUDA driver call failed; the message names the call and the CUresult."""
 
 
+class GpuUnavailableError(KVCacheError, ImportError):
+    """What the GPU layer needs is not installed: cuda-python (for a real device), or a host
+    C++ compiler (for the emulator, `use_emulator()`). The message names what is missing
+    and how to get it."""
+
+
+class DeviceCopyError(KVCacheError, TypeError):
+    """copy.copy, copy.deepcopy or pickle of a GPU object that owns device memory or a
+    driver handle: a copy would share it (and free it twice), a pickle cannot carry it. The
+    message says how to move the content instead (e.g. `snapshot()`, then `restore()`)."""
+
+
 __all__ = [
     "KVCacheError", "SpecError", "FormatError", "ShapeError", "DTypeError",
     "NonFiniteError", "CapacityError", "OutOfRangeError", "RangeError", "StateError",
-    "SnapshotError", "StoreError", "ChunkError", "CudaError",
+    "SnapshotError", "StoreError", "ChunkError", "CudaError", "GpuUnavailableError",
+    "DeviceCopyError",
 ]

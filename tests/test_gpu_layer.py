@@ -1,5 +1,6 @@
 """CPU-only checks of the GPU layer: lazy imports, is_available, layout arithmetic, memory
 fit, argument validation, the shared device constants, and the checked-in PTX."""
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,64 @@ def test_is_available_false_without_cuda_python():
 
 def test_is_available_never_raises():
     assert is_available() in (True, False)
+
+
+# A child process in which `cuda` and `cuda.*` do not import, whether or not cuda-python is
+# installed here: a meta-path finder ahead of every other refuses them.
+_REFUSE_CUDA = """
+import importlib.abc, json, sys
+class RefuseCuda(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "cuda" or name.startswith("cuda."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, RefuseCuda())
+"""
+
+
+def test_gpu_objects_without_cuda_python_raise_a_clear_error():
+    out = _run(_REFUSE_CUDA + """
+import numpy as np
+import kvcore
+from kvcore import KVSpec, gpu
+spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=32, num_heads=4)
+class Foreign:   # a CUDA array of another library
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (4096, False), "version": 3}
+makers = {
+    "GpuKVCache": lambda: gpu.GpuKVCache(spec, 2),
+    "GpuKVCache.fit": lambda: gpu.GpuKVCache.fit(spec),
+    "GpuKVPool": lambda: gpu.GpuKVPool(spec, 8, max_batch=1, max_pages_per_seq=2),
+    "Context.get": lambda: gpu.Context.get(),
+    "DeviceBuffer.alloc": lambda: gpu.DeviceBuffer.alloc(16),
+    "DeviceBuffer.from_numpy": lambda: gpu.DeviceBuffer.from_numpy(np.zeros(4)),
+    "Stream.create": lambda: gpu.Stream.create(),
+    "Event.create": lambda: gpu.Event.create(),
+    "as_device_array": lambda: gpu.as_device_array(Foreign()),
+}
+got = {}
+for name, make in makers.items():
+    try:
+        make()
+        got[name] = "no error"
+    except Exception as e:
+        got[name] = [type(e).__name__, isinstance(e, ImportError), isinstance(e, kvcore.KVCacheError), str(e)]
+got["is_available"] = gpu.is_available()
+got["cuda modules"] = sorted(m for m in sys.modules if m == "cuda" or m.startswith("cuda."))
+print(json.dumps(got))
+""")
+    got = json.loads(out.splitlines()[-1])
+    assert got.pop("is_available") is False
+    assert got.pop("cuda modules") == []
+    message = ('cuda-python is not installed: pip install "kvcore[cuda]" for a GPU, or call '
+               'kvcore.gpu.use_emulator() to run the GPU layer on the CPU')
+    for name, result in got.items():
+        assert result == ["GpuUnavailableError", True, True, message], name
+
+
+def test_gpu_unavailable_error_is_an_import_error_of_kvcore():
+    from kvcore.gpu import GpuUnavailableError
+    assert issubclass(GpuUnavailableError, ImportError)
+    assert issubclass(GpuUnavailableError, kvcore.KVCacheError)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

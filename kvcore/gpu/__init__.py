@@ -9,14 +9,19 @@ never needs cuda-python or a GPU; `is_available()` says whether one is usable).
         cache.check()                  # raises CapacityError / NonFiniteError naming the slots
 
 Without a GPU, `gpu.use_emulator()` runs the same code on the CPU: kvcore's CUDA kernels
-compiled by the host C++ compiler, under an emulated driver with the real driver's rules.
+compiled by the host C++ compiler ($CXX, else g++), under an emulated driver with the real
+driver's rules. Without cuda-python and without the emulator, making any GPU object raises
+GpuUnavailableError (an ImportError) saying so. GPU objects that own device memory refuse
+copy.copy, copy.deepcopy and pickle (DeviceCopyError): move their content with snapshot()
+and restore().
 
 See docs/gpu.md for layouts, per-slot status, streams, contexts, graph capture and the
 emulator.
 """
 from .attention import AttentionPlan, apply_rope, decode_attention
 from .cache import GpuKVCache, GpuLayout, max_slots_for_memory
-from .driver import Context, CudaError, Event, Stream, is_available
+from .driver import (Context, CudaError, DeviceCopyError, Event, GpuUnavailableError, Stream,
+                     is_available)
 from .graph import DecodeGraph
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 from .pool import GpuKVPool
@@ -30,5 +35,6 @@ def live_bytes(device: int = 0) -> int:
 
 
 __all__ = ["AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache", "GpuKVPool",
-           "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer", "as_device_array", "live_bytes",
-           "use_emulator", "using_emulator"]
+           "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "DeviceCopyError",
+           "GpuUnavailableError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer",
+           "as_device_array", "live_bytes", "use_emulator", "using_emulator"]

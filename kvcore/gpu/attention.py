@@ -125,7 +125,7 @@ def _check_array(name: str, x: DeviceArray, shape: tuple[int, ...]) -> None:
                          f"{list(x.strides)} bytes")
 
 
-class AttentionPlan:
+class AttentionPlan(driver.DeviceOwner):
     """Decode attention over every slot of one GpuKVCache (any layer), planned once.
 
     cache: the GpuKVCache; q_dtype: "float32", "float16" or "bfloat16" (the dtype of the q
@@ -134,7 +134,12 @@ class AttentionPlan:
     device and the batch alone); scale: the softmax scale (default 1/sqrt(head_dim));
     num_splits: force the number of splits (tests, tuning).
     The plan owns its workspace; `free()` releases it (also when garbage-collected).
+    Not copyable nor picklable (DeviceCopyError): make another plan.
     """
+
+    _holds = "device memory (its split workspace)"
+    _move = ("make another instead: AttentionPlan(cache, ...) (a plan holds no KV content; "
+             "move that with cache.snapshot(slot) and restore())")
 
     def __init__(self, cache, *, q_dtype: str = "float16", max_length: int | None = None,
                  scale: float | None = None, num_splits: int | None = None):

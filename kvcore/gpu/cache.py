@@ -150,7 +150,7 @@ def max_slots_for_memory(spec: KVSpec, free_bytes: int, reserve_bytes: int = 0) 
     return m
 
 
-class GpuKVCache:
+class GpuKVCache(driver.DeviceOwner):
     """M slots (sequences) of `spec` in device memory; see the module docstring.
 
     Device views (DeviceArray; DLPack / __cuda_array_interface__):
@@ -158,7 +158,14 @@ class GpuKVCache:
       key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
       k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
       lengths                                int32[M];  status  int32[M] (error bits per slot)
+
+    Not copyable nor picklable (DeviceCopyError): move a slot with snapshot() and restore().
     """
+
+    _holds = "device memory (its K/V codes, scales and metadata) and a stream"
+    _move = ("move the content instead: cache.snapshot(slot) gives a host Snapshot (which "
+             "pickles, or snapshot.save(path)), and other.restore(snapshot, slot) writes it "
+             "into another GpuKVCache")
 
     def __init__(self, spec: KVSpec, slots: int = 1, *, device: int = 0, stream=None):
         if not isinstance(spec, KVSpec):

@@ -15,6 +15,11 @@
    weakref.finalize inside the context), so a dropped owner leaks nothing.
 4. Raw handles are exposed as plain ints (`ptr` / `handle`); a stream argument is
    keyword-only everywhere and may be a Stream, an int handle, or None (the cache's own).
+6. Without cuda-python (and without the emulator) the first driver call raises
+   GpuUnavailableError (an ImportError) saying how to get one or the other.
+7. Objects that own device memory or a driver handle (`DeviceOwner`) refuse copy.copy,
+   copy.deepcopy and pickle with DeviceCopyError: a copy would share the memory and free it
+   twice, a pickle cannot carry it; the message says how to move the content instead.
 """
 from __future__ import annotations
 
@@ -23,24 +28,75 @@ import functools
 import threading
 import weakref
 
-from ..errors import CudaError, StateError
+from ..errors import CudaError, DeviceCopyError, GpuUnavailableError, StateError
 
 _lock = threading.Lock()
 _driver_module = None
 _emulated = False
 
 
+NO_CUDA_PYTHON = ('cuda-python is not installed: pip install "kvcore[cuda]" for a GPU, or '
+                  'call kvcore.gpu.use_emulator() to run the GPU layer on the CPU')
+
+
+def _import_driver():
+    try:
+        from cuda.bindings import driver as mod
+        return mod
+    except ImportError as first:
+        try:
+            from cuda import cuda as mod   # cuda-python before 12.6
+            return mod
+        except ImportError:
+            pass
+        missing = isinstance(first, ModuleNotFoundError) and (
+            first.name is None or first.name == "cuda" or first.name.startswith("cuda."))
+        if missing:
+            raise GpuUnavailableError(NO_CUDA_PYTHON, name="cuda") from None
+        raise GpuUnavailableError(
+            f"cuda-python is installed but does not import ({type(first).__name__}: {first}): "
+            f'reinstall it (pip install --force-reinstall "kvcore[cuda]") for a GPU, or call '
+            f"kvcore.gpu.use_emulator() to run the GPU layer on the CPU", name="cuda") from first
+
+
 def cuda():
     """The driver module every call goes to: cuda-python's (`cuda.bindings.driver`, or
-    `cuda.cuda` before 12.6), or the emulated one after `use_emulator()`."""
+    `cuda.cuda` before 12.6), or the emulated one after `use_emulator()`. Raises
+    GpuUnavailableError (an ImportError) when cuda-python is missing."""
     global _driver_module
     if _driver_module is None:
-        try:
-            from cuda.bindings import driver as mod
-        except ImportError:
-            from cuda import cuda as mod
-        _driver_module = mod
+        _driver_module = _import_driver()
     return _driver_module
+
+
+class DeviceOwner:
+    """Base of the GPU objects that own device memory or a driver handle: copy.copy,
+    copy.deepcopy and pickle raise DeviceCopyError, naming the class, what it holds
+    (`_holds`) and how to move its content instead (`_move`)."""
+
+    __slots__ = ()
+    _holds = "device memory"
+    _move = ""
+
+    def _refuse_copy(self, what: str):
+        if what == "pickling":
+            why = "which exists only in this process"
+        else:
+            why = "which a copy would share with the original (and release twice) instead of duplicating"
+        raise DeviceCopyError(f"{what} a kvcore.gpu.{type(self).__name__} is refused: it holds "
+                              f"{self._holds}, {why}; {self._move}")
+
+    def __copy__(self):
+        self._refuse_copy("copy.copy of")
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy("copy.deepcopy of")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy("pickling")
+
+    def __reduce__(self):
+        self._refuse_copy("pickling")
 
 
 def use_backend(module, *, reset) -> None:
@@ -128,9 +184,12 @@ def is_available() -> bool:
 
 # ---------------------------------------------------------------------------- context
 
-class Context:
+class Context(DeviceOwner):
     """The retained primary context of one device, with its properties and the bytes of
     device memory kvcore holds in it (`live_bytes`)."""
+
+    _holds = "the device's retained primary context"
+    _move = "Context.get(device) gives the one Context of a device in each process"
 
     _contexts: dict[int, "Context"] = {}
 
@@ -241,9 +300,12 @@ def owned_handle(owner, ctx: Context, destroy: str, handle) -> weakref.finalize:
 
 # ---------------------------------------------------------------------------- streams
 
-class Stream:
+class Stream(DeviceOwner):
     """A CUDA stream. `create()` owns a new one (destroyed by `destroy()`);
     `from_handle(h)` wraps one owned elsewhere (torch, CuPy)."""
+
+    _holds = "a CUDA stream handle"
+    _move = "make another with Stream.create()"
 
     _live: "weakref.WeakSet[Stream]" = weakref.WeakSet()  # every Stream alive (refuse_while_capturing)
 
@@ -346,8 +408,11 @@ def refuse_while_capturing(what: str, *streams) -> None:
 
 # ---------------------------------------------------------------------------- events
 
-class Event:
+class Event(DeviceOwner):
     """A CUDA event with timing (for benchmarks) or without (for ordering)."""
+
+    _holds = "a CUDA event handle"
+    _move = "make another with Event.create()"
 
     def __init__(self, ctx: Context, handle):
         self.ctx = ctx

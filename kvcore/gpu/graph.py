@@ -166,7 +166,7 @@ class _PoolSteps:
         """Nothing of the graph's own (the stream is the pool's)."""
 
 
-class DecodeGraph:
+class DecodeGraph(driver.DeviceOwner):
     """A captured decode step over every layer and row of `storage`: a GpuKVCache (row m =
     slot m) or a GpuKVPool (row b = the b-th sequence of `pool.begin_step`, up to
     max_batch).
@@ -175,7 +175,13 @@ class DecodeGraph:
     (theta, style, rotary_dim as in apply_rope) before the append; scale: softmax scale (default 1/sqrt(head_dim)); max_length: as in
     AttentionPlan (cache only). Over a cache the graph runs on its own stream unless
     `stream` is given to replay/step_eager; over a pool on the pool's stream.
+
+    Not copyable nor picklable (DeviceCopyError): capture another over the storage.
     """
+
+    _holds = "device memory (its input and output buffers) and a captured CUDA graph"
+    _move = ("capture another instead: DecodeGraph(storage, ...); to move the KV content, "
+             "snapshot() the storage and restore() the snapshot into another")
 
     def __init__(self, storage, *, dtype: str = "float16", rope: bool = True, theta: float = 10000.0,
                  style: str = "neox", rotary_dim: int | None = None, scale: float | None = None,

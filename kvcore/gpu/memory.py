@@ -31,9 +31,13 @@ def _free(ctx: Context, ptr: int, nbytes: int) -> None:
     ctx.live_bytes -= nbytes
 
 
-class DeviceBuffer:
+class DeviceBuffer(driver.DeviceOwner):
     """One device allocation of `nbytes` bytes at `ptr` in context `ctx`. Also a uint8
-    DeviceArray of shape [nbytes] for interop."""
+    DeviceArray of shape [nbytes] for interop. Not copyable nor picklable (DeviceCopyError)."""
+
+    _holds = "device memory"
+    _move = ("copy the bytes instead: buf.copy_to_host(out) (or view(...).to_numpy()) gives "
+             "a host copy, DeviceBuffer.from_numpy(host) a new buffer holding it")
 
     def __init__(self, ctx: Context, ptr: int, nbytes: int):
         self.ctx = ctx
@@ -163,10 +167,15 @@ class DeviceBuffer:
 
 # ------------------------------------------------------------------------- arrays
 
-class DeviceArray:
+class DeviceArray(driver.DeviceOwner):
     """A typed view of device memory: `ptr`, `shape`, `dtype`, `strides` (bytes; C order
     when made by DeviceBuffer.view). Keeps `owner` (a DeviceBuffer or a foreign array)
-    alive; a view of a freed DeviceBuffer raises StateError on use."""
+    alive; a view of a freed DeviceBuffer raises StateError on use. Not copyable nor
+    picklable (DeviceCopyError)."""
+
+    _holds = "a view of device memory"
+    _move = ("copy the data instead: arr.to_numpy() gives a host copy (which pickles), "
+             "DeviceBuffer.from_numpy(host) a new device buffer holding it")
 
     def __init__(self, ctx: Context, ptr, shape, dtype, *, owner=None, strides=None, producer=None):
         self.ctx = ctx

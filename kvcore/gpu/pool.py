@@ -88,14 +88,22 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
-class GpuKVPool:
+class GpuKVPool(driver.DeviceOwner):
     """num_pages pages of page_size positions of `spec` in device memory, shared by many
     sequences (int ids, as KVPool's); see the module docstring for the layout.
 
     max_batch, max_pages_per_seq and max_tokens (new positions per step, all sequences
     together up to max_batch * max_tokens) fix the metadata buffers, whose addresses never
     change: a graph captured over `append` replays after the tables changed.
+
+    Not copyable nor picklable (DeviceCopyError): move a sequence with snapshot() and
+    restore(), or offload() it into a CPU KVPool.
     """
+
+    _holds = "device memory (its pages and step metadata) and a stream"
+    _move = ("move the content instead: pool.snapshot(seq) gives a host Snapshot (which "
+             "pickles, or snapshot.save(path)), and other.restore(snapshot) makes a sequence "
+             "of it in another GpuKVPool; pool.offload(seq, host_pool) copies it into a CPU KVPool")
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
                  max_pages_per_seq: int, max_tokens: int = 1, device: int = 0):

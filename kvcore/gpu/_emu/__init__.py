@@ -27,6 +27,9 @@ def use_emulator(*, devices: int = 1, seed: int = 0, memory_bytes: int = 2 << 30
 
     Calling it again resets the emulated machine (refused while kvcore device memory is
     live). Refused (StateError) once kvcore opened a context on a real device.
+
+    The kernels are built by $CXX when set, else by g++ on PATH; without a compiler that
+    runs, GpuUnavailableError (naming what was looked for), and the emulator stays off.
     """
     for name, value, low in (("devices", devices, 1), ("memory_bytes", memory_bytes, 1),
                              ("driver_version", driver_version, 1000), ("seed", seed, 0)):
@@ -34,6 +37,8 @@ def use_emulator(*, devices: int = 1, seed: int = 0, memory_bytes: int = 2 << 30
             raise ShapeError(f"invalid {name}: expected an int >= {low}, got {value!r}")
     if not isinstance(asan, bool):
         raise ShapeError(f"invalid asan: expected a bool, got {asan!r}")
+    from . import kernels
+    kernels.find_compiler()   # GpuUnavailableError now, not at the first cache; nothing changed
     from .. import driver as gpu_driver
     from . import driver as emu_driver
     config = emu_driver.Config(int(devices), int(seed), int(memory_bytes), int(driver_version), asan)

@@ -7,9 +7,11 @@ see docs/gpu.md, "Emulated kernels"), loaded with ctypes.
     mod.entries["kv_advance"]                   # (ParamInfo(size=8, is_pointer=True), ...)
     mod.launch("kv_advance", (1, 1, 1), (32, 1, 1), 0, params, seed=0)  # KernelFault on a fault
 
-Builds are cached under $XDG_CACHE_HOME/kvcore/emu (default ~/.cache/kvcore/emu), keyed by
-every byte of the module's sources (its .cu, what it includes, cuda/emu/), its kernel names,
-the compiler's version and the flags; a build writes a temporary file and
+The compiler is $CXX when set, else g++ on PATH (`find_compiler`; GpuUnavailableError when
+there is none, or $CXX names nothing that runs). Builds are cached under
+$XDG_CACHE_HOME/kvcore/emu (default ~/.cache/kvcore/emu), keyed by every byte of the
+module's sources (its .cu, what it includes, cuda/emu/), its kernel names, the compiler's
+command and version and the flags; a build writes a temporary file and
 renames it, so concurrent processes never see half a library. Each use of a build renews
 its modification time; a new build removes the builds of the same module (and variant)
 beyond the KEEP_BUILDS most recently used that no process used for PRUNE_AFTER_S seconds,
@@ -24,6 +26,7 @@ import glob
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import threading
@@ -32,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...errors import CudaError
+from ...errors import GpuUnavailableError
 
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-DKVCORE_EMU")
 ASAN_FLAGS = ("-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", "-DKVCORE_EMU",
@@ -80,9 +84,67 @@ class ParamInfo:
     is_pointer: bool
 
 
+DEFAULT_COMPILER = "g++"
+_HOW_TO_GET_ONE = ("install g++ (Debian/Ubuntu: apt-get install g++), or set CXX to the C++17 "
+                   "compiler to use (a name on PATH or a path)")
+_HOW_TO_FIX_CXX = f"set CXX to a working C++ compiler, or unset it to use {DEFAULT_COMPILER} from PATH"
+
+
+def find_compiler() -> tuple[str, ...]:
+    """The command of the host C++ compiler the emulator builds with: $CXX when set (split
+    as a shell would: "ccache g++" works), else g++ on PATH; its first word resolved to a
+    path. Raises GpuUnavailableError naming what was looked for when there is none, or when
+    $CXX names nothing that runs (`CXX --version` must succeed)."""
+    value = os.environ.get("CXX", "").strip()
+    if not value:
+        path = shutil.which(DEFAULT_COMPILER)
+        if path is None:
+            raise GpuUnavailableError(
+                f"the GPU emulator needs a host C++ compiler: CXX is not set and there is no "
+                f"{DEFAULT_COMPILER} on PATH; {_HOW_TO_GET_ONE}")
+        return _runnable((path,), f"{DEFAULT_COMPILER} on PATH ({path})")
+    try:
+        words = shlex.split(value)
+    except ValueError as e:
+        raise GpuUnavailableError(f"CXX={value!r} is not a command ({e}); {_HOW_TO_FIX_CXX}") from None
+    exe = words[0]
+    if os.sep in exe or (os.altsep and os.altsep in exe):
+        if not os.path.isfile(exe):
+            why = "no such file"
+        elif not os.access(exe, os.X_OK):
+            why = "the file is not executable"
+        else:
+            why = None
+        path = os.path.abspath(exe)
+    else:
+        path = shutil.which(exe)
+        why = None if path else f"no {exe} on PATH"
+    if why is not None:
+        raise GpuUnavailableError(f"CXX={value!r} names no runnable C++ compiler: {why}; "
+                                  f"{_HOW_TO_FIX_CXX}")
+    return _runnable((path, *words[1:]), f"CXX={value!r}")
+
+
+def _runnable(cmd: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """cmd, once `cmd --version` ran and succeeded (else GpuUnavailableError naming `what`)."""
+    try:
+        _compiler_version(cmd)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        if what.startswith("CXX="):
+            raise GpuUnavailableError(f"{what} names no runnable C++ compiler: {e}; "
+                                      f"{_HOW_TO_FIX_CXX}") from None
+        raise GpuUnavailableError(f"the GPU emulator's C++ compiler, {what}, does not run: {e}; "
+                                  f"{_HOW_TO_GET_ONE}") from None
+    return cmd
+
+
 def compiler() -> str | None:
-    """The host C++ compiler the emulator builds with (g++ on PATH), or None."""
-    return shutil.which("g++")
+    """The host C++ compiler the emulator builds with, as a command line ($CXX when set,
+    else g++ on PATH: see find_compiler), or None when there is none that runs."""
+    try:
+        return shlex.join(find_compiler())
+    except GpuUnavailableError:
+        return None
 
 
 def available() -> bool:
@@ -209,9 +271,15 @@ def _dims(what: str, dims) -> tuple[int, int, int]:
 # ---- building ------------------------------------------------------------------------
 
 @functools.cache
-def _compiler_version(cxx: str) -> str:
-    res = subprocess.run([cxx, "--version"], capture_output=True, text=True)
-    return res.stdout.strip().splitlines()[0] if res.stdout else cxx
+def _compiler_version(cmd: tuple[str, ...]) -> str:
+    """The first line `cmd --version` prints; RuntimeError when it fails, OSError when it
+    does not start."""
+    res = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        err = (res.stderr or res.stdout).strip().splitlines()
+        raise RuntimeError(f"`{shlex.join(cmd)} --version` exited {res.returncode}"
+                           + (f": {err[-1]}" if err else ""))
+    return res.stdout.strip().splitlines()[0] if res.stdout.strip() else shlex.join(cmd)
 
 
 def _kernel_names(src: str, module: str) -> list[str]:
@@ -258,9 +326,7 @@ def _emu_dir(src: str) -> str:
 
 def _build(module: str, src: str, asan: bool) -> str:
     """The cached shared library of `module`, compiled now if missing."""
-    cxx = compiler()
-    if cxx is None:
-        raise CudaError("the GPU emulator needs a C++ compiler (g++) on PATH")
+    cxx = find_compiler()
     if not os.path.exists(os.path.join(src, module + ".cu")):
         raise CudaError(f"emulated module {module}: no {module}.cu in {src}")
     emu = _emu_dir(src)
@@ -268,7 +334,8 @@ def _build(module: str, src: str, asan: bool) -> str:
     label = "cuda" if os.path.basename(src) in ("cuda", "_cuda") else os.path.basename(src)
     flags = [*(ASAN_FLAGS if asan else FLAGS), *_COMMON_FLAGS]
     key = hashlib.sha256()
-    for part in (_compiler_version(cxx), " ".join(flags), module, " ".join(names), label):
+    for part in (shlex.join(cxx), _compiler_version(cxx), " ".join(flags), module,
+                 " ".join(names), label):
         key.update(part.encode() + b"\0")
     files = sorted(_includes(os.path.join(src, module + ".cu")) | set(glob.glob(os.path.join(emu, "*"))))
     for path in files:
@@ -284,7 +351,7 @@ def _build(module: str, src: str, asan: bool) -> str:
         return out
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
-    cmd = [cxx, *flags, "-I", emu, "-I", src, f'-DKVEMU_SOURCE="{module}.cu"',
+    cmd = [*cxx, *flags, "-I", emu, "-I", src, f'-DKVEMU_SOURCE="{module}.cu"',
            "-DKVEMU_KERNELS=" + " ".join(f"X({n})" for n in names),
            f"-fmacro-prefix-map={src}/={label}/", os.path.join(emu, "module.cpp"), "-o", tmp]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -293,7 +360,7 @@ def _build(module: str, src: str, asan: bool) -> str:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        raise CudaError(f"building the emulated module {module} failed ({os.path.basename(cxx)} "
+        raise CudaError(f"building the emulated module {module} failed ({os.path.basename(cxx[0])} "
                         f"exit {res.returncode}):\n{res.stderr[-8000:]}")
     os.replace(tmp, out)
     prune(module, asan)
