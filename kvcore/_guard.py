@@ -21,7 +21,8 @@ cost about 0.1 us, instead of the context manager's method calls:
         guard.release()
 
 The guard is not reentrant: a guarded method must not call another guarded method of the
-same object (call the unguarded internals instead).
+same object (call the unguarded internals instead). A copy (copy.deepcopy, pickle) of a
+guard is a fresh, unlocked guard: a lock is this process's and this object's own.
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ class CallGuard:
         raise StateError(f"{op}: this {self._what} is in use by another thread (it takes "
                          f"one call at a time: serialise the threads that share it, or give "
                          f"each its own)")
+
+    def __reduce__(self) -> tuple[type["CallGuard"], tuple[str]]:
+        """Copies and pickles as a fresh, unlocked guard of the same name."""
+        return CallGuard, (self._what,)
 
     def __call__(self, op: str) -> "CallGuard":
         """Takes the guard for the `with` block that follows, or raises StateError."""

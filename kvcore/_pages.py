@@ -325,7 +325,8 @@ class PageTable:
                 where = "" if layer is None else f" layer {layer}"
                 raise CapacityError(f"sequence {s} full:{where} asked for position {stop - 1} "
                                     f"(holds {end}, appending {t}), capacity is "
-                                    f"{self.capacity} positions")
+                                    f"{self.capacity} positions"
+                                    + self._pending_hint(layer, [s]))
             if t == 0:
                 continue
             pages = seq.pages
@@ -362,10 +363,18 @@ class PageTable:
             if take > pick.nfree + pick.cached:
                 need = ", ".join(f"sequence {s}: {k}" for s, k in short)
                 raise CapacityError(f"pool out of pages: the write needs {take} new pages "
-                                    f"({need}), {self._short()}")
+                                    f"({need}), {self._short()}"
+                                    + self._pending_hint(layer, ids))
             plan.evict = pick.evicted[:max(0, take - pick.nfree)]
         plan.take = take
         return plan
+
+    def _pending_hint(self, layer: int | None, ids: list[int]) -> str:
+        """For a CapacityError of a write to `layer` of sequences ids (all known): the
+        positions of that layer they hold pending, and to advance; '' when none is."""
+        if layer is None:
+            return ""
+        return pending_hint(layer, [(s, self.seqs[s].pending[layer]) for s in ids])
 
     def commit_write(self, plan: WritePlan) -> None:
         """Applies a plan made by plan_write with no change to the table since."""
@@ -408,6 +417,23 @@ class PageTable:
                     self._index.lru[g] = None
                 else:
                     free.append(g)
+
+
+def pending_hint(layer: int, pending: list[tuple[int | None, int]]) -> str:
+    """'; 12 positions of layer 0 [of sequence 3] are pending: call advance() ...' for
+    the (sequence or None, pending count) pairs of a refused write; '' when all are 0."""
+    held = [(s, n) for s, n in pending if n]
+    if not held:
+        return ""
+    if len(held) == 1:
+        s, n = held[0]
+        what = (f"{n} position{'s' if n != 1 else ''} of layer {layer}"
+                + ("" if s is None else f" of sequence {s}") + (" are" if n != 1 else " is"))
+    else:
+        what = (f"positions of layer {layer} are pending ("
+                + ", ".join(f"sequence {s}: {n}" for s, n in held) + ")")
+    return (f"; {what}{'' if len(held) > 1 else ' pending'}: call advance() once every layer "
+            f"holds the step's positions")
 
 
 def _count_groups(counts: list[int]) -> str:

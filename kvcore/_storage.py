@@ -11,6 +11,11 @@ A KVCache has rows = capacity, row p holding position p. A KVPool of P pages of
 page_size positions has rows = P * page_size, and page g is rows [g * page_size,
 (g + 1) * page_size) of every layer (docs/formats.md). The checked writes are
 `_cache.RowWriter`'s; this class holds no bookkeeping.
+
+copy.deepcopy copies the bytes once, straight into fresh pages; pickle keeps the spec,
+the row count and the one uint8 array (with protocol 5 a single buffer, out of band when
+the pickler takes a buffer_callback). Either way the regions, views and writer are built
+again over the new pages, never copied.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _cache
+from .errors import SnapshotError
 from .formats import view_dtype
 from .spec import KVSpec
 
@@ -45,6 +51,12 @@ class Storage:
     """Rows of every layer in one allocation (module comment), with its checked writer."""
 
     def __init__(self, spec: KVSpec, rows: int):
+        self._build(spec, rows, zeroed_pages(rows * spec.bytes_per_position))
+
+    def _build(self, spec: KVSpec, rows: int, array: np.ndarray) -> None:
+        """Regions, writer and read-only views over `array` (uint8, rows *
+        spec.bytes_per_position bytes, page-aligned)."""
+        self.spec, self.rows = spec, rows
         fmt = spec.fmt
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
         S = fmt.scales_per_row(D)
@@ -54,7 +66,7 @@ class Storage:
                        ("v_scales", (L, rows, H, S), fmt.scale_dtype)]
         shapes += [("k_codes", (L, rows, H, D), fmt.code_dtype),
                    ("v_codes", (L, rows, H, D), fmt.code_dtype)]
-        self.array = zeroed_pages(rows * spec.bytes_per_position)
+        self.array = array
         self.regions: dict[str, np.ndarray] = {}
         self.offsets: dict[str, int] = {}
         offset = 0
@@ -73,6 +85,34 @@ class Storage:
             name: frozen[self.offsets[name]:self.offsets[name] + arr.nbytes]
             .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
             for name, arr in r.items()}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Storage":
+        """A storage of the same rows on fresh pages holding the same bytes (one copy)."""
+        array = zeroed_pages(self.array.nbytes)
+        np.copyto(array, self.array)
+        new = Storage.__new__(Storage)
+        new._build(self.spec, self.rows, array)
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """pickle: the spec, the row count and the uint8 array (nothing derived)."""
+        return {"spec": self.spec, "rows": self.rows, "array": self.array}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Copies the pickled bytes into fresh pages (aligned, private) and builds the
+        regions, views and writer over them; SnapshotError when their size is not the
+        spec's."""
+        spec, rows, data = state["spec"], state["rows"], state["array"]
+        nbytes = rows * spec.bytes_per_position
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (nbytes,):
+            got = (f"{type(data).__name__}" if not isinstance(data, np.ndarray)
+                   else f"{data.dtype} {list(data.shape)}")
+            raise SnapshotError(f"pickled storage: expected uint8 [{nbytes}] ({rows} rows of "
+                                f"{spec.bytes_per_position} bytes), got {got}")
+        array = zeroed_pages(nbytes)
+        np.copyto(array, data)
+        self._build(spec, rows, array)
 
     def layer_arrays(self, layer: int) -> LayerArrays:
         """(k_codes, v_codes, k_scales, v_scales) of one layer: writable views of every

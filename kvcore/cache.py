@@ -8,21 +8,23 @@ rows = capacity: the one-sequence case of a KVPool's pages, one page of N rows i
     scales: [L][N][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
 
 `_Cells` keeps the bookkeeping (committed length, pending positions per layer) apart
-from the storage; the checked writes are `_cache.RowWriter`'s.
+from the storage; the checked writes are `_cache.RowWriter`'s. copy.deepcopy and pickle
+copy the storage and the positions and rebuild the rest (docs/design.md, Copies).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 
 from . import _cache
 from ._guard import CallGuard
-from ._pages import _count_groups
+from ._pages import _count_groups, pending_hint
 from ._storage import Storage as _Storage
 from ._storage import LayerArrays
 from ._validate import AnyArray, OutArray, check_index, check_out
-from .errors import OutOfRangeError, ShapeError, SpecError, StateError
+from .errors import CapacityError, OutOfRangeError, ShapeError, SpecError, StateError
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
@@ -76,8 +78,13 @@ class KVCache:
     def __init__(self, spec: KVSpec):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVCache needs a KVSpec, got {type(spec).__name__}")
+        self._attach(spec, _Storage(spec, spec.capacity))  # one page of `capacity` rows
+
+    def _attach(self, spec: KVSpec, store: _Storage, length: int = 0,
+                pending: list[int] | None = None) -> None:
+        """Sets every attribute: the storage, what is derived from it (views, writer),
+        the positions and a fresh guard (also after a copy: nothing derived is copied)."""
         self._spec = spec
-        store = _Storage(spec, spec.capacity)   # one page of `capacity` rows, in order
         self._store = store
         self._storage = store.array
         self._regions = store.regions
@@ -85,7 +92,42 @@ class KVCache:
         self._read_only = store.read_only
         self._num_layers = spec.num_layers
         self._cells = _Cells(spec.num_layers)
+        self._cells.length = length
+        if pending is not None:
+            self._cells.pending = pending
         self._guard = CallGuard("KVCache")   # one call at a time (docs/design.md, Threads)
+
+    # -- copies --------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
+        """An independent cache holding the same bytes and positions (pending ones too):
+        its storage is a copy on fresh pages. StateError while another thread is inside."""
+        return self._copy("deepcopy", memo)
+
+    def __copy__(self) -> KVCache:
+        """As copy.deepcopy: two caches never share storage."""
+        return self._copy("copy", {})
+
+    def _copy(self, op: str, memo: dict[int, Any]) -> KVCache:
+        with self._guard(op):
+            new = type(self).__new__(type(self))
+            memo[id(self)] = new
+            cells = self._cells
+            new._attach(self._spec, copy.deepcopy(self._store, memo), cells.length,
+                        list(cells.pending))
+            return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """pickle: the spec, the storage (its bytes: one buffer with protocol 5) and the
+        positions. StateError while another thread is inside; the bytes are read as the
+        pickler writes them, so no other thread may write the cache until dumps returns."""
+        with self._guard("pickle"):
+            cells = self._cells
+            return {"spec": self._spec, "storage": self._store, "length": cells.length,
+                    "pending": list(cells.pending)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._attach(state["spec"], state["storage"], state["length"], state["pending"])
 
     # -- writing -------------------------------------------------------------------
 
@@ -97,7 +139,9 @@ class KVCache:
         CPU array, read in place), shape [T, Hkv, D] or [Hkv, D] (T = 1), any strides; the same shape (dtypes may differ). Atomic: a refused call
         (ShapeError, DTypeError, NonFiniteError, CapacityError, OutOfRangeError, and
         FormatError for a value past the format's range: f16 |x| >= 65520, bf16 past
-        its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing.
+        its largest finite value, q8_0 |x| >= Q8_0_LIMIT) writes nothing. A CapacityError
+        while positions of the layer are pending says how many (call advance() after
+        each step's appends).
         """
         guard = self._guard   # the hot path of a decode step: the guard inlined (_guard.py)
         if not guard.acquire(False):
@@ -109,6 +153,10 @@ class KVCache:
             cells = self._cells
             pending = cells.pending
             pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+        except CapacityError as e:
+            if not pending[layer]:
+                raise
+            raise CapacityError(f"{e}{pending_hint(layer, [(None, pending[layer])])}") from None
         finally:
             guard.release()
 

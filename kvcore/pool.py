@@ -14,12 +14,15 @@ starts a sequence on the longest cached run of them, and pages no sequence holds
 cached until a write needs a page and none is free (docs/design.md, Prefix cache).
 With a chunk store attached (`store=`), a lookup continues in the store past the cached
 pages, and chunks that fill at `advance` are queued to a `StoreWriter` (docs/store.md).
+copy.deepcopy and pickle copy the storage, the table and the counters and rebuild the
+rest (docs/design.md, Copies).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from dataclasses import dataclass
-import functools
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
 import numpy as np
@@ -93,19 +96,81 @@ class KVPool:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
-        self._spec = spec
-        self._ps = int(page_size)
-        self._store = Storage(spec, int(num_pages) * self._ps)
-        self._storage = self._store.array
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        self._table = PageTable(int(num_pages), self._ps, spec.num_layers, spec.capacity,
-                                PrefixIndex() if prefix_cache else None)
+        ps = int(page_size)
+        kv, writer = _attached(spec, ps, prefix_cache, store, store_writer)
+        self._attach(spec, ps, Storage(spec, int(num_pages) * ps),
+                     PageTable(int(num_pages), ps, spec.num_layers, spec.capacity,
+                               PrefixIndex() if prefix_cache else None), kv, writer)
+
+    def _attach(self, spec: KVSpec, page_size: int, store: Storage, table: PageTable,
+                kv: KVStore | None, writer: StoreWriter | None,
+                counters: tuple[int, int, str | None] = (0, 0, None)) -> None:
+        """Sets every attribute: the storage (and what is derived from it), the table,
+        the chunk store and its writer, the store counters and a fresh guard (also after
+        a copy: nothing derived is copied)."""
+        self._spec = spec
+        self._ps = page_size
+        self._store = store
+        self._storage = store.array
+        self._table = table
         self._num_layers = spec.num_layers
         self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
-        self._kv, self._writer = _attached(spec, self._ps, prefix_cache, store, store_writer)
-        self._store_hits = self._store_faults = 0
-        self._last_fault: str | None = None
+        self._kv, self._writer = kv, writer
+        self._store_hits, self._store_faults, self._last_fault = counters
+
+    # -- copies --------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVPool:
+        """An independent pool holding the same bytes (on fresh pages), sequences, page
+        tables, prefix cache and counters; an attached store is shared, not copied.
+        StateError while another thread is inside, or with a store_writer."""
+        return self._copy("deepcopy", memo)
+
+    def __copy__(self) -> KVPool:
+        """As copy.deepcopy: two pools never share storage."""
+        return self._copy("copy", {})
+
+    def _copy(self, op: str, memo: dict[int, Any]) -> KVPool:
+        with self._guard(op):
+            self._refuse_copy(op)
+            new = type(self).__new__(type(self))
+            memo[id(self)] = new
+            new._attach(self._spec, self._ps, copy.deepcopy(self._store, memo),
+                        copy.deepcopy(self._table, memo), self._kv, None, self._counters())
+            return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """pickle: the spec, the storage (its bytes: one buffer with protocol 5), the table
+        and the counters. StateError while another thread is inside, or when a chunk
+        store is attached; the bytes are read as the pickler writes them, so no other
+        thread may write the pool until dumps returns."""
+        with self._guard("pickle"):
+            self._refuse_copy("pickle")
+            return {"spec": self._spec, "page_size": self._ps, "storage": self._store,
+                    "table": copy.deepcopy(self._table), "counters": self._counters()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._attach(state["spec"], state["page_size"], state["storage"], state["table"],
+                     None, None, state["counters"])
+
+    def _counters(self) -> tuple[int, int, str | None]:
+        return self._store_hits, self._store_faults, self._last_fault
+
+    def _refuse_copy(self, op: str) -> None:
+        """StateError when the pool cannot be copied by `op` ("deepcopy", "copy",
+        "pickle"): a store writer (a thread and a queue) is this pool's alone, and a
+        pickle cannot carry a store's backend."""
+        if self._writer is not None:
+            raise StateError(f"{op}: cannot copy a KVPool attached to a StoreWriter "
+                             f"(store_writer=): its thread and queue serve this pool only; "
+                             f"copy a pool made without store_writer=")
+        if op == "pickle" and self._kv is not None:
+            raise StateError("pickle: cannot pickle a KVPool attached to a chunk store "
+                             "(store=): its backend (a directory or a server connection) "
+                             "belongs to this process; copy.deepcopy shares the store, or "
+                             "pickle a pool made without store=")
 
     # -- sequences -----------------------------------------------------------------
 
@@ -158,24 +223,27 @@ class KVPool:
 
     # -- writing -------------------------------------------------------------------
 
-    def append(self, seq: int, layer: int, k: AnyArray, v: AnyArray) -> None:
+    def append(self, k: AnyArray, v: AnyArray, *, seq: int, layer: int) -> None:
         """Encodes T positions of one layer of one sequence after its held ones, pending
         until `advance`, as KVCache.append: k, v float32, float16 or bfloat16, [T, Hkv, D]
-        or [Hkv, D], any strides. Atomic: a refused call (ShapeError, DTypeError,
+        or [Hkv, D], any strides. seq and layer are keyword-only (two ints that a
+        positional call could swap). Atomic: a refused call (ShapeError, DTypeError,
         NonFiniteError, FormatError, OutOfRangeError, StateError for an unknown sequence,
-        CapacityError past spec.capacity or with too few free pages) changes nothing."""
+        CapacityError past spec.capacity or with too few free pages, naming the layer's
+        pending positions when some are) changes nothing."""
         with self._guard("append"):
             if layer.__class__ is not int or not 0 <= layer < self._num_layers:
                 layer = check_index("layer", layer, self._num_layers)
             k, v = check_ndarray("k", k), check_ndarray("v", v)
             self._write(layer, [seq], [k.shape[0] if k.ndim == 3 else 1], k, v)
 
-    def append_batch(self, layer: int, seqs: Sequence[int], k: AnyArray, v: AnyArray,
+    def append_batch(self, k: AnyArray, v: AnyArray, *, seqs: Sequence[int], layer: int,
                      counts: Sequence[int] | AnyArray | None = None) -> None:
         """One layer's new positions of many sequences in one call: counts[b] positions
         (default 1 each) after the held ones of seqs[b], taken in order from k, v (float32,
         float16 or bfloat16, [sum counts, Hkv, D], any strides), pending until `advance`.
-        Atomic over the whole call, as `append`; a sequence may appear once."""
+        seqs, layer and counts are keyword-only. Atomic over the whole call, as `append`;
+        a sequence may appear once."""
         with self._guard("append_batch"):
             if layer.__class__ is not int or not 0 <= layer < self._num_layers:
                 layer = check_index("layer", layer, self._num_layers)

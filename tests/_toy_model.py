@@ -29,7 +29,7 @@ def prefill(cache, tokens: np.ndarray, seq: int | None = None) -> None:
     else:
         start = cache.length(seq)
         for layer in range(cache.spec.num_layers):
-            cache.append(seq, layer, *kv(cache.spec, layer, tokens, start))
+            cache.append(*kv(cache.spec, layer, tokens, start), seq=seq, layer=layer)
         keyed = cache._table.prefix is not None  # a prefix cache takes the token ids
         cache.advance(seq, tokens=tokens if keyed else None)
 

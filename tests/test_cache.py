@@ -266,6 +266,42 @@ def test_capacity_one(rng):
         cache.append(0, x, x)
 
 
+
+def test_capacity_error_names_the_pending_positions(rng):
+    """A cache filled by appends never advanced says so: how many positions of the layer
+    are pending, and to call advance() after each step; a full cache with nothing
+    pending does not."""
+    cache = make("int8", layers=2, capacity=16)
+    x = randn(rng, (12, 8, 128))
+    cache.append(0, x[:4], x[:4])
+    cache.append(1, x[:4], x[:4])
+    cache.advance()
+    cache.append(0, x[:11], x[:11])            # a loop that forgot advance()
+    before = state(cache)
+    with pytest.raises(CapacityError, match=r"^cache full: layer 0 asked for position 16 \(holds "
+                       r"15, appending 2\), capacity is 16 positions; 11 positions of layer 0 "
+                       r"are pending: call advance\(\) once every layer holds the step's "
+                       r"positions$"):
+        cache.append(0, x[:2], x[:2])
+    assert_unchanged(cache, before)
+    cache.truncate(4)
+    cache.append(0, x[:11], x[:11])
+    cache.append(0, x[:1], x[:1])
+    with pytest.raises(CapacityError, match=r"; 12 positions of layer 0 are pending: call"):
+        cache.append(0, x[:1], x[:1])
+    cache.truncate(0)
+    cache.append(1, x[:1], x[:1])
+    with pytest.raises(CapacityError, match=r"; 1 position of layer 1 is pending: call"):
+        cache.append(1, randn(rng, (16, 8, 128)), randn(rng, (16, 8, 128)))
+    cache.truncate(0)
+    for layer in range(2):
+        cache.append(layer, randn(rng, (16, 8, 128)), randn(rng, (16, 8, 128)))
+    cache.advance()
+    with pytest.raises(CapacityError) as e:     # full, nothing pending: no hint
+        cache.append(0, x[:1], x[:1])
+    assert str(e.value) == ("cache full: layer 0 asked for position 16 (holds 16, appending "
+                            "1), capacity is 16 positions")
+
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "int8"])
 @pytest.mark.parametrize("head_dim", [5, 33, 128])
 @pytest.mark.parametrize("t", [1, 80])

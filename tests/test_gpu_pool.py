@@ -75,7 +75,7 @@ def step(gpu, gp, cp, seqs, counts, rng, dtype, keep):
         k, v = inputs(rng, sum(counts), dtype), inputs(rng, sum(counts), dtype)
         keep += [dev(gpu, k), dev(gpu, v)]
         gp.append(layer, keep[-2], keep[-1])
-        cp.append_batch(layer, seqs, k, v, counts)
+        cp.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
     assert gp.advance() == counts
     cp.advance(seqs)
 
@@ -162,7 +162,7 @@ def test_append_fork_truncate_equal_cpu_pool(gpu, rng, fmt):
     for layer in range(L):
         gp.append(layer, x, x)
     gp.advance()
-    cp.append_batch(0, [a], k0, k0), cp.append_batch(1, [a], k0, k0)
+    cp.append_batch(k0, k0, seqs=[a], layer=0), cp.append_batch(k0, k0, seqs=[a], layer=1)
     cp.advance([a])
     codes, scales = quantize(k0, fmt)
     row = cp._table.rows(a, 3, 4)[0]
@@ -212,7 +212,7 @@ def test_padding_slots_skipped(gpu, rng):
     before = [gp.keys(layer).to_numpy().copy() for layer in range(L)]
     for layer in range(L):
         gp.append(layer, x, x)
-        cp.append_batch(layer, [a], k[:2], k[:2], [2])
+        cp.append_batch(k[:2], k[:2], seqs=[a], layer=layer, counts=[2])
     gp.advance(), cp.advance([a])
     same_pages(gp, cp)
     rows = set(cp._table.rows(a, 0, 2))
@@ -289,7 +289,7 @@ def test_append_of_fewer_rows_than_the_step_refused(gpu, rng):
     assert gp.advance() == [1]
     x = one.to_numpy()
     for layer in range(L):
-        cp.append_batch(layer, [b], x, x, [1])
+        cp.append_batch(x, x, seqs=[b], layer=layer, counts=[1])
     cp.advance([b])
     same_snapshot(gp.snapshot(b), cp.snapshot(b))
     with st.ctx:
@@ -376,7 +376,7 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
             keep += [dev(gpu, xs[layer, 0, :n]), dev(gpu, xs[layer, 1, :n])]
             eager.append(layer, keep[-2], keep[-1])
             eager.decode_attention(q[layer], ref[layer], layer)
-            cpu.append_batch(layer, seqs, xs[layer, 0, :n], xs[layer, 1, :n], counts)
+            cpu.append_batch(xs[layer, 0, :n], xs[layer, 1, :n], seqs=seqs, layer=layer, counts=counts)
             want = kvcore_attention(q[layer].to_numpy()[:n], cpu, layer, seqs=seqs, counts=counts)
             np.testing.assert_allclose(ref[layer].to_numpy()[:n], want, rtol=2e-5, atol=2e-5)
         graphed.advance(), eager.advance(), cpu.advance(seqs)
@@ -467,7 +467,7 @@ def test_decode_attention_equals_cpu_pool(gpu, rng, fmt, group, head_dim, ps, ma
     short, empty, long_, new = (cp.new_sequence() for _ in range(4))
     normal = lambda n: rng.standard_normal((n, Hkv, head_dim)).astype(np.float32)
     before = [5, max_pages * ps - 3]
-    cp.append_batch(0, [short, long_], normal(sum(before)), normal(sum(before)), before)
+    cp.append_batch(normal(sum(before)), normal(sum(before)), seqs=[short, long_], layer=0, counts=before)
     cp.advance([short, long_])
     for x in (short, empty, long_, new):
         assert gp.bring_back(cp, x) == x if cp.length(x) else gp.new_sequence() == x
@@ -477,7 +477,7 @@ def test_decode_attention_equals_cpu_pool(gpu, rng, fmt, group, head_dim, ps, ma
     kd, vd = dev(gpu, k), dev(gpu, v)
     gp.append(0, kd, vd)
     live = [x for x, c in zip(seqs, counts) if c]
-    cp.append_batch(0, seqs, k, v, counts)
+    cp.append_batch(k, v, seqs=seqs, layer=0, counts=counts)
     q = rng.standard_normal((R, Hq, head_dim)).astype(q_dtype)
     qd = dev(gpu, q)
     q32 = q.astype(np.float32)[:6]

@@ -73,7 +73,7 @@ def prefill(gpu, sides, cpu, seqs, counts, rng):
             side.pool.append(layer, keep[2 * layer], keep[2 * layer + 1])
         side.pool.advance()
     for layer in range(L):
-        cpu.append_batch(layer, seqs, xs[2 * layer], xs[2 * layer + 1], counts)
+        cpu.append_batch(xs[2 * layer], xs[2 * layer + 1], seqs=seqs, layer=layer, counts=counts)
     cpu.advance(seqs)
 
 
@@ -113,7 +113,7 @@ def test_replay_while_sequences_join_finish_fork_equals_eager_and_cpu_pool(gpu, 
             np.testing.assert_allclose(q_rot, want_q, rtol=2e-3, atol=2e-3)
             want_k = cpu_rope(k[layer].astype(np.float32), positions)
             np.testing.assert_allclose(k_rot.astype(np.float32), want_k, rtol=2e-3, atol=2e-3)
-            cpu.append_batch(layer, seqs, k_rot, v[layer])
+            cpu.append_batch(k_rot, v[layer], seqs=seqs, layer=layer)
             want = cpu_attention(q_rot, cpu, layer, seqs=seqs)
             np.testing.assert_allclose(outs[layer][:n], want, rtol=2e-5, atol=2e-5)
         cpu.advance(seqs)
@@ -169,7 +169,7 @@ def test_tables_written_after_capture_are_the_ones_read(gpu, rng):
         assert [getattr(side.pool, x).ptr for x in ("block_tables", "lengths", "slot_mapping")] == addresses
         tables.append(side.pool.block_tables.to_numpy().tobytes())
         for layer, out in enumerate(side.outs()):
-            cpu.append_batch(layer, seqs, k[layer], v[layer])
+            cpu.append_batch(k[layer], v[layer], seqs=seqs, layer=layer)
             want = cpu_attention(q[layer], cpu, layer, seqs=seqs)
             np.testing.assert_allclose(out[:n], want, rtol=2e-5, atol=2e-5)
             for i in range(1, n):      # another row's answer is far from this row's

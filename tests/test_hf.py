@@ -5,17 +5,25 @@ models built from configs (no download), run by HF's eager attention on a Dynami
 f32 storage must give eager's tokens and logits within float32 rounding; every other
 format must match eager run on the same quantize/dequantize round trip of K/V (so any
 difference left is float32 rounding, never the kernel's). transformers and torch are in
-the test extra: these tests run in CI, they do not skip.
+the test extra (CI runs these tests); without them the module skips, as test_interop.py.
 """
+import copy
+import logging
+import pickle
+
 import numpy as np
 import pytest
-import torch
-from transformers import AttentionInterface, Cache, DynamicCache, LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
-import kvcore
-from kvcore.integrations import transformers as kvhf
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import (AttentionInterface, Cache, DynamicCache, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM)
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore.integrations import transformers as kvhf  # noqa: E402
 
 FORMATS = list(kvcore.FORMATS)
 # (Hq, Hkv, D): GQA ratios 1 and 4, head_dim 64 and 128
@@ -224,6 +232,102 @@ def test_reset_and_growth():
     assert grown_cache.layers[0].pool.num_pages == 38
     assert sized.memory_bytes == 2 * sized.layers[0].pool.memory_bytes
 
+
+@pytest.mark.parametrize("fmt", ["f32", "int8"])
+def test_prompt_cache_reused_through_deepcopy(fmt):
+    """transformers' prompt reuse recipe ("Re-use Cache to continue generation"): prefill a
+    prompt cache once, copy.deepcopy it per request, generate from the copy. Two
+    continuations of one prompt give the tokens of the same recipe on HF's own cache
+    (DynamicCache; for int8, one layer fed the same round trip of K/V), each request
+    equals one on a prompt cache prefilled for it alone (bit for bit), and the prompt
+    cache is left as it was."""
+    model = _model(8, 2, 128, layers=2 if fmt == "f32" else 1)
+    prompt = _prompt()
+    continuations = [_prompt(5, seed=11), _prompt(9, seed=12)]
+
+    def prefilled(impl):
+        model.set_attn_implementation(impl)
+        cache = (_reference_cache(model, fmt) if impl == "eager"
+                 else kvhf.KVCoreCache(model.config, format=fmt))
+        with torch.no_grad():
+            return model(prompt, past_key_values=cache).past_key_values
+
+    def request(cache, continuation):
+        ids = torch.cat([prompt, continuation], dim=1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=NEW, output_logits=True, pad_token_id=0,
+                             return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.logits)
+
+    results = {}
+    for impl in ("eager", "kvcore"):
+        prompt_cache = prefilled(impl)
+        results[impl] = [request(copy.deepcopy(prompt_cache), c) for c in continuations]
+        assert prompt_cache.get_seq_length() == PROMPT
+    for (got, got_logits), (want, want_logits) in zip(results["kvcore"], results["eager"]):
+        assert torch.equal(got, want)
+        _assert_logits_close(got_logits, want_logits)
+    for c, (got, got_logits) in zip(continuations, results["kvcore"]):
+        alone, alone_logits = request(prefilled("kvcore"), c)
+        assert torch.equal(got, alone) and torch.equal(got_logits, alone_logits)
+    layer = prompt_cache.layers[0]
+    assert [layer.pool.length(s) for s in layer.seqs] == [PROMPT]
+
+
+def test_cache_copies_are_independent():
+    """copy.deepcopy and pickle (default protocol and 5) of a KVCoreCache holding a padded
+    batch: each copy holds the same rows (real positions only), a step run on it gives
+    the logits that step gives on the original, bit for bit, and leaves the original as
+    it was."""
+    model = _model(8, 2, 128)
+    ids, mask = _padded()
+    cache = _kvcore_cache(model, "q8_0")
+    step = torch.randint(0, 1000, (3, 2), generator=torch.Generator().manual_seed(4))
+    full = torch.cat([mask, torch.ones(3, 2, dtype=torch.long)], dim=1)
+    lengths = lambda c: [[layer.pool.length(s) for s in layer.seqs] for layer in c.layers]
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        held = lengths(cache)
+        copies = [copy.deepcopy(cache), pickle.loads(pickle.dumps(cache)),
+                  pickle.loads(pickle.dumps(cache, protocol=5))]
+        got = []
+        for c in copies:
+            assert type(c) is kvhf.KVCoreCache and lengths(c) == held
+            for a, b in zip(c.layers, cache.layers):
+                assert a.pool is not b.pool and np.array_equal(a.real, b.real)
+                assert a.pool._storage.tobytes() == b.pool._storage.tobytes()
+            got.append(model(step, attention_mask=full, past_key_values=c).logits)
+            assert lengths(cache) == held and cache.get_seq_length() == 19
+        want = model(step, attention_mask=full, past_key_values=cache).logits
+    assert all(torch.equal(g, want) for g in got)
+    assert lengths(cache) == [[n + 2 for n in LENGTHS]] * 2 == lengths(copies[0])
+
+
+def test_output_attentions_warns_once_and_gives_none(monkeypatch, caplog):
+    """As transformers' sdpa attention: output_attentions=True logs a warning (once) and
+    the kvcore attention returns None weights."""
+    model = _model(4, 1, 64)
+    weights = []
+
+    def spy(*args, **kwargs):
+        out, w = kvhf.kvcore_attention(*args, **kwargs)
+        weights.append(w)
+        return out, w
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "kvcore", spy)
+    logging.Logger.warning_once.cache_clear()     # transformers' once-per-message cache
+    cache = _kvcore_cache(model, "int8")
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        out = model(_prompt(6), past_key_values=cache, output_attentions=True)
+        model(_prompt(1), past_key_values=cache, output_attentions=True)
+        model(_prompt(1), past_key_values=cache)
+    said = [r for r in caplog.records if "output_attentions" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert said[0].getMessage() == ("`kvcore` attention does not support "
+                                    "`output_attentions=True`. Please set your attention to "
+                                    "`eager` if you want any of these features.")
+    assert weights == [None] * 6 and not any(a is not None for a in out.attentions)
+    assert cache.get_seq_length() == 8
 
 @pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, "int8"), (torch.bfloat16, "bf16"),
                                         (torch.float16, "f32"), (torch.float16, "fp8_e4m3")])
@@ -440,19 +544,3 @@ def test_import_kvcore_does_not_import_transformers():
     code = "import sys, kvcore; print('transformers' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
-
-
-def test_readme_example_prints_what_it_says():
-    import contextlib
-    import io
-    import os
-    import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        code = re.search(r"## In Hugging Face transformers\n.*?```python\n(.*?)```", f.read(),
-                         re.S).group(1)
-    expected = [m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s*#(.*)$", code, re.M)]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md transformers example", "exec"), {})
-    assert out.getvalue().splitlines() == expected and expected

@@ -187,8 +187,8 @@ def test_pool_append_and_batch_take_tensors():
     for pool, conv in ((a, lambda t: t), (b, lambda t: torch_bf16_as_numpy(t)
                                           if t.dtype == torch.bfloat16 else t.numpy())):
         s0, s1 = pool.new_sequence(), pool.new_sequence()
-        pool.append(s0, 0, conv(k[:3]), conv(v[:3]))
-        pool.append_batch(0, [s0, s1], conv(k[3:]), conv(v[3:]),
+        pool.append(conv(k[:3]), conv(v[:3]), seq=s0, layer=0)
+        pool.append_batch(conv(k[3:]), conv(v[3:]), seqs=[s0, s1], layer=0,
                           counts=torch.tensor([1, 3]) if pool is a else np.array([1, 3]))
     assert a._storage.tobytes() == b._storage.tobytes()
     assert a.pending(1, 0) == 3
@@ -211,9 +211,9 @@ def test_refused_tensors_change_nothing():
     s = pool.new_sequence()
     before = frozen(pool)
     with pytest.raises(DTypeError, match="cuda:0"):
-        pool.append(s, 0, Exporter(np.zeros((2, 2, 64), np.float32), device=(2, 0)), ok)
+        pool.append(Exporter(np.zeros((2, 2, 64), np.float32), device=(2, 0)), ok, seq=s, layer=0)
     with pytest.raises(DTypeError, match="gradient"):
-        pool.append_batch(0, [s], ok[:1], torch.zeros(1, 2, 64, requires_grad=True))
+        pool.append_batch(ok[:1], torch.zeros(1, 2, 64, requires_grad=True), seqs=[s], layer=0)
     assert frozen(pool) == before
 
 
@@ -294,8 +294,8 @@ def test_pool_attention_and_exports_into_tensors():
     pool = KVPool(spec("int8"), num_pages=8, page_size=4)
     s0, s1 = pool.new_sequence(), pool.new_sequence()
     for layer in range(2):
-        pool.append_batch(layer, [s0, s1], torch.randn(9, 2, 64, generator=g),
-                          torch.randn(9, 2, 64, generator=g), counts=[4, 5])
+        pool.append_batch(torch.randn(9, 2, 64, generator=g), torch.randn(9, 2, 64, generator=g),
+                          seqs=[s0, s1], layer=layer, counts=[4, 5])
     pool.advance()
     q = torch.randn(2, 4, 64, generator=g)
     out = torch.empty(2, 4, 64)

@@ -74,7 +74,7 @@ def test_writes_store_what_a_cache_stores(rng, fmt, ps):
     for counts in ([0, 17, 33], [1, 1, 1], [2, 0, 1], [1, 1, 1]):
         for layer in range(L):
             k, v = steps(rng, sum(counts))
-            pool.append_batch(layer, seqs, k, v, counts)
+            pool.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
             at = 0
             for c, cache in zip(counts, caches):
                 cache.append(layer, k[at:at + c], v[at:at + c])
@@ -86,7 +86,7 @@ def test_writes_store_what_a_cache_stores(rng, fmt, ps):
             c.advance()
     # one-sequence appends, [Hkv, D] input too, then a half-written step
     k, v = steps(rng, 1)
-    pool.append(seqs[0], 0, k[0], v[0])
+    pool.append(k[0], v[0], seq=seqs[0], layer=0)
     caches[0].append(0, k[0], v[0])
     for s_, c in zip(seqs, caches):
         assert_same(pool, s_, c)
@@ -102,10 +102,10 @@ def test_batched_write_input_forms(rng):
     ref = [KVCache(spec("bf16")) for _ in range(2)]
     k, v = steps(rng, 3)
     kb = k.astype(np.float16)[:, :, ::-1]     # float16, negative strides
-    pool.append_batch(0, (a, b), kb, v, np.array([1, 2], np.int32))
+    pool.append_batch(kb, v, seqs=(a, b), layer=0, counts=np.array([1, 2], np.int32))
     ref[0].append(0, kb[:1], v[:1])
     ref[1].append(0, kb[1:], v[1:])
-    pool.append_batch(1, [a, b], k[:2], v[:2])   # default counts: one each
+    pool.append_batch(k[:2], v[:2], seqs=[a, b], layer=1)   # default counts: one each
     ref[0].append(1, k[0], v[0])
     ref[1].append(1, k[1], v[1])
     assert pool.advance(a) == 1
@@ -115,42 +115,110 @@ def test_batched_write_input_forms(rng):
     assert_same(pool, b, ref[1], pending=True)
 
 
+def test_ids_are_keyword_only_and_positional_calls_change_nothing(rng):
+    """seq/seqs and layer are keyword-only: the old positional forms (where seq and layer,
+    two ints, could be swapped silently) raise TypeError and write nothing."""
+    pool = KVPool(spec("int8"), num_pages=8, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    k, v = steps(rng, 2)
+    pool.append(k, v, seq=b, layer=1)
+    before = state(pool)
+    calls = [lambda: pool.append(a, 0, k, v),             # the old order
+             lambda: pool.append(0, a, k, v),             # the old order, ids swapped
+             lambda: pool.append(k, v, a, 0),
+             lambda: pool.append(k, v, a, layer=0),
+             lambda: pool.append_batch(0, [a, b], k, v, [1, 1]),
+             lambda: pool.append_batch(0, [a, b], k, v),
+             lambda: pool.append_batch(k, v, [a, b], 0)]
+    for call in calls:
+        with pytest.raises(TypeError, match="positional argument"):
+            call()
+        assert state(pool) == before
+    pool.append(k, v, seq=a, layer=0)
+    pool.append_batch(k[:1], v[:1], layer=1, seqs=[a])
+    assert [pool.pending(a, 0), pool.pending(a, 1), pool.pending(b, 1)] == [2, 1, 2]
+
+
 def test_refused_writes_change_no_byte_and_no_count(rng):
     pool = KVPool(spec("q8_0", capacity=12), num_pages=4, page_size=4)
     a, b = pool.new_sequence(), pool.new_sequence()
     k, v = steps(rng, 6)
-    pool.append_batch(0, [a, b], k, v, [3, 3])
+    pool.append_batch(k, v, seqs=[a, b], layer=0, counts=[3, 3])
     before = state(pool)
     bad = k.copy()
     bad[4, 1, 7] = np.nan
     cases = [
         (NonFiniteError, r"non-finite value in k: k\[4, 1, 7\] = nan",
-         lambda: pool.append_batch(0, [a, b], bad, v, [3, 3])),
+         lambda: pool.append_batch(bad, v, seqs=[a, b], layer=0, counts=[3, 3])),
         (kvcore.FormatError, "value out of range of format q8_0",
-         lambda: pool.append_batch(1, [a, b], k * 1e7, v, [3, 3])),
+         lambda: pool.append_batch(k * 1e7, v, seqs=[a, b], layer=1, counts=[3, 3])),
         (ShapeError, r"expected \[5, 2, 64\] \(the sum of counts\), got \[6, 2, 64\]",
-         lambda: pool.append_batch(0, [a, b], k, v, [2, 3])),
+         lambda: pool.append_batch(k, v, seqs=[a, b], layer=0, counts=[2, 3])),
         (ShapeError, r"invalid shape of v: expected \[6, 2, 64\], got \[5, 2, 64\]",
-         lambda: pool.append_batch(0, [a, b], k, v[:5], [3, 3])),
-        (DTypeError, "invalid dtype of k", lambda: pool.append(a, 0, k.astype(np.float64), v)),
-        (DTypeError, "invalid type of k", lambda: pool.append_batch(0, [a], [1.0], v, [1])),
+         lambda: pool.append_batch(k, v[:5], seqs=[a, b], layer=0, counts=[3, 3])),
+        (DTypeError, "invalid dtype of k",
+         lambda: pool.append(k.astype(np.float64), v, seq=a, layer=0)),
+        (DTypeError, "invalid type of k",
+         lambda: pool.append_batch([1.0], v, seqs=[a], layer=0, counts=[1])),
         (ShapeError, r"invalid shape of counts: expected \[2\]",
-         lambda: pool.append_batch(0, [a, b], k, v, [6])),
+         lambda: pool.append_batch(k, v, seqs=[a, b], layer=0, counts=[6])),
         (ShapeError, "counts must be ints >= 0, got -1",
-         lambda: pool.append_batch(0, [a, b], k, v, [7, -1])),
-        (StateError, "unknown sequence 9", lambda: pool.append_batch(0, [a, 9], k, v, [3, 3])),
-        (StateError, "sequence 0 appears twice", lambda: pool.append_batch(0, [a, a], k, v, [3, 3])),
-        (OutOfRangeError, "layer 2 out of range", lambda: pool.append(a, 2, k, v)),
+         lambda: pool.append_batch(k, v, seqs=[a, b], layer=0, counts=[7, -1])),
+        (StateError, "unknown sequence 9",
+         lambda: pool.append_batch(k, v, seqs=[a, 9], layer=0, counts=[3, 3])),
+        (StateError, "sequence 0 appears twice",
+         lambda: pool.append_batch(k, v, seqs=[a, a], layer=0, counts=[3, 3])),
+        (OutOfRangeError, "layer 2 out of range", lambda: pool.append(k, v, seq=a, layer=2)),
         (CapacityError, r"sequence 1 full: layer 0 asked for position 12 \(holds 3, appending 10\)",
-         lambda: pool.append_batch(0, [a, b], *steps(rng, 11), [1, 10])),
+         lambda: pool.append_batch(*steps(rng, 11), seqs=[a, b], layer=0, counts=[1, 10])),
         (CapacityError, r"the write needs 3 new pages \(sequence 0: 1, sequence 1: 2\), 2 of 4 are free",
-         lambda: pool.append_batch(0, [a, b], *steps(rng, 12), [4, 8])),
+         lambda: pool.append_batch(*steps(rng, 12), seqs=[a, b], layer=0, counts=[4, 8])),
     ]
     for error, match, call in cases:
         with pytest.raises(error, match=match):
             call()
         assert state(pool) == before, match
 
+
+
+def test_capacity_errors_name_the_pending_positions(rng):
+    """Past spec.capacity or out of pages while positions are pending (appends never
+    advanced), the error says how many, of which layer and sequence, and to call
+    advance(); with nothing pending it does not."""
+    pool = KVPool(spec("int8", capacity=12), num_pages=5, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    hint = "call advance\\(\\) once every layer holds the step's positions$"
+    pool.append(*steps(rng, 10), seq=a, layer=0)
+    before = state(pool)
+    with pytest.raises(CapacityError, match="^sequence 0 full: layer 0 asked for position 12 "
+                       "\\(holds 10, appending 3\\), capacity is 12 positions; 10 positions of "
+                       "layer 0 of sequence 0 are pending: " + hint):
+        pool.append(*steps(rng, 3), seq=a, layer=0)
+    assert state(pool) == before
+    pool.append(*steps(rng, 1), seq=b, layer=0)
+    pool.append(*steps(rng, 2), seq=b, layer=1)
+    before = state(pool)
+    with pytest.raises(CapacityError, match="^pool out of pages: .*, 1 of 5 are free; 1 "
+                       "position of layer 0 of sequence 1 is pending: " + hint):
+        pool.append(*steps(rng, 8), seq=b, layer=0)
+    with pytest.raises(CapacityError, match="^pool out of pages: .*; positions of layer 0 are "
+                       "pending \\(sequence 1: 1, sequence 0: 10\\): " + hint):
+        pool.append_batch(*steps(rng, 9), seqs=[b, a], layer=0, counts=[8, 1])
+    with pytest.raises(CapacityError, match="; 2 positions of layer 1 of sequence 1 are "
+                       "pending: " + hint):
+        pool.append_batch(*steps(rng, 15), seqs=[a, b], layer=1, counts=[8, 7])
+    assert state(pool) == before
+    pool.truncate(a, 0)
+    pool.truncate(b, 0)
+    c = pool.new_sequence()
+    for layer in range(L):
+        pool.append_batch(*steps(rng, 20), seqs=[a, b, c], layer=layer, counts=[8, 8, 4])
+    pool.advance()
+    for call in (lambda: pool.append(*steps(rng, 1), seq=c, layer=0),
+                 lambda: pool.append(*steps(rng, 5), seq=a, layer=0)):
+        with pytest.raises(CapacityError) as e:     # nothing pending: no hint
+            call()
+        assert " pending" not in str(e.value) and "advance" not in str(e.value)
 
 def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
     s = spec("int8")
@@ -159,7 +227,7 @@ def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
     ca = KVCache(s)
     k, v = steps(rng, 6)
     for layer in range(L):
-        pool.append(a, layer, k, v)
+        pool.append(k, v, seq=a, layer=layer)
         ca.append(layer, k, v)
     pool.advance(a)
     ca.advance()
@@ -176,7 +244,7 @@ def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
     cb.truncate(2)
     k2, v2 = steps(rng, 3)
     for layer in range(L):
-        pool.append(b, layer, k2, v2)
+        pool.append(k2, v2, seq=b, layer=layer)
         cb.append(layer, k2, v2)
     pool.advance(b)
     cb.advance()
@@ -186,7 +254,7 @@ def test_fork_shares_full_pages_and_writes_never_reach_another_sequence(rng):
     # the forked sequence's writes into its copied tail leave a alone too
     c = pool.fork(a)
     for layer in range(L):
-        pool.append(c, layer, k2[:1], v2[:1])
+        pool.append(k2[:1], v2[:1], seq=c, layer=layer)
     assert_same(pool, a, ca)
     pool.free(a)
     pool.free(b)
@@ -204,7 +272,7 @@ def test_one_write_to_every_holder_of_a_shared_page(rng):
     ca = KVCache(s)
     k, v = steps(rng, 4)
     for layer in range(L):
-        pool.append(a, layer, k, v)
+        pool.append(k, v, seq=a, layer=layer)
         ca.append(layer, k, v)
     pool.advance(a)
     ca.advance()
@@ -216,7 +284,7 @@ def test_one_write_to_every_holder_of_a_shared_page(rng):
         cache.truncate(n)
     k2, v2 = steps(rng, 2)
     for layer in range(L):
-        pool.append_batch(layer, [b, a], k2, v2)
+        pool.append_batch(k2, v2, seqs=[b, a], layer=layer)
         cb.append(layer, k2[:1], v2[:1])
         ca.append(layer, k2[1:], v2[1:])
     assert pool.advance([b, a]) == [1, 1]
@@ -233,8 +301,8 @@ def test_one_write_to_every_holder_of_a_shared_page(rng):
 def test_fork_without_a_free_page_is_refused():
     pool = KVPool(spec(capacity=8), num_pages=2, page_size=4)
     a = pool.new_sequence()
-    pool.append(a, 0, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
-    pool.append(a, 1, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
+    pool.append(np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32), seq=a, layer=0)
+    pool.append(np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32), seq=a, layer=1)
     pool.advance()
     before = state(pool)
     with pytest.raises(CapacityError, match="fork of sequence 0 needs 1 free page .* 0 of 2"):
@@ -246,7 +314,7 @@ def test_counts_a_scheduler_needs(rng):
     pool = KVPool(spec(), num_pages=10, page_size=4)
     a = pool.new_sequence()
     assert pool.num_pages == 10 and pool.page_size == 4 and pool.num_free_pages == 10
-    pool.append(a, 0, *steps(rng, 9))
+    pool.append(*steps(rng, 9), seq=a, layer=0)
     assert pool.num_used_pages == 3 and pool.num_free_pages == 7 and pool.pages_for(9) == 3
     assert pool.length(a) == 0 and pool.pending(a, 0) == 9 and pool.pending(a, 1) == 0
     with pytest.raises(StateError, match="layer 0 holds 9; layer 1 holds 0"):
@@ -260,7 +328,7 @@ def test_block_tables_csr_and_slot_mapping(rng):
     pool = KVPool(spec(), num_pages=10, page_size=4)
     a, b, c = (pool.new_sequence() for _ in range(3))
     for layer in range(L):
-        pool.append_batch(layer, [a, b, c], *steps(rng, 14), [5, 0, 9])
+        pool.append_batch(*steps(rng, 14), seqs=[a, b, c], layer=layer, counts=[5, 0, 9])
     pool.advance()
     ta, tc = pool.page_table(a).tolist(), pool.page_table(c).tolist()
     assert len(ta) == 2 and len(tc) == 3 and pool.page_table(b).dtype == np.int32
@@ -279,7 +347,7 @@ def test_block_tables_csr_and_slot_mapping(rng):
     with pytest.raises(ShapeError, match="indices holds 4 entries, the tables need 5"):
         pool.csr([a, b, c], indptr, np.zeros(4, np.int32), last)
     # a pending position counts with layer=
-    pool.append(a, 0, *steps(rng, 1))
+    pool.append(*steps(rng, 1), seq=a, layer=0)
     pool.csr([a], indptr[:2], indices, last[:1], layer=0)
     assert last[0] == 2
     pool.truncate(a, 5)
@@ -308,8 +376,8 @@ def test_snapshots_both_ways(rng, fmt, tmp_path):
     for t in (4, 1, 7):
         k, v = steps(rng, t)
         for layer in range(L):
-            pool.append_batch(layer, [other, a], np.concatenate([k[:1], k]),
-                              np.concatenate([v[:1], v]), [1, t])
+            pool.append_batch(np.concatenate([k[:1], k]), np.concatenate([v[:1], v]),
+                              seqs=[other, a], layer=layer, counts=[1, t])
             cache.append(layer, k, v)
         pool.advance()
         cache.advance()
@@ -372,7 +440,7 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
     a = pool.new_sequence()
     k, v = steps(rng, 2)
     for layer in range(L):
-        pool.append(a, layer, k, v)
+        pool.append(k, v, seq=a, layer=layer)
     pool.advance()
     snap = pool.snapshot(a)
     inside, go = threading.Event(), threading.Event()
@@ -380,7 +448,7 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
 
     def hold():
         try:
-            pool.append(a, _BlockingLayer(0, inside, go), k, v)
+            pool.append(k, v, seq=a, layer=_BlockingLayer(0, inside, go))
         except BaseException as e:    # noqa: BLE001 - reported below
             errors.append(e)
     t = threading.Thread(target=hold)
@@ -389,8 +457,8 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
         assert inside.wait(60)
         before = state(pool)
         q = np.zeros((1, 2, D), np.float32)
-        calls = {"append": lambda: pool.append(a, 0, k, v),
-                 "append_batch": lambda: pool.append_batch(0, [a], k, v, [2]),
+        calls = {"append": lambda: pool.append(k, v, seq=a, layer=0),
+                 "append_batch": lambda: pool.append_batch(k, v, seqs=[a], layer=0, counts=[2]),
                  "advance": pool.advance, "truncate": lambda: pool.truncate(a, 1),
                  "fork": lambda: pool.fork(a), "free": lambda: pool.free(a),
                  "new_sequence": pool.new_sequence, "restore": lambda: pool.restore(snap),

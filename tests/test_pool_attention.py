@@ -33,7 +33,7 @@ def fill(rng, pool, lengths, pending=0, layers=None):
         for layer in range(L):
             k = rng.standard_t(3, (sum(counts), H, D)).astype(np.float32)
             v = rng.standard_normal((sum(counts), H, D)).astype(np.float32)
-            pool.append_batch(layer, seqs, k, v, counts)
+            pool.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
             at = 0
             for c, cache in zip(counts, caches):
                 cache.append(layer, k[at:at + c], v[at:at + c])
@@ -44,7 +44,7 @@ def fill(rng, pool, lengths, pending=0, layers=None):
         left = [a - c for a, c in zip(left, counts)]
     if pending:
         k = rng.standard_normal((pending * len(seqs), H, D)).astype(np.float32)
-        pool.append_batch(L - 1, seqs, k, k, [pending] * len(seqs))
+        pool.append_batch(k, k, seqs=seqs, layer=L - 1, counts=[pending] * len(seqs))
         for b, c in enumerate(caches):
             c.append(L - 1, k[b * pending:(b + 1) * pending], k[b * pending:(b + 1) * pending])
     return seqs, caches
@@ -183,7 +183,7 @@ def test_merge_attention_is_cascade_attention(rng):
     (pre, suf, whole), _ = fill(rng, pool, [200, 37, 0])
     k = np.concatenate([pool.dequantize(pre, 0, "k"), pool.dequantize(suf, 0, "k")])
     v = np.concatenate([pool.dequantize(pre, 0, "v"), pool.dequantize(suf, 0, "v")])
-    pool.append(whole, 0, k, v)
+    pool.append(k, v, seq=whole, layer=0)
     q = rng.standard_normal((3, 8, 64)).astype(np.float32)
     o1, l1 = decode_attention(q, pool, 0, seqs=[pre], counts=[3], causal=False, return_lse=True)
     o2, l2 = decode_attention(q, pool, 0, seqs=[suf], counts=[3], causal=False, return_lse=True)
@@ -245,8 +245,8 @@ def test_overflow_is_refused_with_out_untouched(rng):
     pool = KVPool(spec, num_pages=10, page_size=8)
     a, b = pool.new_sequence(), pool.new_sequence()
     small = rng.standard_normal((20, 2, 64)).astype(np.float32)
-    pool.append_batch(0, [a, b], np.concatenate([small, small * 1e30]),
-                      np.concatenate([small, small]), [20, 20])
+    pool.append_batch(np.concatenate([small, small * 1e30]), np.concatenate([small, small]),
+                      seqs=[a, b], layer=0, counts=[20, 20])
     q = np.full((2, 4, 64), 1e20, np.float32)
     out = np.full_like(q, 7.0)
     with pytest.raises(kvcore.RangeError, match="decode_attention of sequence 1, layer 0 "

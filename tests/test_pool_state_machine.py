@@ -200,9 +200,9 @@ class PoolMachine(RuleBasedStateMachine):
         k, v = self.write_data(np.random.default_rng(seed), s, layer, end, t)
         k, v = k.astype(dtype).astype(np.float32), v.astype(dtype).astype(np.float32)
         if end + t > N or need > self.free_pages():
-            self.refused(CapacityError, self.pool.append, s, layer, k.astype(dtype), v)
+            self.refused(CapacityError, self.pool.append, k.astype(dtype), v, seq=s, layer=layer)
             return
-        self.pool.append(s, layer, k.astype(dtype), v)
+        self.pool.append(k.astype(dtype), v, seq=s, layer=layer)
         codes, scales = self.encode(k, v)
         self.apply(s, layer, t, codes, scales, end)
 
@@ -216,9 +216,10 @@ class PoolMachine(RuleBasedStateMachine):
         v = np.concatenate([kv[1] for kv in parts]) if parts else k
         if any(end + t > N for (_, end), t in zip(plans, counts)) or \
                 sum(need for need, _ in plans) > self.free_pages():
-            self.refused(CapacityError, self.pool.append_batch, layer, seqs, k, v, counts)
+            self.refused(CapacityError, self.pool.append_batch, k, v, seqs=seqs, layer=layer,
+                         counts=counts)
             return False
-        self.pool.append_batch(layer, seqs, k, v, counts)
+        self.pool.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
         codes, scales = self.encode(k, v)
         at = 0
         for s, t, (_, end) in zip(seqs, counts, plans):
@@ -281,7 +282,7 @@ class PoolMachine(RuleBasedStateMachine):
             seqs, counts = [s, s], [1, 1]
         else:
             counts = [3]
-        self.refused(error, self.pool.append_batch, 0, seqs, k, v, counts)
+        self.refused(error, self.pool.append_batch, k, v, seqs=seqs, layer=0, counts=counts)
 
     @precondition(lambda self: self.model)
     @rule(pick=st.integers(0, 4))

@@ -36,7 +36,7 @@ def prefill(pool, tokens, extra=None):
     kv = kv_of(tokens, extra)[n:]
     if len(kv):
         for layer in range(L):
-            pool.append(s, layer, kv, -kv)
+            pool.append(kv, -kv, seq=s, layer=layer)
         pool.advance(s, tokens=tokens[n:])
     return s, n
 
@@ -98,7 +98,7 @@ def test_free_keeps_pages_cached_until_reused_then_lru_leaf_first():
     c = pool.new_sequence()                     # needs 3 pages: the free one, then evicts
     kv = kv_of(list(range(12)))
     for layer in range(L):
-        pool.append(c, layer, kv, kv)
+        pool.append(kv, kv, seq=c, layer=layer)
     # least recently released first, and a chain's leaf before its parent: A2, A1
     assert pool.stats.evictions == 2
     assert set(pool.page_table(c).tolist()) >= {pa[2], pa[1]}
@@ -114,7 +114,7 @@ def test_held_pages_never_evicted():
     kv = kv_of([1] * 8)
     before = pool.stats
     with pytest.raises(CapacityError, match="needs 2 new pages.*1 of 4 are free, 0 cached"):
-        pool.append(s, 0, kv, kv)
+        pool.append(kv, kv, seq=s, layer=0)
     assert pool.stats == before
     expect(pool, a, list(range(12)))
 
@@ -130,7 +130,7 @@ def test_fork_of_matched_sequence_and_copy_on_write():
     new = prompt[:6] + [77, 78]
     kv = kv_of(new)[6:]
     for layer in range(L):
-        pool.append(c, layer, kv, -kv)
+        pool.append(kv, -kv, seq=c, layer=layer)
     pool.advance(c, tokens=new[6:])
     expect(pool, c, new)
     expect(pool, a, prompt)                     # the other holders never see the write
@@ -148,7 +148,7 @@ def test_reuse_is_exact_decode_attention_bit_for_bit():
     c = pool.new_sequence()                     # computed everything, in other pages
     kv = kv_of(prompt)
     for layer in range(L):
-        pool.append(c, layer, kv, -kv)
+        pool.append(kv, -kv, seq=c, layer=layer)
     pool.advance(c, tokens=prompt)
     assert n == 20
     q = np.repeat(np.random.default_rng(1).standard_normal((1, 4, D)).astype(np.float32), 2, 0)
@@ -213,7 +213,7 @@ def test_vllm_49449_rolled_back_draft_never_answers_a_later_lookup():
     draft = [1, 1, 1, 1]
     kv = kv_of(prompt + draft)[6:]
     for layer in range(L):
-        pool.append(s, layer, kv, -kv)
+        pool.append(kv, -kv, seq=s, layer=layer)
     pool.advance(s, tokens=draft)               # committed for verification: page 1 full
     assert pool.match_prefix(prompt + draft + [0])[1] == 8
     pool.truncate(s, 7)                         # only one draft token accepted
@@ -256,7 +256,7 @@ def test_refused_calls_change_nothing():
     s, _ = pool.match_prefix([1, 2])
     kv = kv_of([1, 2, 3])
     for layer in range(L):
-        pool.append(s, layer, kv, kv)
+        pool.append(kv, kv, seq=s, layer=layer)
     before = (pool.stats, pool.length(s))
     with pytest.raises(StateError, match="needs the token ids of its 3 new positions"):
         pool.advance(s)
@@ -294,7 +294,7 @@ def test_eviction_takes_leaves_before_parents_then_any():
     toks = list(range(9))
     kv = kv_of(toks)
     for layer in range(L):
-        pool.append(b, layer, kv, -kv)
+        pool.append(kv, -kv, seq=b, layer=layer)
     pool.advance(b, tokens=toks)                     # B0 (a duplicate: not registered), B1
     pa = pool.page_table(a).tolist()
     pool.free(a)                                     # A0 cached, A1 free
@@ -305,14 +305,14 @@ def test_eviction_takes_leaves_before_parents_then_any():
     c = pool.new_sequence()
     big = kv_of([7] * 8)
     for layer in range(L):
-        pool.append(c, layer, big, big)              # 2 pages: the free one, then X0
+        pool.append(big, big, seq=c, layer=layer)              # 2 pages: the free one, then X0
     assert px[0] in pool.page_table(c).tolist() and pool.stats.evictions == 1
     m, n = pool.match_prefix(list(range(9)) + [0])   # A0 and B1 still found
     assert n == 8 and pool.page_table(m).tolist()[0] == pa[0]
     pool.free(m)                                     # A0 cached again, B1 held by b
     d = pool.new_sequence()
     for layer in range(L):
-        pool.append(d, layer, big[:4], big[:4])      # no free page, no leaf: A0 goes
+        pool.append(big[:4], big[:4], seq=d, layer=layer)      # no free page, no leaf: A0 goes
     assert pool.page_table(d).tolist() == [pa[0]] and pool.stats.evictions == 2
     assert pool.match_prefix(list(range(9)) + [0])[1] == 0
     check_counts(pool)

@@ -50,7 +50,7 @@ def _attention_row(rng, fmt: str, B: int, ctx: int, ragged: bool) -> tuple[list,
     for s, n in zip(seqs, lengths):
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
-        pool.append(s, 0, k, v)
+        pool.append(k, v, seq=s, layer=0)
         cache = kvcore.KVCache(spec.replace(capacity=n))
         cache.append(0, k, v)
         caches.append(cache)
@@ -128,7 +128,7 @@ def bench_step_write() -> None:
         for t in range(steps):
             kt, vt = k[t], v[t]
             for layer in range(L):
-                pool.append_batch(layer, seqs, kt, vt)
+                pool.append_batch(kt, vt, seqs=seqs, layer=layer)
             pool.advance(seqs)
 
     def loop():

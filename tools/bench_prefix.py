@@ -49,7 +49,7 @@ def _commit_time(rounds: int = 9) -> float:
     times = []
     for r in range(rounds):
         s = pool.new_sequence()
-        pool.append(s, 0, kv, kv)             # evicts the last round's cached pages
+        pool.append(kv, kv, seq=s, layer=0)             # evicts the last round's cached pages
         ids = np.arange(PROMPT, dtype=np.int64) + r * PROMPT
         t0 = time.perf_counter()
         pool.advance(s, tokens=ids)
@@ -66,7 +66,7 @@ def _decode_commit_time(steps: int = 256) -> float:
     s = pool.new_sequence()
     spent = 0.0
     for i in range(steps):
-        pool.append(s, 0, kv, kv)
+        pool.append(kv, kv, seq=s, layer=0)
         t0 = time.perf_counter()
         pool.advance(s, tokens=[i])
         spent += time.perf_counter() - t0
@@ -79,7 +79,7 @@ def _match_times() -> tuple[float, float]:
     ids = np.arange(PROMPT, dtype=np.int64)
     s = pool.new_sequence()
     kv = np.zeros((PROMPT, 1, 8), np.float32)
-    pool.append(s, 0, kv, kv)
+    pool.append(kv, kv, seq=s, layer=0)
     pool.advance(s, tokens=ids)
     pool.free(s)
 
@@ -152,7 +152,7 @@ def serving_trace(requests: int = 160, *, prompts: int = 4, system: int = 1024,
             t0 = time.perf_counter()
             s, n = pool.match_prefix(tokens)
             spent += time.perf_counter() - t0
-            pool.append(s, 0, kv[:len(tokens) - n], kv[:len(tokens) - n])
+            pool.append(kv[:len(tokens) - n], kv[:len(tokens) - n], seq=s, layer=0)
             t0 = time.perf_counter()
             pool.advance(s, tokens=tokens[n:])
             spent += time.perf_counter() - t0
@@ -160,7 +160,7 @@ def serving_trace(requests: int = 160, *, prompts: int = 4, system: int = 1024,
             matched += n
             running[s] = [32, int(tokens[-1])]
         seqs = list(running)
-        pool.append_batch(0, seqs, kv[:len(seqs)], kv[:len(seqs)])
+        pool.append_batch(kv[:len(seqs)], kv[:len(seqs)], seqs=seqs, layer=0)
         pool.advance(seqs, tokens=[[running[s][1] + 1] for s in seqs])
         refs = sum(len(pool.page_table(s)) for s in seqs)
         if refs - pool.num_used_pages > peak_refs - peak_used:

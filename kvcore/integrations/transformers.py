@@ -31,12 +31,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.utils import logging
 
 from ..attention import decode_attention
 from ..errors import DTypeError, OutOfRangeError, ShapeError, StateError
 from ..formats import get_format
 from ..pool import KVPool
 from ..spec import KVSpec
+
+logger = logging.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "kvcore"
 _MIN_CAPACITY = 256          # positions per row a growable layer starts with
@@ -157,8 +160,8 @@ class KVCoreLayer(CacheLayerMixin):
             self.seqs = [pool.new_sequence() for _ in range(b)]
             self.real = None
         self._reserve([t] * b)
-        self.pool.append_batch(0, self.seqs, _rows(key_states), _rows(value_states),
-                               None if t == 1 else [t] * b)                # None: 1 each
+        self.pool.append_batch(_rows(key_states), _rows(value_states), seqs=self.seqs, layer=0,
+                               counts=None if t == 1 else [t] * b)          # None: 1 each
         self.pool.advance()
         self.columns += t
         if self.real is not None:
@@ -218,7 +221,8 @@ class KVCoreLayer(CacheLayerMixin):
             pool.truncate(self.seqs[b], pool.length(self.seqs[b]) - t)
         keep = new[cut]
         k, v = (_rows(x[torch.from_numpy(cut)], keep) for x in new_kv)
-        pool.append_batch(0, [self.seqs[b] for b in cut], k, v, keep.sum(axis=1))
+        pool.append_batch(k, v, seqs=[self.seqs[b] for b in cut], layer=0,
+                          counts=keep.sum(axis=1))
         pool.advance()
         if self.real is None:
             self.real = np.ones((len(self.seqs), self.columns), bool)
@@ -315,6 +319,8 @@ class KVCoreCache(Cache):
     attn_implementation "kvcore". format: a name of kvcore.FORMATS ("f32", "f16", "bf16",
     "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"). max_cache_len: positions per row at most;
     None grows as needed. Only full-attention decoder layers (no sliding windows).
+    copy.deepcopy and pickle give an independent cache holding the same rows (the
+    prompt reuse recipe: prefill once, deepcopy per request).
     """
 
     def __init__(self, config, format: str = "f16", max_cache_len: int | None = None):
@@ -348,7 +354,13 @@ def kvcore_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     each row's held positions, read from the codes; attention_mask is what kvcore_mask
     returned (None, or the bool [B, columns] padding mask: padded positions are dropped
     from the pool, padded queries get zeros). Returns ([B, T, Hq, D] in the query's
-    dtype, None). key/value must be the KVCodes a KVCoreCache layer returned."""
+    dtype, None). key/value must be the KVCodes a KVCoreCache layer returned.
+    output_attentions=True gets no weights (None), with a warning once, as transformers'
+    sdpa attention."""
+    if kwargs.get("output_attentions", False):
+        logger.warning_once(f"`{ATTN_IMPLEMENTATION}` attention does not support "
+                            "`output_attentions=True`. Please set your attention to `eager` "
+                            "if you want any of these features.")
     if not isinstance(key, KVCodes) or not isinstance(value, KVCodes):
         raise StateError(f"attn_implementation {ATTN_IMPLEMENTATION!r} reads K/V from a "
                          f"KVCoreCache, got {type(key).__name__}: pass past_key_values="
