@@ -44,12 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcore",
                                      description="kvcore: the key/value cache of transformer decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="fill a model-shaped cache in every format; time, check, error")
+    demo = sub.add_parser("demo", help="fill a model-shaped cache in every format; time, check, error")
+    demo.add_argument("--quick", action="store_true",
+                      help="every part at a few seconds' size (4 layers, 512 positions)")
+    demo.add_argument("--threads", type=int, metavar="N",
+                      help="kvcore's threads (kvcore.set_num_threads; default: every CPU)")
     sub.add_parser("info", help="version, build flags, threads, formats, GPU")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from ._demo import main as demo
-        demo()
+        from . import _demo
+        if args.threads is not None:
+            try:
+                kvcore.set_num_threads(args.threads)
+            except kvcore.KVCacheError as e:
+                parser.error(f"--threads {args.threads}: {e}")
+        _demo.main(_demo.QUICK if args.quick else _demo.FULL)
     else:
         info()
     return 0

@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import TextIO
 
 import numpy as np
@@ -212,7 +213,7 @@ def serve(requests: list[tuple[int, int]] = SERVE_REQUESTS, *, layers: int = LAY
             s = pool.new_sequence()
             for layer in range(layers):
                 k = rng.standard_normal((prompt, KV_HEADS, HEAD_DIM), dtype=np.float32)
-                pool.append(s, layer, k, k)
+                pool.append(k, k, seq=s, layer=layer)
             pool.advance(s)
             running.append(s)
             left[s] = tokens
@@ -220,7 +221,7 @@ def serve(requests: list[tuple[int, int]] = SERVE_REQUESTS, *, layers: int = LAY
         k = rng.standard_normal((len(running), KV_HEADS, HEAD_DIM), dtype=np.float32)
         q = rng.standard_normal((len(running), Q_HEADS, HEAD_DIM), dtype=np.float32)
         for layer in range(layers):
-            pool.append_batch(layer, running, k, k)
+            pool.append_batch(k, k, seqs=running, layer=layer)
             kvcore.decode_attention(q, pool, layer, seqs=running)
         pool.advance(running)
         step += 1
@@ -264,7 +265,7 @@ def shared_prompt(own: list[int] = SHARED_REQUESTS, *, system: int = SYSTEM, lay
         s, found = pool.match_prefix(tokens)
         cache = kvcore.KVCache(spec)
         for layer in range(layers):
-            pool.append(s, layer, kv[found:], kv[found:])
+            pool.append(kv[found:], kv[found:], seq=s, layer=layer)
             cache.append(layer, kv, kv)
         pool.advance(s, tokens=tokens[found:])
         cache.advance()
@@ -275,42 +276,80 @@ def shared_prompt(own: list[int] = SHARED_REQUESTS, *, system: int = SYSTEM, lay
     return rows
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Sizes:
+    """What the demo runs: the model's layers, the cache's positions, the decode loop's
+    prompt and new tokens, the serving requests (prompt, new tokens), the shared-prompt
+    requests (system prompt, own tokens of each)."""
+
+    layers: int = LAYERS
+    capacity: int = CAPACITY
+    prompt: int = PROMPT
+    steps: int = STEPS
+    requests: tuple[tuple[int, int], ...] = tuple(SERVE_REQUESTS)
+    system: int = SYSTEM
+    own: tuple[int, ...] = tuple(SHARED_REQUESTS)
+
+
+FULL = Sizes()
+QUICK = Sizes(layers=4, capacity=512, prompt=128, steps=8,
+              requests=((300, 6), (40, 10), (120, 4)), system=96, own=(10, 40, 3))
+"""--quick: every part of the demo at a few seconds' size."""
+
+
+def _conditions() -> str:
+    """The threads kvcore uses and how busy the machine is (speeds depend on both)."""
+    n = kvcore.max_threads()
+    note = f"{n} thread{'' if n == 1 else 's'} of {os.cpu_count()} CPUs"
+    if hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+        note += f"; load average {load:.1f}"
+        if load > (os.cpu_count() or 1):
+            note += ": other processes share the cores, speeds are lower than idle"
+    return note
+
+
+def main(sizes: Sizes = FULL) -> None:
+    """Prints the demo's tables; SystemExit when a check fails."""
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((POOL, KV_HEADS, HEAD_DIM)).astype(np.float32)
     vals = rng.standard_t(3, (POOL, KV_HEADS, HEAD_DIM)).astype(np.float32)
-    print(f"kvcore {kvcore.__version__} demo: {LAYERS} layers, {KV_HEADS} kv heads, head_dim "
-          f"{HEAD_DIM}, {CAPACITY} positions, filled one decode step at a time "
-          f"({kvcore.max_threads()} threads)")
-    rows = [run_format(fmt, keys, vals) for fmt in kvcore.FORMATS]
+    L = sizes.layers
+    print(f"kvcore {kvcore.__version__} demo: {L} layers, {KV_HEADS} kv heads, head_dim "
+          f"{HEAD_DIM}, {sizes.capacity} positions, filled one decode step at a time\n"
+          f"{_conditions()}")
+    rows = [run_format(fmt, keys, vals, layers=L, capacity=sizes.capacity)
+            for fmt in kvcore.FORMATS]
     print_table(["format", "MiB", "bytes/pos", "ratio", "step us", "read-back",
                  "rel RMS gauss", "rel RMS t(3)"], rows)
-    print("\nstep us: append one position (K and V, 8x128 float32) to each of 32 layers, "
+    print(f"\nstep us: append one position (K and V, 8x128 float32) to each of {L} layers, "
           "then advance.\nread-back: every position of every layer equals its input "
           "encoded by the format's rule\n(f32: the input itself; f16: numpy astype; "
           "others: kvcore.quantize).\nrel RMS: sqrt(mean((x' - x)^2) / mean(x^2)) of the "
           "dequantized cache, Gaussian keys, Student-t(3) values.")
     if any(r[5] == "MISMATCH" for r in rows):
         raise SystemExit("read-back mismatch")
-    print(f"\nDecode: a {PROMPT}-token prompt, then {STEPS} new tokens through {LAYERS} layers "
-          f"({Q_HEADS} query heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM})")
+    print(f"\nDecode: a {sizes.prompt}-token prompt, then {sizes.steps} new tokens through {L} "
+          f"layers ({Q_HEADS} query heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM})")
     pools = model_pools(rng, 256, KV_HEADS, Q_HEADS, HEAD_DIM)
     print_table(["format", "bytes/pos", "ratio", "attn rel RMS vs f32", "tokens/s"],
-                decode_rows(list(kvcore.FORMATS), pools))
+                decode_rows(list(kvcore.FORMATS), pools, layers=L, prompt=sizes.prompt,
+                            steps=sizes.steps))
     print("\nattn rel RMS vs f32: the attention outputs of every step and layer against the "
-          "same loop on an f32 cache.\ntokens/s: per new token, RoPE on q and k, append, "
-          "decode_attention in each of 32 layers, advance.")
-    print(f"\nServing: {len(SERVE_REQUESTS)} requests (prompt, new tokens) "
-          f"{' '.join(f'({p}, {n})' for p, n in SERVE_REQUESTS)} decoding together from one "
+          f"same loop on an f32 cache.\ntokens/s: per new token, RoPE on q and k, append, "
+          f"decode_attention in each of {L} layers, advance; {_conditions()}.")
+    requests = list(sizes.requests)
+    print(f"\nServing: {len(requests)} requests (prompt, new tokens) "
+          f"{' '.join(f'({p}, {n})' for p, n in requests)} decoding together from one "
           f"int8 KVPool of {SERVE_PAGE}-position pages, at most {SERVE_BATCH} at a time, one "
           f"joining every {SERVE_EVERY} steps")
     print_table(["step", "running", "lengths", "pages in use", "MiB in use",
-                 "MiB as full KVCaches"], serve())
-    print(f"\nMiB as full KVCaches: one KVCache of capacity {CAPACITY} per running request. "
-          "Each step is one append_batch\nand one batched decode_attention call per layer "
-          "for all running requests.")
-    print_store_demo()
-    print_prefix_demo()
+                 "MiB as full KVCaches"], serve(requests, layers=L, capacity=sizes.capacity))
+    print(f"\nMiB as full KVCaches: one KVCache of capacity {sizes.capacity} per running "
+          "request. Each step is one append_batch\nand one batched decode_attention call per "
+          "layer for all running requests.")
+    print_store_demo(sizes)
+    print_prefix_demo(sizes)
 
 
 def store_demo(*, layers: int = LAYERS, prompt: int = 2 * PROMPT + 1, chunk: int = 256,
@@ -349,21 +388,22 @@ def store_demo(*, layers: int = LAYERS, prompt: int = 2 * PROMPT + 1, chunk: int
             "bit-identical" if same else "DIFFERENT"]
 
 
-def print_store_demo() -> None:
-    print(f"\nStore: a {2 * PROMPT + 1}-token int8 prompt saved to a directory store in chunks "
-          f"of 256 tokens, then\nloaded into a KVPool sequence for a second request with the "
-          f"same prompt (the last token is left to compute)")
-    row = store_demo()
+def print_store_demo(sizes: Sizes = FULL) -> None:
+    prompt, chunk = 2 * sizes.prompt + 1, min(256, sizes.prompt)
+    print(f"\nStore: a {prompt}-token int8 prompt saved to a directory store in chunks "
+          f"of {chunk} tokens, then\nloaded into a KVPool sequence for a second request with "
+          f"the same prompt (the last token is left to compute)")
+    row = store_demo(layers=sizes.layers, prompt=prompt, chunk=chunk)
     print_table(["positions loaded", "chunks", "MB on disk", "save ms", "load ms",
                  "attention vs original"], [row])
     if row[-1] != "bit-identical":
         raise SystemExit("store round trip differs")
 
 
-def print_prefix_demo() -> None:
-    print(f"\nPrefix cache: {len(SHARED_REQUESTS)} requests sharing a {SYSTEM}-token system "
+def print_prefix_demo(sizes: Sizes = FULL) -> None:
+    print(f"\nPrefix cache: {len(sizes.own)} requests sharing a {sizes.system}-token system "
           "prompt, admitted one after another with match_prefix (int8, pages of 16)")
-    rows = shared_prompt()
+    rows = shared_prompt(list(sizes.own), system=sizes.system, layers=sizes.layers)
     print_table(["tokens", "found", "computed", "pages in use", "cached", "same attention"],
                 rows)
     print("\nfound: positions match_prefix returned (full pages of the system prompt, shared "

@@ -114,3 +114,21 @@ def test_decode_rows_write_no_progress_into_a_pipe():
                          text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "2", run.stderr
     assert run.stderr == ""
+
+
+def test_demo_quick_runs_every_part_and_names_its_threads():
+    run = subprocess.run([sys.executable, "-m", "kvcore", "demo", "--quick", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert out.startswith(f"kvcore {kvcore.__version__} demo: 4 layers")
+    assert "\n1 thread of " in out and "tokens/s" in out
+    for part in ("\nDecode: ", "\nServing: ", "\nStore: ", "\nPrefix cache: "):
+        assert part in out
+    assert "MISMATCH" not in out and "bit-identical" in out
+
+
+def test_demo_refuses_a_bad_thread_count():
+    run = subprocess.run([sys.executable, "-m", "kvcore", "demo", "--quick", "--threads", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--threads -1: threads must be in [0, " in run.stderr
