@@ -3,7 +3,7 @@
 Public API; everything else lives behind a leading underscore.
 """
 try:
-    from . import _cpu
+    from . import _cpu as _cpu
 except ImportError:   # a source tree whose extensions were never compiled
     raise ImportError(
         f"kvcore's compiled extensions are missing (no kvcore._cpu beside {__file__}): this "
@@ -11,9 +11,10 @@ except ImportError:   # a source tree whose extensions were never compiled
         "Install it with pip (it compiles the Cython kernels: a C compiler with OpenMP is "
         "needed), or in a checkout run: pip install -e .") from None
 _cpu.check()   # before any kernel module: an ImportError, not an illegal instruction
-from .errors import (CapacityError, ChunkError, CudaError, DTypeError, FormatError,
-                     KVCacheError, NonFiniteError, OutOfRangeError, RangeError, ShapeError,
-                     SnapshotError, SpecError, StateError, StoreError)
+from .errors import (CapacityError, ChunkError, CudaError, DeviceCopyError, DTypeError,
+                     FormatError, GpuUnavailableError, KVCacheError, NonFiniteError,
+                     OutOfRangeError, RangeError, ShapeError, SnapshotError, SpecError,
+                     StateError, StoreError)
 from .formats import FORMATS, QUANTIZED_FORMATS, Format, get_format
 from .spec import KVSpec
 from .cache import KVCache
@@ -28,7 +29,7 @@ from .rope import rope_frequencies
 __version__ = "0.1.0"
 
 __all__ = [
-    "CapacityError", "CudaError", "DTypeError", "FormatError", "KVCacheError",
+    "CapacityError", "CudaError", "DeviceCopyError", "DTypeError", "GpuUnavailableError", "FormatError", "KVCacheError",
     "NonFiniteError", "OutOfRangeError", "RangeError", "ShapeError", "SnapshotError", "SpecError",
     "StateError", "StoreError", "ChunkError", "KVStore", "DirectoryBackend", "RedisBackend",
     "StoreWriter", "FORMATS", "QUANTIZED_FORMATS", "Format", "get_format", "KVSpec", "KVCache",
