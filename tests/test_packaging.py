@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import kvcore
 from kvcore import _cache, _cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
