@@ -93,11 +93,13 @@ def test_setup_refuses_a_tree_without_the_cython_sources(tmp_path):
 @pytest.mark.child([sys.executable, os.path.join(ROOT, "tools", "check_dist.py")])
 def test_the_sdist_and_wheel_install_and_run_in_a_new_venv(child):
     """tools/check_dist.py: the sdist holds the build's sources, the wheel built from it
-    holds every extension and is tagged for this platform, and in a new venv the wheel
-    imports, runs `python -m kvcore demo --quick` and the sdist's tests."""
+    holds every extension and is tagged for this platform; in a new venv the wheel
+    imports, runs `python -m kvcore demo --quick` and the sdist's tests; in another, pip
+    builds and installs the sdist, which imports and runs the demo."""
     out = child.stdout + child.stderr
     assert child.returncode == 0, out[-6000:]
     assert re.search(r"wheel: kvcore-[\w.]+-cp\d+-cp\d+-\w+\.whl, extensions _attention _cache "
                      r"_cpu _parallel _quant", out), out
-    assert "python -m kvcore demo --quick: ok" in out and "dist check passed" in out
+    assert out.count("python -m kvcore demo --quick: ok") == 2   # the wheel's venv, the sdist's
+    assert "pip install the sdist: ok" in out and "dist check passed" in out
     assert re.search(r"\n\d+ passed", out), out

@@ -14,6 +14,8 @@
    `import kvcore` (from the venv), `python -m kvcore info`, `python -m kvcore demo --quick`,
    and a short test selection from the sdist's own tests (pytest, hypothesis and ml_dtypes
    installed beside it).
+4. In a second new venv, pip installs the sdist (building it, as a user's
+   `pip install kvcore-<v>.tar.gz` does), then the same import, info and demo.
 
 Prints one line per step and exits non-zero at the first failure, with its output.
 """
@@ -80,15 +82,30 @@ def check_wheel(path: str) -> None:
     print(f"wheel: {name}, extensions {' '.join(exts)}, {len(ptx)} PTX files", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", help="work in this directory and keep it (default: a temporary one)")
-    parser.add_argument("--tests", nargs="*", default=TESTS,
-                        help=f"the sdist's test files to run against the installed wheel "
-                             f"(default: {' '.join(TESTS)})")
-    args = parser.parse_args()
-    work = args.keep or tempfile.mkdtemp(prefix="kvcore-dist-")
-    os.makedirs(work, exist_ok=True)
+def new_venv(work: str, name: str, what: str, source: str) -> str:
+    """A new venv at work/name with kvcore installed from `source` (a wheel or an sdist:
+    pip builds the sdist as a user's install does); checks that `import kvcore`, from a
+    directory outside any source tree, finds the venv's copy, then runs `kvcore info` and
+    `kvcore demo --quick` there. Returns the venv's python."""
+    venv = os.path.join(work, name)
+    run(f"a new venv ({name})", [sys.executable, "-m", "venv", venv])
+    py = os.path.join(venv, "bin", "python")
+    run(f"pip install the {what}", [py, "-m", "pip", "install", "-q", source])
+    elsewhere = os.path.join(work, "elsewhere")   # no kvcore/ here: imports find the venv's
+    os.makedirs(elsewhere, exist_ok=True)
+    where = run("import kvcore", [py, "-c", "import kvcore; print(kvcore.__file__)"],
+                cwd=elsewhere).strip()
+    if not os.path.realpath(where).startswith(os.path.realpath(venv)):
+        fail(f"import kvcore found {where}, not the copy in {venv}")
+    print(run("python -m kvcore info", [py, "-m", "kvcore", "info"], cwd=elsewhere)
+          .splitlines()[1], flush=True)
+    demo = run("python -m kvcore demo --quick", [py, "-m", "kvcore", "demo", "--quick"],
+               cwd=elsewhere)
+    print(demo.splitlines()[0], flush=True)
+    return py
+
+
+def check(work: str, tests: list[str]) -> None:
     dist = os.path.join(work, "dist")
     run("python -m build (sdist, then the wheel from it)",
         [sys.executable, "-m", "build", "--outdir", dist, ROOT], cwd=work)
@@ -97,32 +114,36 @@ def main() -> None:
     check_sdist(sdist)
     check_wheel(wheel)
 
-    venv = os.path.join(work, "venv")
-    run("a new venv", [sys.executable, "-m", "venv", venv])
-    py = os.path.join(venv, "bin", "python")
-    run("pip install the wheel", [py, "-m", "pip", "install", "-q", wheel])
+    py = new_venv(work, "venv-wheel", "wheel", wheel)
     run("pip install pytest, hypothesis, ml_dtypes",
         [py, "-m", "pip", "install", "-q", "pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.4"])
     unpacked = os.path.join(work, "sdist")
     with tarfile.open(sdist) as tar:
         tar.extractall(unpacked, filter="data")
     src, = glob.glob(os.path.join(unpacked, "kvcore-*"))
-    elsewhere = os.path.join(work, "elsewhere")   # no kvcore/ here: imports find the venv's
-    os.makedirs(elsewhere, exist_ok=True)
-    where = run("import kvcore", [py, "-c", "import kvcore; print(kvcore.__file__)"],
-                cwd=elsewhere).strip()
-    if not where.startswith(os.path.realpath(venv)) and not where.startswith(venv):
-        fail(f"import kvcore found {where}, not the venv's copy")
-    print(run("python -m kvcore info", [py, "-m", "kvcore", "info"], cwd=elsewhere)
-          .splitlines()[1], flush=True)
-    demo = run("python -m kvcore demo --quick", [py, "-m", "kvcore", "demo", "--quick"],
-               cwd=elsewhere)
-    print(demo.splitlines()[0], flush=True)
-    out = run(f"pytest {' '.join(args.tests)} (the sdist's tests, the installed wheel)",
+    out = run(f"pytest {' '.join(tests)} (the sdist's tests, the installed wheel)",
               [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", src,
-               *[os.path.join(src, t) for t in args.tests]], cwd=elsewhere)
+               *[os.path.join(src, t) for t in tests]], cwd=os.path.join(work, "elsewhere"))
     print(out.strip().splitlines()[-1], flush=True)
+
+    new_venv(work, "venv-sdist", "sdist", sdist)
     print(f"dist check passed: {os.path.basename(sdist)}, {os.path.basename(wheel)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", help="work in this directory and keep it (default: a "
+                                       "temporary one, removed at the end)")
+    parser.add_argument("--tests", nargs="*", default=TESTS,
+                        help=f"the sdist's test files to run against the installed wheel "
+                             f"(default: {' '.join(TESTS)})")
+    args = parser.parse_args()
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+        check(args.keep, args.tests)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvcore-dist-") as work:
+            check(work, args.tests)
 
 
 if __name__ == "__main__":
