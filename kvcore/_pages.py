@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ._validate import check_index
+from ._validate import check_index, check_seq_id
 from ._prefix import PrefixIndex
 from ._prefix_keys import ROOT, chain_key, encode_extra
 from .errors import CapacityError, OutOfRangeError, ShapeError, StateError
@@ -122,12 +122,12 @@ class PageTable:
         return s
 
     def get(self, s: object) -> Seq:
-        try:
-            if not isinstance(s, bool):
-                return self.seqs[s]  # type: ignore[index]  # any object: a miss is refused below
-        except (KeyError, TypeError):
-            pass
-        raise StateError(f"unknown sequence {s!r}: never made by this pool, or freed")
+        """The sequence of id s: StateError when there is none, DTypeError when s is not an
+        int (check_seq_id: 0.0 or False would find sequence 0 by equality)."""
+        seq = self.seqs.get(s if s.__class__ is int else check_seq_id(s))
+        if seq is None:
+            raise StateError(f"unknown sequence {s!r}: never made by this pool, or freed")
+        return seq
 
     def free_seq(self, s: int) -> None:
         seq = self.get(s)
@@ -303,6 +303,8 @@ class PageTable:
         except TypeError:            # an unhashable id, refused by get below
             repeated = False
         if repeated:
+            for s in ids:
+                self.get(s)          # a float or bool id equal to another: DTypeError first
             twice = next(s for i, s in enumerate(ids) if s in ids[:i])
             raise StateError(f"sequence {twice} appears twice in one write")
         short = []    # (sequence, pages it takes) for the error message

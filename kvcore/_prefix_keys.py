@@ -70,21 +70,34 @@ def encode_extra(extra: Extra | None) -> bytes:
     if not isinstance(extra, Mapping):
         raise DTypeError(f"invalid type of extra: expected a mapping of kind -> str or bytes, "
                          f"got {type(extra).__name__}")
+    for kind in extra:                   # before sorting: an int among str kinds cannot sort
+        if not isinstance(kind, str):
+            raise DTypeError(f"invalid extra kind {kind!r}: expected a str, got "
+                             f"{type(kind).__name__}")
     out = [struct.pack("<I", len(extra))]
     for kind in sorted(extra):
         value = extra[kind]
-        if not isinstance(kind, str):
-            raise DTypeError(f"invalid extra kind {kind!r}: expected a str")
         if isinstance(value, str):
-            tagged = b"s" + value.encode("utf-8")
+            tagged = b"s" + _utf8(value, f"extra {kind!r}")
         elif isinstance(value, bytes):
             tagged = b"b" + value
         else:
             raise DTypeError(f"invalid extra {kind!r}: expected str or bytes, "
                              f"got {type(value).__name__}")
-        k = kind.encode("utf-8")
+        k = _utf8(kind, "extra kind")
         out += [struct.pack("<I", len(k)), k, struct.pack("<I", len(tagged)), tagged]
     return b"".join(out)
+
+
+def _utf8(text: str, name: str) -> bytes:
+    """text as UTF-8; RangeError for a code point UTF-8 does not encode (a lone surrogate,
+    U+D800..U+DFFF, as a str decoded with errors="surrogateescape" holds)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+        raise RangeError(f"invalid {name}: {shown} holds U+{ord(text[e.start]):04X} at index "
+                         f"{e.start}, a lone surrogate that UTF-8 does not encode") from None
 
 
 def chain_key(parent: bytes, ids: np.ndarray, extra_bytes: bytes) -> bytes:

@@ -15,7 +15,8 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ._dlpack import from_dlpack
-from .errors import DTypeError, FormatError, NonFiniteError, OutOfRangeError, ShapeError
+from .errors import (DTypeError, FormatError, NonFiniteError, OutOfRangeError, RangeError,
+                     ShapeError)
 
 
 if TYPE_CHECKING:
@@ -121,6 +122,52 @@ def check_index(name: str, value: object, limit: int) -> int:
     value = int(value)
     if not 0 <= value < limit:
         raise OutOfRangeError(f"{name} {value} out of range: expected 0 <= {name} < {limit}")
+    return value
+
+
+def check_seq_id(value: object, name: str = "sequence id") -> int:
+    """A sequence id: an int (numpy ints too). DTypeError for anything else, bools and
+    floats included: 0.0, np.float64(0) and False hash and compare equal to 0, so a dict
+    lookup would take them for sequence 0."""
+    if value.__class__ is int:
+        return value    # the hot path: a plain int
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise DTypeError(f"invalid type of {name}: expected int, got {type(value).__name__} "
+                     f"({_short_repr(value)})")
+
+
+def _short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_seq_ids(name: str, seqs: object) -> list[int]:
+    """seqs (an iterable of sequence ids: a list, tuple, range or 1-D integer array) as a
+    list of ints, each checked as check_seq_id does: DTypeError naming what it got
+    (ShapeError for an array that is not 1-D)."""
+    if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        raise DTypeError(f"invalid type of {name}: expected a sequence of sequence ids (ints), "
+                         f"got {type(seqs).__name__} ({_short_repr(seqs)})")
+    if isinstance(seqs, np.ndarray) and seqs.ndim != 1:
+        raise ShapeError(f"invalid shape of {name}: expected [B] (one id per sequence), got "
+                         f"{_fmt_shape(seqs.shape)}")
+    ids = list(seqs)    # iterable: checked above
+    for b, s in enumerate(ids):
+        if s.__class__ is not int:
+            ids[b] = check_seq_id(s, f"{name}[{b}]")
+    return ids
+
+
+def check_int32(name: str, value: object) -> int:
+    """An int (numpy ints too, bools not) that int32 holds: DTypeError, RangeError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DTypeError(f"invalid type of {name}: expected int, got {type(value).__name__} "
+                         f"({_short_repr(value)})")
+    value = int(value)
+    if not -2**31 <= value < 2**31:
+        raise RangeError(f"{name} {value} out of range: expected an int32, "
+                         f"{-2**31} <= {name} <= {2**31 - 1}")
     return value
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from . import _attention
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
-                        check_shape, is_array)
+                        check_seq_ids, check_shape, is_array)
 from .formats import Format
 from .spec import KVSpec
 from .cache import KVCache
@@ -109,7 +109,7 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
     layer = check_index("layer", layer, spec.num_layers)
     if seqs is None:
         raise StateError("decode_attention on a KVPool needs seqs: the sequence ids")
-    seqs = list(seqs)
+    seqs = check_seq_ids("seqs", seqs)
     B = len(seqs)
     if len(set(seqs)) != B:
         raise StateError(f"decode_attention names a sequence twice: {seqs}")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvcore import decode_attention as kvcore_attention
-from kvcore import (FORMATS, CapacityError, FormatError, KVPool, KVSpec, NonFiniteError,
-                    OutOfRangeError, ShapeError, StateError, quantize)
+from kvcore import (FORMATS, CapacityError, DTypeError, FormatError, KVPool, KVSpec,
+                    NonFiniteError, OutOfRangeError, ShapeError, StateError, quantize)
 
 pytestmark = pytest.mark.gpu
 
@@ -541,4 +541,109 @@ def test_decode_attention_refusals(gpu):
         gp.decode_attention(q.view((2, H, D), np.float32), q.view((2, H, D), np.float32), 0)
     gp.advance()
     q.free()
+    gp.free()
+
+
+def test_append_and_decode_outside_a_step_refused(gpu, rng):
+    """After advance() no step is open and the metadata is the last step's, whose positions
+    are committed: an eager append would overwrite them (check() saw nothing). It, and
+    decode_attention, now raise StateError naming the call and launch nothing. A launch
+    into a capturing stream is let through (it runs when replayed, inside a step), and
+    such a graph replayed after advance() writes nothing: the device slot mapping is -1
+    once a step ends."""
+    gp, cp = pools(gpu, "int8")
+    a = gp.new_sequence()
+    cp.new_sequence()
+    keep = []
+    step(gpu, gp, cp, [a], [2], rng, np.float32, keep)
+
+    def data():
+        return gp._data.view((gp._data.nbytes,), np.uint8).to_numpy().tobytes()
+
+    before = data()
+    assert (gp.slot_mapping.to_numpy() == -1).all()
+    xs = inputs(rng, 2, np.float32)
+    x = dev(gpu, xs)
+    for layer in range(L):
+        with pytest.raises(StateError, match=r"^GpuKVPool.append outside a step: call "
+                                             r"begin_step\(seqs, counts\) first"):
+            gp.append(layer, x, x)
+    q = dev(gpu, rng.standard_normal((4, H, D)).astype(np.float32))
+    out = dev(gpu, np.full((4, H, D), 7.0, np.float32))
+    with pytest.raises(StateError, match="^GpuKVPool.decode_attention outside a step"):
+        gp.decode_attention(q, out, 0)
+    assert (out.to_numpy() == 7.0).all()
+    gp.check()
+    assert data() == before and gp.length(a) == 2
+    same_pages(gp, cp)
+
+    drv, st = gpu.driver.cuda(), gp.stream
+    with st.ctx:
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        for layer in range(L):
+            gp.append(layer, x, x)                   # captured: no step needed
+    finally:
+        with st.ctx:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    with st.ctx:
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+    assert data() == before
+    gp.begin_step([a])                               # in a step the replay writes it
+    with st.ctx:
+        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+    assert gp.advance() == [1]
+    for layer in range(L):
+        cp.append_batch(xs[:1], xs[:1], seqs=[a], layer=layer)
+    cp.advance([a])
+    same_pages(gp, cp)
+    before = data()
+    with st.ctx:                                     # after advance: writes nothing
+        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+    gp.check()
+    assert data() == before and gp.length(a) == 3
+    same_pages(gp, cp)
+    with st.ctx:
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
+    gp.free()
+
+
+@pytest.mark.parametrize("bad", [0.0, np.float64(0), True, False, "0", None], ids=repr)
+def test_ids_that_are_not_ints_refused(gpu, rng, bad):
+    """As the CPU pool: 0.0, np.float64(0) and False equal sequence 0 but are no ids: every
+    call taking one raises DTypeError naming it and changes nothing; so do a
+    non-iterable seqs or counts."""
+    gp, cp = pools(gpu, "f16")
+    a = gp.new_sequence()
+    cp.new_sequence()
+    step(gpu, gp, cp, [a], [2], rng, np.float32, [])
+    snap = gp.snapshot(a)
+
+    def state():
+        t = gp._table
+        return (list(t.free), list(t.refs), {s: (list(q.pages), q.length) for s, q in t.seqs.items()},
+                t._next_id, gp._step, gp.block_tables.to_numpy().tobytes())
+
+    before = state()
+    calls = {"begin_step": lambda: gp.begin_step([bad]),
+             "begin_step, two": lambda: gp.begin_step([a, bad], [1, 1]),
+             "length": lambda: gp.length(bad), "page_table": lambda: gp.page_table(bad),
+             "fork": lambda: gp.fork(bad), "truncate": lambda: gp.truncate(bad, 0),
+             "free_sequence": lambda: gp.free_sequence(bad),
+             "snapshot": lambda: gp.snapshot(bad),
+             "restore": lambda: gp.restore(snap, seq=bad)}
+    if bad is None:
+        del calls["restore"]                          # seq=None: a new sequence
+    for name, call in calls.items():
+        with pytest.raises(DTypeError, match="invalid type of (sequence id|seqs)"):
+            call()
+        assert state() == before, name
+    with pytest.raises(DTypeError, match="invalid type of seqs: expected a sequence of "
+                                         "sequence ids"):
+        gp.begin_step(a)
+    with pytest.raises(DTypeError, match=r"invalid type of counts: .* got int \(5\)"):
+        gp.begin_step([a], counts=5)
+    assert state() == before
     gp.free()

@@ -254,3 +254,28 @@ def test_overflow_is_refused_with_out_untouched(rng):
         decode_attention(q, pool, 0, seqs=[a, b], out=out)
     assert (out == 7.0).all()
     assert np.isfinite(decode_attention(q[:1], pool, 0, seqs=[a])).all()
+
+
+def test_seqs_that_are_not_int_ids_refused(rng):
+    """seqs holding a list, a float or a bool (0.0 and False equal sequence 0), or not a
+    sequence at all, raise DTypeError naming the item; out is not written."""
+    from kvcore import DTypeError
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=40, num_heads=4,
+                  format="f16")
+    pool = KVPool(spec, num_pages=10, page_size=8)
+    (a, b), _ = fill(rng, pool, [5, 9])
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    out = np.full_like(q, 7.0)
+    cases = [
+        (r"invalid type of seqs\[0\]: expected int, got list \(\[0\]\)", [[0], b]),
+        (r"invalid type of seqs\[1\]: expected int, got float \(0.0\)", [b, 0.0]),
+        (r"invalid type of seqs\[0\]: expected int, got float64", [np.float64(0), b]),
+        (r"invalid type of seqs\[1\]: expected int, got bool \(False\)", [b, False]),
+        (r"invalid type of seqs: expected a sequence of sequence ids \(ints\), got int", a),
+    ]
+    for match, seqs in cases:
+        with pytest.raises(DTypeError, match=match):
+            decode_attention(q, pool, 0, seqs=seqs, out=out)
+        assert (out == 7.0).all()
+    got = decode_attention(q, pool, 0, seqs=np.array([a, b]), out=out)
+    assert got is out and not (out == 7.0).any()

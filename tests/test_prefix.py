@@ -317,3 +317,30 @@ def test_eviction_takes_leaves_before_parents_then_any():
     assert pool.match_prefix(list(range(9)) + [0])[1] == 0
     check_counts(pool)
     expect(pool, b, toks)
+
+
+def test_extras_of_mixed_kinds_or_lone_surrogates_refused():
+    """Extras whose kinds mix str and int (which cannot be sorted) or holding a lone
+    surrogate (which UTF-8 cannot encode) raise kvcore errors naming them, before the
+    lookup: no sequence made, no counter moved."""
+    pool = make_pool()
+    prefill(pool, list(range(9)), {"a": "x"})
+    before = (pool.stats, pool.sequences)
+    cases = [
+        (DTypeError, "invalid extra kind 1: expected a str, got int", {"a": "x", 1: "y"}),
+        (DTypeError, "invalid extra kind b'a': expected a str, got bytes", {b"a": "x"}),
+        (RangeError, r"invalid extra 'a': '\\ud800' holds U\+D800 at index 0, a lone "
+                     r"surrogate that UTF-8 does not encode", {"a": "\ud800"}),
+        (RangeError, r"invalid extra kind: 'x\\udcff' holds U\+DCFF at index 1",
+         {"a": "x", "x\udcff": "y"}),
+        (RangeError, r"invalid extra 'a': 'xxxxxxxxxx.*'\.\.\. holds U\+D800 at index 50",
+         {"a": "x" * 50 + "\ud800"}),
+    ]
+    for error, match, extra in cases:
+        with pytest.raises(error, match=match):
+            pool.match_prefix(list(range(9)), extra)
+        with pytest.raises(error, match=match):
+            prefix_keys(list(range(8)), PS, extra)
+        assert (pool.stats, pool.sequences) == before, match
+    s, n = pool.match_prefix(list(range(9)), {"a": "x"})
+    assert n == 8

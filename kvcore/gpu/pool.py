@@ -18,8 +18,9 @@
        slot_mapping int64 [max_batch * max_tokens]  the slot of each input row, -1 padding
        status       int32                  device error bits (kept apart from the rest)
    `begin_step` writes them into a host staging array of the same layout and copies it in
-   one cuMemcpyHtoDAsync; `append` only launches (capturable); `advance` synchronises,
-   turns the status into an exception or commits the step's positions to the table.
+   one cuMemcpyHtoDAsync; `append` only launches (capturable; refused outside a step
+   unless captured); `advance` synchronises, turns the status into an exception or commits
+   the step's positions to the table, and sets the device slot mapping to -1.
    A DecodeGraph (graph.py) captures RoPE + append + decode_attention of every layer once
    and replays it between begin_step and advance.
 4. One call at a time (CallGuard, as the CPU KVPool): every public call that writes the
@@ -42,7 +43,7 @@ from ..attention import _check_scale
 from .._pages import PageTable
 from .._quant import input_limit
 from .._storage import zeroed_pages
-from .._validate import check_index
+from .._validate import check_index, check_seq_ids
 from ..errors import (CapacityError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
 from ..pool import _counts
@@ -408,7 +409,7 @@ class GpuKVPool(driver.DeviceOwner):
         one host-to-device copy. Synchronises the pool's stream first (the staging array
         is reused). A refused call (StateError, ShapeError, CapacityError) changes nothing."""
         self._idle("begin_step")
-        seqs = list(seqs)
+        seqs = check_seq_ids("seqs", seqs)
         counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
         if len(seqs) > self.max_batch:
             raise ShapeError(f"a step of {len(seqs)} sequences, the pool's max_batch is "
@@ -451,7 +452,9 @@ class GpuKVPool(driver.DeviceOwner):
         (-1: skipped). Launch only (no sync; capturable). T must cover the step's new
         positions: fewer is refused here (ShapeError) and, in a replayed graph, by the
         device (the launch writes nothing; advance raises). A slot outside the pool writes
-        nothing and sets the status; so does (for its row) a non-finite or out-of-range value."""
+        nothing and sets the status; so does (for its row) a non-finite or out-of-range value.
+        Outside a step (no begin_step since the last advance) StateError, nothing launched,
+        unless the stream is capturing (the graph replays inside a step)."""
         self._alive()
         s = self.spec
         layer = check_index("layer", layer, s.num_layers)
@@ -468,7 +471,9 @@ class GpuKVPool(driver.DeviceOwner):
             raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
                              f"with 1 <= T <= {self.max_batch * self.max_tokens}, got {list(k.shape)}")
         n = self._step_positions()
-        if n is not None and n > T:
+        if n is None:
+            self._refuse_outside_step("append", st)
+        elif n > T:
             raise ShapeError(f"invalid k: the step has {n} new positions, k holds {T} rows")
         in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
         isz = k.dtype.itemsize
@@ -505,7 +510,8 @@ class GpuKVPool(driver.DeviceOwner):
         tokens than R is refused); out: float32 [R, Hq, D], C-contiguous, 16-byte aligned;
         lse: None or float32 [R, Hq], the natural log-sum-exp of each row's scaled scores
         (-inf for a row that sees nothing). scale: default 1/sqrt(D). FormatError for a
-        head_dim the kernel does not take (kvcore.gpu.attention.HEAD_DIMS)."""
+        head_dim the kernel does not take (kvcore.gpu.attention.HEAD_DIMS); StateError
+        outside a step, as append."""
         self._alive()
         if self._decode_error is not None:
             raise self._decode_error
@@ -532,6 +538,8 @@ class GpuKVPool(driver.DeviceOwner):
                              f"16-byte aligned, got {oa.dtype} {list(oa.shape)} strides "
                              f"{list(oa.strides)} at 0x{oa.ptr:x}")
         lse_ptr = check_lse(lse, R, s.num_heads, st, self.ctx)
+        if n is None:
+            self._refuse_outside_step("decode_attention", st)
         n_rows = self.num_pages * self.page_size
         base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] for r in REGIONS]
         if not s.fmt.quantized:
@@ -560,6 +568,19 @@ class GpuKVPool(driver.DeviceOwner):
         slot outside the pool), NonFiniteError, FormatError (a value past the format's range)."""
         self._host_call("check")
         self._raise_status(self._step_positions())
+
+    def _refuse_outside_step(self, what: str, stream) -> None:
+        """StateError for an eager launch that reads the step's metadata (slot mapping,
+        block tables, lengths) when no step is begun: they are the last step's, whose
+        positions advance() committed, so an append would overwrite them. A launch into a
+        capturing stream is let through: it runs when the graph replays, and a replay
+        belongs inside a step (DecodeGraph refuses one outside; advance() sets the device
+        slot mapping to -1, so an append replayed after it writes nothing)."""
+        if not driver.is_capturing(stream):
+            raise StateError(f"GpuKVPool.{what} outside a step: call begin_step(seqs, counts) "
+                             f"first (the launch reads the step's slot mapping and tables; the "
+                             f"last step's positions were committed by advance()); nothing "
+                             f"was launched")
 
     def _step_positions(self) -> int | None:
         """New positions of the step begun by begin_step (None: no step)."""
@@ -600,10 +621,22 @@ class GpuKVPool(driver.DeviceOwner):
             raise StateError("GpuKVPool.advance without begin_step")
         seqs, counts = self._step
         self._step = None
-        self._raise_status(sum(counts))
+        try:
+            self._raise_status(sum(counts))
+        finally:
+            self._unmap_slots()
         for s, c in zip(seqs, counts):
             self._table.get(s).length += c
         return counts
+
+    def _unmap_slots(self) -> None:
+        """Sets the device slot mapping to -1 (padding) once a step ends (ordered on the
+        pool's stream; begin_step synchronises it before the staging is rewritten): an
+        append launched later outside a step, by a graph captured without DecodeGraph's
+        checks, writes nothing instead of overwriting the step's committed positions."""
+        self._host_slots[:] = -1
+        self._meta.copy_from_host(self._host_slots, offset=self.meta_offsets["slot_mapping"],
+                                  stream=self.stream)
 
     # ------------------------------------------------------------------ snapshots, offload
 
