@@ -31,9 +31,10 @@ from ._cache import decode_rows
 from ._guard import CallGuard
 from ._pages import PageTable
 from ._prefix import PrefixIndex
-from ._prefix_keys import encode_extra, token_array
+from ._prefix_keys import ROOT, chain_key, encode_extra, token_array
 from ._storage import LayerArrays, Storage
-from ._validate import AnyArray, OutArray, check_index, check_ndarray, check_out, is_array
+from ._validate import (AnyArray, OutArray, check_index, check_int32, check_ndarray, check_out,
+                        check_seq_id, check_seq_ids, is_array)
 from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
                      StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
@@ -187,15 +188,31 @@ class KVPool:
         str or bytes, e.g. {"adapter": "x", "salt": b"..."}), at most len(tokens) - 1
         positions (the last token's query is still computed). Returns (seq, n): its n
         committed positions are tokens[:n] (a multiple of page_size); append and
-        `advance(seq, tokens=tokens[n:...])` the rest. StateError without a prefix cache."""
+        `advance(seq, tokens=tokens[n:...])` the rest. StateError without a prefix cache.
+
+        With a chunk store attached (store=), the sequence goes on with the stored chunks
+        that follow the cached pages (docs/store.md). The store's lookup runs without the
+        pool's guard (other threads' calls go on while it waits on a server or a disk);
+        then the guard is taken again, the cached pages are matched again (the cache may
+        have changed meanwhile) and the chunks that still follow them are placed. A failed
+        lookup or a refused chunk is no exception: a counted fault (stats.store_faults).
+        Atomic: a call that raises (StateError when another thread is inside at either
+        step, or anything unforeseen) leaves no sequence, no page taken and the counters
+        as they were."""
         with self._guard("match_prefix"):
             if self._table.prefix is None:
                 raise StateError("match_prefix needs a pool made with prefix_cache=True")
             ids = token_array(tokens)
-            s, n = self._table.match(ids, encode_extra(extra))
-            if self._kv is not None:
-                n = self._consult_store(s, ids, n)
-            return s, n
+            extra_bytes = encode_extra(extra)
+            fetch = None if self._kv is None else self._store_fetch(ids, extra_bytes)
+            if fetch is None:
+                return self._table.match(ids, extra_bytes)
+        chunks = self._consult_store(fetch)       # without the guard: the round trip
+        try:
+            with self._guard("match_prefix"):
+                return self._place_stored(ids, extra_bytes, fetch, chunks)
+        finally:
+            fetch.release()
 
     def free(self, seq: int) -> None:
         """Ends a sequence: its pages that no other sequence holds become free (cached
@@ -247,7 +264,7 @@ class KVPool:
         with self._guard("append_batch"):
             if layer.__class__ is not int or not 0 <= layer < self._num_layers:
                 layer = check_index("layer", layer, self._num_layers)
-            seqs = list(seqs)
+            seqs = check_seq_ids("seqs", seqs)
             counts = [1] * len(seqs) if counts is None else _counts(counts, len(seqs))
             k, v = check_ndarray("k", k), check_ndarray("v", v)
             if k.ndim != 3:
@@ -283,10 +300,12 @@ class KVPool:
         with self._guard("advance"):
             if seqs is None:
                 one, ids = False, list(self._table.seqs)
-            elif isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
-                one, ids = True, [int(seqs)]
+            elif seqs.__class__ is int:
+                one, ids = True, [seqs]
+            elif isinstance(seqs, (int, np.integer, float, np.floating, np.bool_)):
+                one, ids = True, [check_seq_id(seqs, "seqs")]   # a bool or float: DTypeError
             else:
-                one, ids = False, list(seqs)   # type: ignore[arg-type]  # a bool: the table refuses it
+                one, ids = False, check_seq_ids("seqs", seqs)
             arrays = None
             if tokens is not None:
                 many = cast(Sequence[Sequence[int] | AnyArray], tokens)
@@ -306,7 +325,7 @@ class KVPool:
         (copy-on-write included) as an append would: atomic, CapacityError with the
         numbers. Row r is page r // page_size, offset r % page_size."""
         with self._guard("slot_mapping"):
-            seqs = list(seqs)
+            seqs = check_seq_ids("seqs", seqs)
             counts = _counts(counts, len(seqs))
             arr = check_ndarray("out", out)
             arr = check_out("out", arr, (arr.shape[0],) if arr.ndim == 1 else ("M",), [np.int64])
@@ -394,9 +413,12 @@ class KVPool:
                      fill: int = -1) -> OutArray:
         """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
         positions (committed, plus `layer`'s pending ones when given), then `fill`
-        (vLLM's block table). ShapeError when M is too small."""
+        (vLLM's block table): an int32 (DTypeError, RangeError otherwise). ShapeError when M
+        is too small or out overlaps the pool's storage; a refused call writes nothing."""
         with self._guard("block_tables"):
-            seqs = list(seqs)
+            if fill.__class__ is not int or not -2**31 <= fill < 2**31:
+                fill = check_int32("fill", fill)
+            seqs = check_seq_ids("seqs", seqs)
             tabs = [self._table.get(s).pages[:self.pages_for(self._held(s, layer))] for s in seqs]
             arr = check_ndarray("out", out)
             width = max((len(t) for t in tabs), default=0)
@@ -405,6 +427,8 @@ class KVPool:
             if arr.shape[1] < width:
                 raise ShapeError(f"invalid shape of out: expected [{len(seqs)}, >= {width}], "
                                  f"got {list(arr.shape)}")
+            if np.may_share_memory(arr, self._storage):
+                raise ShapeError("out overlaps the pool's storage")
             arr[:] = fill
             for b, t in enumerate(tabs):
                 arr[b, :len(t)] = t
@@ -416,9 +440,10 @@ class KVPool:
         int32 arrays: indptr [B + 1], indices [>= nnz] (pages of seqs[b] at
         indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
         1..page_size; 0 for an empty sequence). Positions: committed, plus `layer`'s
-        pending ones when given. Returns nnz."""
+        pending ones when given. Returns nnz. ShapeError when two of the arrays overlap
+        (or one overlaps the pool's storage); a refused call writes nothing."""
         with self._guard("csr"):
-            seqs = list(seqs)
+            seqs = check_seq_ids("seqs", seqs)
             tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
                     for s, n in ((s, self._held(s, layer)) for s in seqs)]
             nnz = sum(len(t) for t, _ in tabs)
@@ -430,6 +455,14 @@ class KVPool:
             if idx.shape[0] < nnz:
                 raise ShapeError(f"indices holds {idx.shape[0]} entries, the tables need "
                                  f"{nnz}")
+            outs = (("indptr", ptr), ("indices", idx), ("last_page_len", last))
+            for i, (name, one) in enumerate(outs):   # C-contiguous: bounds overlap is overlap
+                for other, two in outs[i + 1:]:
+                    if np.may_share_memory(one, two):
+                        raise ShapeError(f"{other} overlaps {name}: the three outputs must "
+                                         f"not share memory")
+                if np.may_share_memory(one, self._storage):
+                    raise ShapeError(f"{name} overlaps the pool's storage")
             at = 0
             ptr[0] = 0
             for b, (t, n) in enumerate(tabs):
@@ -512,54 +545,106 @@ class KVPool:
 
     # -- the chunk store (docs/store.md) ---------------------------------------------
 
-    def _consult_store(self, s: int, ids: np.ndarray, n: int) -> int:
-        """Loads the stored chunks past sequence s's n matched positions (match_prefix);
-        returns its positions. A failed lookup or a refused chunk is a counted fault, a
-        pool short of pages stops the load: either way the sequence keeps what it has."""
+    def _store_fetch(self, ids: np.ndarray, extra: bytes) -> Any:
+        """(match_prefix, the guard held) The store fetch (KVStore._fetch) of the chunks
+        past the cached pages that start ids, continuing their key chain; None when the
+        cached pages hold every whole chunk a lookup may ask for. Reads the prefix index,
+        changes nothing."""
         assert self._kv is not None
-        seq = self._table.get(s)
-        fetch = self._kv._fetch(ids, seq.extra, n, min(ids.size - 1, self._spec.capacity),
-                                seq.keys)
-        loaded = self._write_stored(s, fetch, ids, partial=True)
+        ps, index = self._ps, self._table._index
+        raw = ids.astype("<i8", copy=False).tobytes()
+        parent, keys = ROOT, list[bytes]()
+        for i in range(max(0, (ids.size - 1) // ps)):
+            key = chain_key(parent, ids[i * ps:(i + 1) * ps], extra)
+            if index.find(parent, key, raw[8 * i * ps:8 * (i + 1) * ps], extra) is None:
+                break
+            keys.append(key)
+            parent = key
+        fetch = self._kv._fetch(ids, extra, len(keys) * ps,
+                                min(ids.size - 1, self._spec.capacity), keys)
+        return fetch if fetch.first < len(fetch.keys) else None
+
+    def _consult_store(self, fetch: Any) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """(match_prefix, without the guard) The chunks of a store fetch, read and checked:
+        a lookup that fails (StoreError, or any other exception of the store) keeps the
+        chunks checked before it and is the fetch's fault (logged), as a refused chunk
+        is."""
+        chunks: list[tuple[int, dict[str, np.ndarray]]] = []
+        try:
+            fetch.collect(chunks)
+        except Exception as e:  # noqa: BLE001 (a fault of the store: counted, never raised)
+            fetch.fault = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            log.warning("prefix cache: store lookup failed: %s", fetch.fault)
+        return chunks
+
+    def _place_stored(self, ids: np.ndarray, extra: bytes, fetch: Any,
+                      chunks: list[tuple[int, dict[str, np.ndarray]]]) -> tuple[int, int]:
+        """(match_prefix, the guard held again) A new sequence on the cached pages that
+        start ids now, continued with the fetched chunks that follow them (none when the
+        cache lost pages before the first fetched chunk meanwhile; those it gained are not
+        loaded again); counts the hits, the pages loaded and the fetch's fault. Anything
+        raised: the sequence is freed and the counters are as before."""
+        table, index = self._table, self._table._index
+        counts = index.hits, index.misses
+        s = None
+        try:
+            s, n = table.match(ids, extra)
+            loaded = self._write_stored(s, chunks, fetch.chunk_tokens, ids, partial=True)
+        except BaseException:
+            if s is not None:
+                table.free_seq(s)
+            index.hits, index.misses = counts
+            raise
         if fetch.fault is not None:
             self._store_faults += 1
             self._last_fault = fetch.fault
         pages = loaded // self._ps
         self._store_hits += pages
-        self._table._index.misses -= pages
-        return n + loaded
+        index.misses -= pages
+        return s, n + loaded
 
     def _restore_stored(self, fetch: Any, ids: np.ndarray, extra: bytes) -> tuple[int | None, int]:
-        """KVStore.load_into: a new sequence holding the chunks a store fetch streams
+        """KVStore.load_into: a new sequence holding the chunks of a store fetch
         (registered when the pool has a prefix cache); (its id, positions), (None, 0)
-        when none was found. CapacityError or StoreError: nothing changed."""
-        with self._guard("restore"):
-            table = self._table
-            s = table.new(extra)
-            try:
-                n = self._write_stored(s, fetch, ids, partial=False)
-            except BaseException:
-                table.free_seq(s)
-                raise
-            if n == 0:
-                table.free_seq(s)
-                return None, 0
-            return s, n
+        when none was found. The chunks are read and checked first, without the guard;
+        StoreError then, or CapacityError when placing them: nothing changed."""
+        chunks = fetch.collect()
+        try:
+            with self._guard("restore"):
+                table = self._table
+                s = table.new(extra)
+                try:
+                    n = self._write_stored(s, chunks, fetch.chunk_tokens, ids, partial=False)
+                except BaseException:
+                    table.free_seq(s)
+                    raise
+                if n == 0:
+                    table.free_seq(s)
+                    return None, 0
+                return s, n
+        finally:
+            fetch.release()
 
-    def _write_stored(self, s: int, fetch: Any, ids: np.ndarray, *, partial: bool) -> int:
-        """Writes the checked chunks of `fetch` (KVStore._fetch) after sequence s's
-        committed positions (a multiple of page_size, nothing pending) into pages taken as
-        a write takes them, then commits them (ids joined, full pages registered);
-        returns the positions written. A chunk's positions before the sequence's end
-        (already held) are skipped. CapacityError or StoreError (the backend failed):
-        with partial, the chunks written before stay (a StoreError is the fetch's fault);
-        without, the sequence is as before and the error raised."""
-        table, c = self._table, fetch.chunk_tokens
+    def _write_stored(self, s: int, chunks: list[tuple[int, dict[str, np.ndarray]]], c: int,
+                      ids: np.ndarray, *, partial: bool) -> int:
+        """Writes checked chunks ((i, parts) of chunk i, C = c positions each, in order:
+        KVStore._fetch) after sequence s's committed positions (a multiple of page_size,
+        nothing pending) into pages taken as a write takes them, then commits them (ids
+        joined, full pages registered); returns the positions written. A chunk's
+        positions before the sequence's end (already held) are skipped; a chunk that
+        starts past it ends the run (a gap). CapacityError: with partial, the chunks
+        written before stay; without, the sequence is as before and the error raised
+        (as for anything else raised)."""
+        table = self._table
         seq = table.get(s)
         start = end = seq.length
         try:
-            for i, parts in fetch:
+            for i, parts in chunks:
+                if (i + 1) * c <= end:
+                    continue                  # held already
                 skip = end - i * c
+                if skip < 0:
+                    break                     # a gap: never K/V away from its position
                 try:
                     plan = table.plan_write(None, [s], [c - skip])
                 except CapacityError:
@@ -570,17 +655,9 @@ class KVPool:
                 seq.length = end + c - skip   # the next chunk's rows follow these
                 self._put_rows(np.array(plan.rows, np.int64), parts, skip)
                 end = seq.length
-        except StoreError as e:
-            if not partial:
-                table.truncate(s, start)
-                raise
-            fetch.fault = str(e)
-            log.warning("prefix cache: store lookup failed: %s", e)
         except BaseException:
             table.truncate(s, start)
             raise
-        finally:
-            fetch.close()
         if seq.ids is not None and end > start:
             seq.ids += ids[start:end].astype("<i8", copy=False).tobytes()
             table._register(seq)
@@ -612,7 +689,8 @@ class KVPool:
             ids = np.frombuffer(bytes(seq.ids[8 * j * c:8 * (j + 1) * c]), "<i8")
             rows = np.array(self._table.rows(s, j * c, (j + 1) * c), np.int64)
             self._writer._submit_chunk(seq.keys[(j + 1) * per - 1], ids,
-                                       functools.partial(self._chunk_parts, rows))
+                                       functools.partial(self._chunk_parts, rows),
+                                       parent=seq.keys[j * per - 1] if j else None)
 
     def _chunk_parts(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """The parts of the given rows, [L, rows, Hkv, D or S] each, copied."""
@@ -689,12 +767,21 @@ def _counts(counts: object, n: int) -> list[int]:
         if arr.dtype.kind not in "iu":
             raise DTypeError(f"invalid dtype of counts: expected an integer type, got "
                              f"{arr.dtype}")
+        if arr.ndim != 1:
+            raise ShapeError(f"invalid shape of counts: expected [{n}] (one per sequence), "
+                             f"got {list(arr.shape)}")
         counts = arr.tolist()
-    values: list[Any] = list(counts)  # type: ignore[call-overload]  # not iterable: TypeError
+    elif isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+        raise DTypeError(f"invalid type of counts: expected a sequence of ints >= 0 (one per "
+                         f"sequence) or an integer array, got {type(counts).__name__} "
+                         f"({counts!r})")
+    values: list[Any] = list(counts)  # type: ignore[call-overload]  # iterable: checked above
     if len(values) != n:
         raise ShapeError(f"invalid shape of counts: expected [{n}] (one per sequence), "
                          f"got [{len(values)}]")
     for c in values:
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            raise DTypeError(f"counts must be ints >= 0, got {type(c).__name__} {c!r}")
+        if c < 0:
             raise ShapeError(f"counts must be ints >= 0, got {c!r}")
     return [int(c) for c in values]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -45,12 +46,18 @@ def free_port(*, with_bus: bool = False) -> int:
 
 
 class Server:
-    """One redis-server process on 127.0.0.1:port, data in directory `workdir`."""
+    """One redis-server process on 127.0.0.1:port, data in directory `workdir`.
+    port: a free one by default (another to restart a server where it was); password:
+    requirepass and masterauth (clients then authenticate)."""
 
-    def __init__(self, binary: str, workdir: str, *, cluster: bool = False, args=()):
+    def __init__(self, binary: str, workdir: str, *, cluster: bool = False, args=(),
+                 port: int | None = None, password: str | None = None):
         os.makedirs(workdir, exist_ok=True)
-        self.port = free_port(with_bus=cluster)
+        self.port = free_port(with_bus=cluster) if port is None else port
         self.workdir = workdir
+        self.password = password
+        if password is not None:
+            args = ("--requirepass", password, "--masterauth", password, *args)
         cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", workdir, "--daemonize", "no",
                "--logfile", os.path.join(workdir, "server.log"), *args]
@@ -71,7 +78,8 @@ class Server:
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
+                             password=self.password)
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -96,6 +104,15 @@ class Server:
         except OSError:
             return ""
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets and answers nothing (a stalled node)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after pause."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL, as a crash would (no shutdown of its own)."""
         if self.proc.poll() is None:
@@ -104,6 +121,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.resume()        # a paused server would not see SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -113,14 +131,19 @@ class Server:
 
 
 class Cluster:
-    """Three master nodes with every slot assigned (redis-cli --cluster create)."""
+    """Three master nodes with every slot assigned (redis-cli --cluster create); password:
+    every node's requirepass and masterauth."""
 
-    def __init__(self, binary: str, cli: str, workdir: str, nodes: int = 3):
+    def __init__(self, binary: str, cli: str, workdir: str, nodes: int = 3,
+                 password: str | None = None):
         self.nodes: list[Server] = []
+        self.password = password
+        auth = [] if password is None else ["-a", password, "--no-auth-warning"]
         try:
             for i in range(nodes):
-                self.nodes.append(Server(binary, os.path.join(workdir, f"node{i}"), cluster=True))
-            subprocess.run([cli, "--cluster", "create",
+                self.nodes.append(Server(binary, os.path.join(workdir, f"node{i}"), cluster=True,
+                                         password=password))
+            subprocess.run([cli, *auth, "--cluster", "create",
                             *(f"127.0.0.1:{n.port}" for n in self.nodes),
                             "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
@@ -136,7 +159,7 @@ class Cluster:
     def _wait_ok(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         for n in self.nodes:
-            client = redis.Redis(host="127.0.0.1", port=n.port)
+            client = redis.Redis(host="127.0.0.1", port=n.port, password=self.password)
             try:
                 while client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
                     if time.monotonic() > deadline:

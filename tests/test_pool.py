@@ -476,3 +476,148 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
         t.join(60)
     assert not t.is_alive() and not errors
     assert pool.pending(a, 0) == 2 and pool.pending(a, 1) == 0
+
+
+BAD_IDS = [0.0, np.float64(0), True, False, np.bool_(False), 0.5, None, "0", [0]]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_ids_that_are_not_ints_are_refused_everywhere(rng, bad):
+    """0.0, np.float64(0) and False hash and compare equal to 0: every call that takes a
+    sequence id refuses anything but an int (numpy ints too) with DTypeError naming it,
+    and changes nothing (not sequence 0 found by equality)."""
+    pool = KVPool(spec(), num_pages=6, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    for layer in range(L):
+        pool.append(*steps(rng, 5), seq=a, layer=layer)
+    pool.advance()
+    pool.append(*steps(rng, 1), seq=a, layer=0)
+    snap = pool.snapshot(a)
+    before = state(pool)
+    k, v = steps(rng, 1)
+    calls = {
+        "append": lambda: pool.append(k, v, seq=bad, layer=1),
+        "append_batch": lambda: pool.append_batch(k, v, seqs=[bad], layer=1),
+        "append_batch, two": lambda: pool.append_batch(*steps(rng, 2), seqs=[a, bad], layer=1),
+        "advance": lambda: pool.advance(bad),
+        "advance, list": lambda: pool.advance([bad]),
+        "length": lambda: pool.length(bad),
+        "pending": lambda: pool.pending(bad, 0),
+        "page_table": lambda: pool.page_table(bad),
+        "fork": lambda: pool.fork(bad),
+        "truncate": lambda: pool.truncate(bad, 0),
+        "free": lambda: pool.free(bad),
+        "snapshot": lambda: pool.snapshot(bad),
+        "restore": lambda: pool.restore(snap, seq=bad),
+        "dequantize": lambda: pool.dequantize(bad, 0, "k"),
+        "block_tables": lambda: pool.block_tables([bad], np.zeros((1, 4), np.int32)),
+        "csr": lambda: pool.csr([bad], np.zeros(2, np.int32), np.zeros(4, np.int32),
+                                np.zeros(1, np.int32)),
+        "slot_mapping": lambda: pool.slot_mapping([bad], [1], np.zeros(2, np.int64)),
+    }
+    if bad is None or isinstance(bad, list):   # advance(None): every sequence; a list: ids
+        calls["advance"] = lambda: pool.advance([[bad]])
+    if bad is None:
+        del calls["restore"]                   # restore(seq=None): a new sequence
+    for name, call in calls.items():
+        with pytest.raises(DTypeError, match="invalid type of (sequence id|seqs)"):
+            call()
+        assert state(pool) == before, name
+    # numpy ints are ids
+    assert pool.length(np.int64(a)) == 5 and pool.pending(np.int32(a), 0) == 1
+
+
+def test_plain_python_errors_become_kvcore_errors(rng):
+    """advance(True / 0.5), a non-iterable seqs or counts and a 2-D counts array raise
+    kvcore errors (never a bare TypeError) and change nothing."""
+    pool = KVPool(spec(), num_pages=6, page_size=4)
+    a = pool.new_sequence()
+    pool.append(*steps(rng, 1), seq=a, layer=0)
+    pool.append(*steps(rng, 1), seq=a, layer=1)
+    before = state(pool)
+    k, v = steps(rng, 1)
+    cases = [
+        (DTypeError, r"invalid type of seqs: expected int, got bool \(True\)",
+         lambda: pool.advance(True)),
+        (DTypeError, r"invalid type of seqs: expected int, got float \(0.5\)",
+         lambda: pool.advance(0.5)),
+        (DTypeError, r"invalid type of seqs: expected int, got float64",
+         lambda: pool.advance(np.float64(0))),
+        (DTypeError, r"invalid type of counts: expected a sequence of ints >= 0 .* got int \(5\)",
+         lambda: pool.append_batch(k, v, seqs=[a], layer=0, counts=5)),
+        (DTypeError, r"counts must be ints >= 0, got float 1.0",
+         lambda: pool.append_batch(k, v, seqs=[a], layer=0, counts=[1.0])),
+        (ShapeError, r"invalid shape of counts: expected \[1\] \(one per sequence\), got \[1, 1\]",
+         lambda: pool.append_batch(k, v, seqs=[a], layer=0, counts=np.ones((1, 1), np.int64))),
+        (DTypeError, r"invalid type of seqs: expected a sequence of sequence ids \(ints\), got int",
+         lambda: pool.append_batch(k, v, seqs=a, layer=0)),
+        (DTypeError, "invalid type of seqs: .* got str",
+         lambda: pool.block_tables("0", np.zeros((1, 4), np.int32))),
+        (DTypeError, r"invalid type of seqs: expected a sequence of sequence ids \(ints\), got int",
+         lambda: pool.slot_mapping(a, [1], np.zeros(4, np.int64))),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+        assert state(pool) == before, match
+    assert pool.advance(np.int64(a)) == 1
+
+
+@pytest.mark.parametrize("fill, error, match", [
+    (2**40, kvcore.RangeError, r"fill 1099511627776 out of range: expected an int32, "
+                               r"-2147483648 <= fill <= 2147483647"),
+    (-2**31 - 1, kvcore.RangeError, "fill -2147483649 out of range"),
+    ("x", DTypeError, r"invalid type of fill: expected int, got str \('x'\)"),
+    (None, DTypeError, r"invalid type of fill: expected int, got NoneType"),
+    (float("nan"), DTypeError, r"invalid type of fill: expected int, got float \(nan\)"),
+    (1.7, DTypeError, r"invalid type of fill: expected int, got float \(1.7\)"),
+    (np.float64(2.0), DTypeError, "invalid type of fill: expected int, got float64"),
+    (True, DTypeError, r"invalid type of fill: expected int, got bool"),
+], ids=repr)
+def test_block_tables_fill_must_be_an_int32(rng, fill, error, match):
+    """A fill that is not an int32 is refused before a byte of out is written (1.7 was
+    written as 1; 2**40, 'x', None and nan raised numpy's own errors)."""
+    pool = KVPool(spec(), num_pages=6, page_size=4)
+    a = pool.new_sequence()
+    for layer in range(L):
+        pool.append(*steps(rng, 5), seq=a, layer=layer)
+    pool.advance()
+    out = np.full((1, 4), 99, np.int32)
+    with pytest.raises(error, match=match):
+        pool.block_tables([a], out, fill=fill)
+    assert (out == 99).all()
+    for ok in (np.int32(-7), -2**31, 2**31 - 1, np.uint8(0)):
+        pool.block_tables([a], out, fill=ok)
+        assert out.tolist() == [pool.page_table(a).tolist() + [int(ok)] * 2]
+
+
+def test_csr_refuses_overlapping_outputs(rng):
+    """indptr, indices and last_page_len that share memory (views of one buffer) would
+    write over each other and give a corrupt table: ShapeError naming the two, nothing
+    written; an output over the pool's own storage is refused too."""
+    pool = KVPool(spec(), num_pages=10, page_size=4)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    for layer in range(L):
+        pool.append_batch(*steps(rng, 14), seqs=[a, b], layer=layer, counts=[5, 9])
+    pool.advance()
+    buf = np.full(32, -7, np.int32)
+    cases = [
+        ("indices overlaps indptr", (buf[0:3], buf[2:10], buf[20:22])),
+        ("last_page_len overlaps indptr", (buf[0:3], buf[10:18], buf[1:3])),
+        ("last_page_len overlaps indices", (buf[0:3], buf[10:18], buf[17:19])),
+        ("indices overlaps indptr", (buf[0:3], buf[0:8], buf[0:2])),
+    ]
+    for match, (indptr, indices, last) in cases:
+        with pytest.raises(ShapeError, match=match):
+            pool.csr([a, b], indptr, indices, last)
+        assert (buf == -7).all(), match
+    storage = pool._storage[:64].view(np.int32)
+    before = state(pool)
+    with pytest.raises(ShapeError, match="indices overlaps the pool's storage"):
+        pool.csr([a, b], buf[0:3], storage, buf[20:22])
+    with pytest.raises(ShapeError, match="out overlaps the pool's storage"):
+        pool.block_tables([a, b], storage[:6].reshape(2, 3))
+    assert state(pool) == before and (buf == -7).all()
+    # adjacent, not overlapping: taken
+    assert pool.csr([a, b], buf[0:3], buf[3:8], buf[8:10]) == 5
+    assert buf[:3].tolist() == [0, 2, 5] and buf[8:10].tolist() == [1, 1]

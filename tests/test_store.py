@@ -4,10 +4,12 @@ fixtures in conftest.py), two processes sharing a prefix, a server killed mid-ru
 eviction by the server."""
 import hashlib
 import os
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -320,6 +322,10 @@ class _GatedBackend(DirectoryBackend):
         self.gate.wait(10)
         super().put_many(items)
 
+    def put_prefix(self, items):
+        self.gate.wait(10)
+        super().put_prefix(items)
+
 
 def test_writer_saves_off_the_caller_thread_drops_when_full_and_flushes_on_close(tmp_path, rng):
     spec = spec_of("int8")
@@ -344,6 +350,406 @@ def test_writer_saves_off_the_caller_thread_drops_when_full_and_flushes_on_close
         with pytest.raises(DTypeError, match="extra 'salt'"):
             other.submit(snaps[0], prompts[0], {"salt": 1})
         assert other.stats.submitted == 0
+
+
+# ------------------------------------------------------------------ refused targets, the writer's thread,
+# fork, unreadable files, huge values, temporary files and orphans (a hostile test's findings)
+
+def within(seconds, fn, *args):
+    """fn(*args) on a daemon thread; its result, or the test fails when it has not
+    returned within `seconds` (a hang becomes a failure, not a stuck run)."""
+    box = {}
+
+    def body():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            box["error"] = e
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"{getattr(fn, '__qualname__', fn)} did not return within {seconds} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def value_files(root):
+    """Paths of the value files under a directory backend's root (no temporary files)."""
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith(".")]
+
+
+def temp_files(root):
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+
+def test_load_into_refuses_a_cache_of_another_spec_changing_nothing(tmp_path, rng):
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 2 * C + 1)
+    store = KVStore(DirectoryBackend(tmp_path), model="m", spec=spec, chunk_tokens=C)
+    store.save(computed(spec, tokens).snapshot(), tokens)
+    files = {p: open(p, "rb").read() for p in value_files(tmp_path)}
+    for field, value in (("num_layers", 3), ("num_kv_heads", 4), ("head_dim", 64),
+                         ("format", "f32"), ("format", "fp8_e4m3")):
+        other = spec_of(**{field: value, "num_heads": 4})
+        target = computed(other, rng.integers(0, 50000, 5))
+        before = target._storage.tobytes(), target.length
+        with pytest.raises(SnapshotError, match=rf"^load_into: the target's {field} {value} does "
+                                                rf"not match the store's {getattr(spec, field)}"):
+            store.load_into(target, tokens)
+        assert (target._storage.tobytes(), target.length) == before
+    assert {p: open(p, "rb").read() for p in value_files(tmp_path)} == files  # nothing deleted
+    target = KVCache(spec.replace(capacity=512))  # another capacity is fine
+    assert store.load_into(target, tokens).positions == 2 * C
+
+
+class _MemoryBackend(kvcore.store.Backend):
+    """Values in a dict; `hook(op, key)` runs before each read or write (a test's fault)."""
+
+    name = "memory"
+
+    def __init__(self, hook=lambda op, key: None):
+        self.values, self.hook = {}, hook
+
+    def get_prefix(self, keys):
+        out = []
+        for k in keys:
+            if k not in self.values:
+                break
+            self.hook("get", k)
+            out.append(self.values[k])
+        return out
+
+    def contains_prefix(self, keys):
+        self.hook("contains", None)
+        n = 0
+        while n < len(keys) and keys[n] in self.values:
+            n += 1
+        return n
+
+    def put_many(self, items):
+        for k, v in items:
+            self.hook("put", k)
+            self.values[k] = v
+
+    def delete(self, keys):
+        for k in keys:
+            self.values.pop(k, None)
+
+
+def test_writer_counts_any_exception_and_goes_on(rng):
+    spec = spec_of("int8")
+    calls = []
+
+    def hook(op, key):
+        if op == "put":
+            calls.append(key)
+            if len(calls) == 1:
+                raise MemoryError("no memory for the value")
+    store = KVStore(_MemoryBackend(hook), model="m", spec=spec, chunk_tokens=C)
+    prompts = [rng.integers(0, 50000, C + 1) for _ in range(2)]
+    writer = StoreWriter(store)
+    assert writer.submit(computed(spec, prompts[0]).snapshot(), prompts[0])
+    left = within(10, writer.flush)
+    assert writer.stats.failed == 1 and "MemoryError: no memory" in writer.stats.last_error
+    assert left == 0 and writer._thread.is_alive()  # the thread survived the MemoryError
+    assert writer.submit(computed(spec, prompts[1]).snapshot(), prompts[1])  # later saves happen
+    assert within(10, writer.flush) == 0
+    assert writer.stats.chunks_written == 1 and store.lookup(prompts[1]) == C
+    assert within(10, writer.close) == 0
+
+
+def _async_raise(thread, exc):
+    import ctypes
+    n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                   ctypes.py_object(exc))
+    assert n == 1
+
+
+def test_a_writer_whose_thread_ended_drops_saves_and_flush_close_return(rng):
+    """A thread killed (an asynchronous SystemExit: no Exception, so the thread ends) is
+    reported: counted, submit drops, flush and close return at once and say what was
+    lost."""
+    spec = spec_of("int8")
+    inside = threading.Event()
+
+    def hook(op, key):
+        if op == "put":
+            inside.set()
+            while True:  # Python code, so that the asynchronous exception is delivered
+                time.sleep(0.01)
+    store = KVStore(_MemoryBackend(hook), model="m", spec=spec, chunk_tokens=C)
+    prompts = [rng.integers(0, 50000, C + 1) for _ in range(3)]
+    snaps = [computed(spec, p).snapshot() for p in prompts]
+    writer = StoreWriter(store)
+    thread = writer._thread
+    assert writer.submit(snaps[0], prompts[0]) and inside.wait(10)
+    assert writer.submit(snaps[1], prompts[1])  # queued behind the save in progress
+    _async_raise(thread, SystemExit)
+    thread.join(10)
+    assert not thread.is_alive() and writer.stats.failed == 1
+    assert "thread ended" in writer.stats.last_error and "SystemExit" in writer.stats.last_error
+    t0 = time.monotonic()
+    assert writer.flush(timeout=30) == 1  # at once: the queued save will never be done
+    assert time.monotonic() - t0 < 5
+    assert writer.submit(snaps[2], prompts[2]) is False and writer.stats.dropped == 1
+    assert writer.close(timeout=30) == 1 and writer.stats.dropped == 2  # discarded, counted
+    assert time.monotonic() - t0 < 5
+
+
+def test_writer_flush_and_close_return_within_their_timeout(tmp_path, rng):
+    spec = spec_of("int8")
+    gate, inside = threading.Event(), threading.Event()
+
+    def hook(op, key):
+        if op == "put":
+            inside.set()
+            gate.wait(30)
+    store = KVStore(_MemoryBackend(hook), model="m", spec=spec, chunk_tokens=C)
+    prompts = [rng.integers(0, 50000, C + 1) for _ in range(2)]
+    writer = StoreWriter(store)
+    assert writer.submit(computed(spec, prompts[0]).snapshot(), prompts[0]) and inside.wait(10)
+    assert writer.submit(computed(spec, prompts[1]).snapshot(), prompts[1])
+    t0 = time.monotonic()
+    assert writer.flush(timeout=0.2) == 2  # one in progress, one queued
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert writer.close(timeout=0.2) == 2  # the queued one discarded, the running one lost
+    assert 0.4 <= time.monotonic() - t0 < 5 and writer.stats.dropped == 1
+    gate.set()  # the save in progress finishes on its own, then the thread ends
+    writer._thread.join(10)
+    assert not writer._thread.is_alive() and writer.stats.chunks_written == 1
+    assert store.lookup(prompts[0]) == C and store.lookup(prompts[1]) == 0
+    assert writer.close() == 0  # idempotent
+    for bad in (-1, float("nan"), None, "1"):
+        with pytest.raises(RangeError, match="timeout"):
+            StoreWriter(store).flush(timeout=bad)
+
+
+def test_a_writer_made_before_fork_works_in_the_child(tmp_path, rng):
+    spec = spec_of("int8")
+    store = KVStore(DirectoryBackend(tmp_path, fsync=False), model="m", spec=spec, chunk_tokens=C)
+    a, b, c = (rng.integers(0, 50000, 2 * C + 1) for _ in range(3))
+    snaps = {id(p): computed(spec, p).snapshot() for p in (a, b, c)}
+    writer = StoreWriter(store)
+    assert writer.submit(snaps[id(a)], a)
+    writer.flush()
+    assert store.lookup(a) == 2 * C
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code, never return into pytest
+        code = 1
+        try:
+            ok = writer.submit(snaps[id(b)], b)
+            left = writer.flush()  # hung forever: the parent's thread is not in the child
+            found = store.lookup(b)
+            lost = writer.close()
+            code = 0 if (ok, left, found, lost) == (True, 0, 2 * C, 0) else 2
+            if code:
+                print("child:", ok, left, found, lost, writer.stats, flush=True)
+        except BaseException as e:  # noqa: BLE001
+            print("child failed:", repr(e), flush=True)
+            code = 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's writer hung (killed after 30 s)")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.lookup(b) == 2 * C  # the child's save
+    assert writer.submit(snaps[id(c)], c) and writer.flush(timeout=20) == 0  # the parent's goes on
+    assert store.lookup(c) == 2 * C and writer.close() == 0
+
+
+def test_a_fifo_or_a_symlink_at_a_value_is_a_refused_chunk_never_a_hang(tmp_path, rng):
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 3 * C + 1)
+    source = computed(spec, tokens)
+    backend = DirectoryBackend(tmp_path / "kv")
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
+    store.save(source.snapshot(), tokens)
+    keys = store.keys(tokens)
+    path = backend._path(keys[1])
+    os.unlink(path)
+    os.mkfifo(path)
+    result = within(10, store.load, tokens)
+    assert (result.positions, result.miss) == (C, "chunk 1 refused: the value's file is a FIFO, "
+                                                  "not a regular file")
+    assert not os.path.lexists(path)  # deleted: the next save writes it again
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    os.symlink(fifo, path)
+    result = within(10, store.load, tokens)
+    assert result.positions == C and "symbolic link" in result.miss
+    assert not os.path.lexists(path) and os.path.exists(fifo)  # the link, not its target
+    os.symlink(fifo, path)
+    got = within(10, backend.get_prefix, keys)
+    assert len(got) == 2 and got[1] == b"" and "symbolic link" in got[1].reason
+    assert backend.contains_prefix(keys) == 1 and store.lookup(tokens) == C
+    # a pool's lookup with the guard held: a counted fault, never a hang
+    pool = kvcore.KVPool(spec, num_pages=40, page_size=16, prefix_cache=True, store=store)
+    seq, n = within(10, pool.match_prefix, tokens)
+    assert n == C and pool.stats.store_faults == 1
+    assert "symbolic link" in pool.stats.last_store_fault
+    os.mkfifo(path)
+    assert store.save(source.snapshot(), tokens) == 2  # a save replaces what is no value
+    target = KVCache(spec)
+    assert within(10, store.load_into, target, tokens).positions == 3 * C
+    assert same_positions(source, target, 3 * C)
+
+
+def test_a_value_longer_than_any_chunk_is_refused_before_it_is_read(tmp_path, rng):
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 3 * C + 1)
+    backend = DirectoryBackend(tmp_path / "kv")
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
+    store.save(computed(spec, tokens).snapshot(), tokens)
+    path = backend._path(store.keys(tokens)[1])
+    os.truncate(path, 1 << 40)  # a sparse 1 TiB file
+    result = within(30, store.load, tokens)
+    bound = store._kind.max_value_bytes
+    assert os.path.getsize(backend._path(store.keys(tokens)[0])) < bound < (1 << 21)
+    assert (result.positions, result.miss) == (
+        C, f"chunk 1 refused: the value's file of {1 << 40} bytes is longer than any chunk of "
+           f"this store can be ({bound} bytes)")
+    assert not os.path.exists(path)
+    pool = kvcore.KVPool(spec, num_pages=40, page_size=16, prefix_cache=True, store=store)
+    store.save(computed(spec, tokens).snapshot(), tokens)
+    os.truncate(path, 1 << 40)
+    assert within(30, pool.match_prefix, tokens)[1] == C and pool.stats.store_faults == 1
+    # any backend: the codec refuses a value longer than the bound too
+    kind = store._kind
+    with pytest.raises(ChunkError, match=rf"value of {bound + 1} bytes is longer than any chunk"):
+        decode_chunk(kind, "k", tokens[:C], bytes(bound + 1))
+
+
+def test_every_failure_of_a_lookup_is_a_miss_or_a_store_error(tmp_path, rng, monkeypatch):
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 3 * C + 1)
+    fault = {}
+
+    def hook(op, key):
+        if op in fault:
+            raise fault[op]
+    backend = _MemoryBackend(hook)
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C, page_size=16)
+    store.save(computed(spec, tokens).snapshot(), tokens)
+    fault["get"] = RuntimeError("a bug in the backend")
+    with pytest.raises(StoreError, match=r"^memory: read of 3 keys failed: RuntimeError: a bug"):
+        store.load(tokens)
+    fault["contains"] = ValueError("bad")
+    with pytest.raises(StoreError, match=r"^memory: lookup of 3 keys failed: ValueError: bad"):
+        store.lookup(tokens)
+    del fault["contains"]
+    pool = kvcore.KVPool(spec, num_pages=40, page_size=16, prefix_cache=True, store=store)
+    seq, n = pool.match_prefix(tokens)  # never raises for the store
+    assert n == 0 and pool.stats.store_faults == 1
+    assert "RuntimeError: a bug" in pool.stats.last_store_fault
+    del fault["get"]
+    # the codec failing otherwise than by ChunkError: a refused chunk, the value kept
+    from kvcore.store import _store
+    real = _store.decode_chunk
+
+    def decode(kind, key, ids, value):
+        if key == store.keys(tokens)[1]:
+            raise MemoryError("while checking")
+        return real(kind, key, ids, value)
+    monkeypatch.setattr(_store, "decode_chunk", decode)
+    result = store.load(tokens)
+    assert (result.positions, result.miss) == (C, "chunk 1 refused: MemoryError: while checking")
+    assert len(backend.values) == 3
+
+
+def test_temporary_files_count_toward_the_bound_and_stale_ones_are_swept(tmp_path, rng):
+    spec = spec_of("int8")
+    root = tmp_path / "kv"
+    fan = root / "ab" / "cd"
+    os.makedirs(fan)
+    stale = fan / ".ab12.0123456789abcdef.tmp"  # a write killed partway, long ago
+    stale.write_bytes(bytes(4_500_000))
+    old = time.time_ns() - 7200 * 10**9  # two hours ago
+    os.utime(stale, ns=(old, old))
+    fresh = fan / ".cd34.fedcba9876543210.tmp"  # another process's write in progress
+    fresh.write_bytes(bytes(300_000))
+    backend = DirectoryBackend(root, fsync=False, max_bytes=1_000_000)
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
+    prompts = [rng.integers(0, 50000, 8 * C + 1) for _ in range(12)]  # about 1 MB of values
+    for p in prompts:
+        store.save(computed(spec, p).snapshot(), p)
+    assert not stale.exists() and fresh.exists() and DirectoryBackend.TEMP_MAX_AGE_S < 7200
+    files = value_files(root) + temp_files(root)
+    assert sum(os.path.getsize(f) for f in files) <= 1.1 * backend.max_bytes  # temps counted
+    assert store.load(prompts[-1]).positions == 8 * C  # the newest prompt stayed
+    # without max_bytes, the first write sweeps the stale temporary files too
+    os.utime(fresh, ns=(old, old))
+    unbounded = KVStore(DirectoryBackend(root, fsync=False), model="m", spec=spec, chunk_tokens=C)
+    other = rng.integers(0, 50000, C + 1)
+    assert unbounded.save(computed(spec, other).snapshot(), other) == 1
+    assert temp_files(root) == []
+    # a sweep in the middle of a save never deletes the temporary files the save holds
+    eager = DirectoryBackend(tmp_path / "eager", fsync=False, max_bytes=20_000)
+    eager.TEMP_MAX_AGE_S = -1  # every other temporary file is stale
+    store = KVStore(eager, model="m", spec=spec, chunk_tokens=C)
+    assert store.save(computed(spec, prompts[0]).snapshot(), prompts[0]) == 8  # swept 8 times
+    assert store.load(prompts[0]).positions == 8 * C
+
+
+def test_a_save_cut_short_leaves_no_chunk_without_its_head(tmp_path, rng, monkeypatch):
+    """A save that fails or exits partway leaves no value that could never be hit (a
+    tail whose head is missing): only temporary files, swept once stale."""
+    from kvcore.store import _store
+    spec = spec_of("int8")
+    tokens = rng.integers(0, 50000, 6 * C + 1)
+    backend = DirectoryBackend(tmp_path / "kv", fsync=False)
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C)
+    real, calls = _store.encode_chunk, []
+
+    def encode(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise MemoryError("cut short")
+        return real(*args)
+    monkeypatch.setattr(_store, "encode_chunk", encode)
+    with pytest.raises(MemoryError):
+        store.save(computed(spec, tokens).snapshot(), tokens)
+    files = value_files(tmp_path / "kv")
+    assert len(files) == store.lookup(tokens) // C  # every stored chunk can be hit
+    assert temp_files(tmp_path / "kv") == []
+    # a process that exits in the middle of a writer's save (no close)
+    r = subprocess.run([sys.executable, "-c", f"""
+import os, sys
+sys.path.insert(0, {TESTS!r})
+import numpy as np
+from test_store import computed, spec_of, C
+from kvcore.store import DirectoryBackend, KVStore, StoreWriter, _store
+spec = spec_of("int8")
+tokens = np.random.default_rng(5).integers(0, 50000, 6 * C + 1)
+store = KVStore(DirectoryBackend({str(tmp_path / 'exit')!r}), model="m", spec=spec, chunk_tokens=C)
+real, calls = _store.encode_chunk, []
+def encode(*args):
+    calls.append(1)
+    if len(calls) == 5:
+        os._exit(0)   # the interpreter goes away mid-save
+    return real(*args)
+_store.encode_chunk = encode
+writer = StoreWriter(store)
+writer.submit(computed(spec, tokens).snapshot(), tokens)
+writer.flush()
+os._exit(7)
+"""], cwd=ROOT_DIR, timeout=120, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    exit_root = tmp_path / "exit"
+    assert value_files(exit_root) == [] and len(temp_files(exit_root)) == 4
+    old = time.time_ns() - 2 * DirectoryBackend.TEMP_MAX_AGE_S * 10**9
+    for f in temp_files(exit_root):
+        os.utime(f, ns=(old, old))
+    assert DirectoryBackend(exit_root).sweep() > 0 and temp_files(exit_root) == []
 
 
 # ------------------------------------------------------------------ Redis

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvcore import KVCache, KVPool
-from kvcore.errors import CapacityError, RangeError
+from kvcore.errors import CapacityError, RangeError, SnapshotError
 from kvcore.store import DirectoryBackend, KVStore
 
 from _toy_model import decode, prefill
@@ -87,3 +87,68 @@ def test_a_server_killed_mid_run_leaves_the_pool_decoding(server_factory, rng):
     cache = KVCache(spec)
     prefill(cache, prompt[:2 * C])
     assert np.array_equal(out.view(np.uint32), decode(cache, prompt[2 * C:]).view(np.uint32))
+
+
+def test_load_into_refuses_a_pool_of_another_spec_changing_nothing(tmp_path, rng):
+    """A pool of more layers got layer 0 copied into every layer, one of another format
+    got codes cast (and, with a prefix cache, registered): now refused before any read."""
+    spec = spec_of("int8", num_layers=1)
+    prompt = rng.integers(0, 50000, 2 * C + 1)
+    store = KVStore(DirectoryBackend(tmp_path), model="m", spec=spec, chunk_tokens=C,
+                    page_size=PAGE)
+    cache = KVCache(spec)
+    prefill(cache, prompt)
+    store.save(cache.snapshot(), prompt)
+    for field, value in (("num_layers", 3), ("format", "f32"), ("format", "fp8_e4m3"),
+                         ("num_kv_heads", 4), ("head_dim", 64)):
+        other = spec_of("int8", num_layers=1, num_heads=4).replace(**{field: value})
+        for prefix_cache in (False, True):
+            pool = KVPool(other, num_pages=16, page_size=PAGE, prefix_cache=prefix_cache)
+            with pytest.raises(SnapshotError, match=rf"^load_into: the target's {field} {value} "
+                                                    rf"does not match the store's "
+                                                    rf"{getattr(spec, field)}"):
+                store.load_into(pool, prompt)
+            assert pool.sequences == [] and pool.num_free_pages == pool.num_pages
+            if prefix_cache:  # nothing registered, so nothing served later
+                seq, n = pool.match_prefix(prompt)
+                assert n == 0 and pool.stats.hits == 0
+    assert store.load(prompt).positions == 2 * C  # the store is untouched
+
+
+def test_a_prefix_cache_chunk_after_a_dropped_one_is_not_written(tmp_path, rng):
+    """A chunk whose parent chunk was dropped (the writer's queue full) could never be
+    hit: the writer skips it (stats.orphans_skipped) instead of storing an orphan."""
+    import threading
+    from kvcore.store import StoreWriter
+    from test_store import value_files
+
+    class Gated(DirectoryBackend):
+        def __init__(self, root):
+            super().__init__(root, fsync=False)
+            self.gate, self.entered = threading.Event(), threading.Event()
+
+        def put_many(self, items):
+            self.entered.set()
+            self.gate.wait(10)
+            super().put_many(items)
+
+    spec = spec_of("int8")
+    backend = Gated(tmp_path)
+    store = KVStore(backend, model="m", spec=spec, chunk_tokens=C, page_size=PAGE)
+    writer = StoreWriter(store, max_pending=1)
+    pool = KVPool(spec, num_pages=40, page_size=PAGE, prefix_cache=True, store=store,
+                  store_writer=writer)
+    prompt = rng.integers(0, 50000, 4 * C + 1)
+    s, n = pool.match_prefix(prompt)
+    assert n == 0
+    prefill(pool, prompt[:C], s)              # chunk 0: the thread takes it (held at the gate)
+    assert backend.entered.wait(10)
+    prefill(pool, prompt[C:2 * C], s)         # chunk 1: queued
+    prefill(pool, prompt[2 * C:3 * C], s)     # chunk 2: dropped, the queue is full
+    assert writer.stats.dropped == 1
+    backend.gate.set()
+    writer.flush()
+    prefill(pool, prompt[3 * C:4 * C], s)     # chunk 3: its parent, chunk 2, is not stored
+    writer.close()
+    assert len(value_files(tmp_path)) == store.lookup(prompt) // C == 2
+    assert writer.stats.chunks_written == 2 and writer.stats.orphans_skipped == 1

@@ -11,8 +11,9 @@ Snapshot's arrays for the chunk's C positions ([L, C, Hkv, D] codes, [L, C, Hkv,
 scales). The digest covers every byte after it; the magic and the digest are checked
 by their own comparison, so a change to any byte of a value is caught.
 
-`decode_chunk` refuses (ChunkError naming the reason) a value that is truncated,
-corrupt, of another format or version, written under another key, or that holds other
+`decode_chunk` refuses (ChunkError naming the reason) a value that is truncated, longer
+than any chunk of its kind can be (`ChunkKind.max_value_bytes`), corrupt, of another
+format or version, written under another key, or that holds other
 tokens, other shapes or a code the format never stores: the caller treats it as a miss.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import xxhash
@@ -58,6 +60,14 @@ class ChunkKind:
         return ([(_TOKENS, (self.chunk_tokens,), np.dtype(np.int64))]
                 + _layout(spec, self.chunk_tokens))
 
+    @cached_property
+    def max_value_bytes(self) -> int:
+        """The most bytes a value of this kind can have: magic, digest, the header's
+        length field, the longest header decode_chunk reads (1 MiB) and the tensors' exact
+        bytes. A longer value is refused before it is read."""
+        data = sum(math.prod(shape) * dt.itemsize for _, shape, dt in self.layout())
+        return _PREFIX + 8 + _MAX_HEADER_BYTES + data
+
 
 def encode_chunk(kind: ChunkKind, key: str, token_ids: np.ndarray, parts: dict) -> bytes:
     """The value of one chunk. token_ids: int64 [C]; parts: k_codes, v_codes, k_scales,
@@ -92,6 +102,9 @@ def decode_chunk(kind: ChunkKind, key: str, token_ids: np.ndarray, value) -> dic
     n = view.nbytes
     if n < _PREFIX + 8:
         raise ChunkError(f"value of {n} bytes is too short for a chunk (truncated)")
+    if n > kind.max_value_bytes:
+        raise ChunkError(f"value of {n} bytes is longer than any chunk of this store can be "
+                         f"({kind.max_value_bytes} bytes)")
     magic = bytes(view[:len(MAGIC)])
     if magic != MAGIC:
         if magic[:-1] == MAGIC[:-1]:

@@ -2,20 +2,25 @@
 stored prefix of a prompt loaded back; StoreWriter: saving off the decode path."""
 from __future__ import annotations
 
+import collections
 import logging
-import queue
+import math
+import os
 import re
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .._prefix_keys import Extra, encode_extra, chain_key, token_array, ROOT
-from ..errors import ChunkError, DTypeError, RangeError, SnapshotError, StateError, StoreError
+from ..errors import (ChunkError, DTypeError, KVCacheError, RangeError, SnapshotError,
+                      StateError, StoreError)
 from ..snapshot import Snapshot
 from ..spec import KVSpec
-from ._backends import Backend
+from ._backends import Backend, RefusedValue
 from ._codec import LAYOUT, ChunkKind, decode_chunk, encode_chunk
 
 log = logging.getLogger("kvcore.store")
@@ -148,32 +153,48 @@ class KVStore:
         c = self.chunk_tokens
         names = [n for n in ("k_codes", "v_codes", "k_scales", "v_scales")
                  if getattr(snapshot, n) is not None]
-        written = 0
-        # One chunk at a time (one value's memory at once), last to first: a directory's
-        # sweep (least recently written or read first) then drops a prefix's tail first.
-        for i in reversed(range(start, len(keys))):
-            parts = {n: getattr(snapshot, n)[:, i * c:(i + 1) * c] for n in names}
-            value = encode_chunk(self._kind, keys[i], ids[i * c:(i + 1) * c], parts)
-            self.backend.put_many([(keys[i], value)])
-            written += 1
-        return written
 
-    def _save_chunk(self, content_key: bytes, ids: np.ndarray, parts: dict) -> int:
+        def chunks():  # one chunk encoded at a time (one value's memory at once)
+            for i in range(start, len(keys)):
+                parts = {n: getattr(snapshot, n)[:, i * c:(i + 1) * c] for n in names}
+                yield keys[i], encode_chunk(self._kind, keys[i], ids[i * c:(i + 1) * c], parts)
+        # head first: a directory makes them visible together, the head last (a save cut
+        # short leaves no tail without its head); another backend keeps the head it wrote
+        self.backend.put_prefix(chunks())
+        return len(keys) - start
+
+    def _save_chunk(self, content_key: bytes, ids: np.ndarray, parts: dict,
+                    parent: bytes | None = None) -> str:
         """Saves one chunk given its content key (a prefix cache's key of its last page),
-        its C token ids and its parts ([L, C, Hkv, D] codes, scales), unless the key is
-        stored already (one round trip asks); returns the chunks written (0 or 1)."""
+        its C token ids, its parts ([L, C, Hkv, D] codes, scales) and the content key of
+        the chunk before it (None for a prompt's first chunk); one round trip asks whether
+        the key is stored already, and the chunk before it: a chunk whose parent is not
+        stored could never be hit (a load needs every chunk before it) and is not written.
+        Returns "written", "stored" (already) or "orphan" (not written)."""
         key = self._key_head + content_key.hex()
-        if self.backend.contains_prefix([key]):
-            return 0
+        if parent is None:
+            if self.backend.contains_prefix([key]):
+                return "stored"
+        else:
+            found = self.backend.contains_prefix([self._key_head + parent.hex(), key])
+            if found == 0:
+                return "orphan"
+            if found == 2:
+                return "stored"
         self.backend.put_many([(key, encode_chunk(self._kind, key, ids, parts))])
-        return 1
+        return "written"
 
     # -- load ----------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, extra: Extra | None = None) -> int:
         """Positions `load` would find stored (without reading or checking the values)."""
         _, keys = self._chunks(tokens, extra, self._limit(tokens))
-        return self.backend.contains_prefix(keys) * self.chunk_tokens
+        try:
+            return self.backend.contains_prefix(keys) * self.chunk_tokens
+        except StoreError:
+            raise
+        except Exception as e:
+            raise self.backend._fail(f"lookup of {len(keys)} keys", e) from None
 
     def _limit(self, tokens) -> int:
         return min(len(tokens) - 1, self.spec.capacity)
@@ -219,7 +240,21 @@ class KVStore:
         too few free pages raises its CapacityError, the pool unchanged). A pool's
         page_size must divide chunk_tokens; a KVPool with a prefix cache registers the
         loaded pages (the sequence then takes token ids at advance, as one from
-        match_prefix)."""
+        match_prefix).
+
+        A target whose format, num_layers, num_kv_heads or head_dim differ from the
+        store's is refused before anything is read (SnapshotError naming both values):
+        no sequence is made, no page taken, no byte written."""
+        spec = getattr(target, "spec", None)
+        if not isinstance(spec, KVSpec):
+            raise DTypeError(f"invalid type of target: expected a KVCache or a KVPool (CPU "
+                             f"or GPU), got {type(target).__name__}")
+        for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
+            have, want = getattr(spec, name), getattr(self.spec, name)
+            if have != want:
+                raise SnapshotError(f"load_into: the target's {name} {have} does not match "
+                                    f"the store's {want}: its chunks cannot be restored "
+                                    f"there (nothing was changed)")
         page_size = getattr(target, "page_size", None)
         if page_size is not None and self.chunk_tokens % page_size:
             raise RangeError(f"chunk_tokens {self.chunk_tokens} is not a multiple of the "
@@ -237,14 +272,56 @@ class KVStore:
         return result
 
 
+class _Staging:
+    """The buffers a pool's lookups copy values into (held from the fetch, which runs
+    without the pool's guard, until the chunks are placed under it), kept for the next
+    lookup up to max_bytes in all: fresh memory for each lookup would cost a page fault
+    per 4 KiB (277 MB of a 4,096-token prefix: as long as reading it)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: list[np.ndarray] = []
+        self._bytes = 0
+
+    def take(self, size: int) -> np.ndarray:
+        """A buffer of at least size bytes: the smallest spare one that fits, else new
+        (rounded up to 64 KiB: a store's values differ by a few header bytes)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= size]
+            if fits:
+                buf = self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes))
+                self._bytes -= buf.nbytes
+                return buf
+        return np.empty(-(-size // 65536) * 65536, np.uint8)
+
+    def give(self, bufs: list[np.ndarray]) -> None:
+        with self._lock:
+            for buf in bufs:
+                if self._bytes + buf.nbytes <= self.max_bytes:
+                    self._spare.append(buf)
+                    self._bytes += buf.nbytes
+
+
+#: one per process: up to 256 MiB of staging kept between lookups
+_STAGING = _Staging(256 << 20)
+if hasattr(os, "register_at_fork"):   # a lock held by another thread at a fork
+    os.register_at_fork(after_in_child=_STAGING._reset)
+
+
 class _Fetch:
     """The checked chunks of one load, streamed: iterating yields (i, parts) for chunks
     i = first, first + 1, ... while they are stored and pass decode_chunk (parts: views
     valid until the next chunk is asked for); then `chunks` counts them, `miss` says
     why the run stopped (None: every key was found) and `fault` is set when a value was
-    refused (the miss; logged and deleted from the store). One iteration; StoreError from
-    the backend passes through (a prefix cache records it as the fault). `close()` ends
-    it early (the caller's loop stopped)."""
+    refused (the miss; logged and, when the codec refused it, deleted from the store).
+    One iteration. Every failure of the backend is a StoreError (another exception is
+    wrapped in one: a prefix cache records it as the fault); every failure of the codec
+    is a refused chunk, so nothing else escapes. `close()` ends it early (the caller's
+    loop stopped)."""
 
     def __init__(self, store: KVStore, ids: np.ndarray, keys: list[str], first: int):
         self.store, self.ids, self.keys, self.first = store, ids, keys, first
@@ -252,6 +329,7 @@ class _Fetch:
         self.chunks = 0
         self.miss: str | None = None
         self.fault: str | None = None
+        self._staged: list[np.ndarray] = []   # collect's buffers, until release()
         self._gen = self._run()
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
@@ -260,23 +338,67 @@ class _Fetch:
     def close(self) -> None:
         self._gen.close()
 
-    def _run(self) -> Iterator[tuple[int, dict]]:
+    def collect(self, into: list | None = None) -> list[tuple[int, dict]]:
+        """Every checked chunk at once, instead of iterating: (i, parts) each, appended to
+        `into` (a new list by default) as they are checked, every value in memory of its
+        own (a value the backend read into its reused buffer is copied into a staging
+        buffer: parts stay valid until `release()`; a StoreError midway leaves the chunks
+        before it there). A pool's lookup fetches and checks them without its guard, then
+        places them under it and releases them."""
+        self._gen.close()
+        out = [] if into is None else into
+        out.extend(self._run(own=True))
+        return out
+
+    def release(self) -> None:
+        """Gives collect's staging buffers back for the next lookup: its chunks' parts must
+        not be used any more."""
+        staged, self._staged = self._staged, []
+        _STAGING.give(staged)
+
+    def _stage(self, value) -> memoryview:
+        """A copy of value in a staging buffer of this fetch."""
+        n = len(value) if isinstance(value, bytearray) else value.nbytes
+        buf = _STAGING.take(n)
+        self._staged.append(buf)
+        buf[:n] = np.frombuffer(value, np.uint8)
+        return memoryview(buf)[:n]
+
+    def _run(self, own: bool = False) -> Iterator[tuple[int, dict]]:
         store, keys, c = self.store, self.keys, self.chunk_tokens
+        backend = store.backend
         if self.first >= len(keys):
             return
         i = self.first
-        values = store.backend.read_prefix(keys[i:])
+        op = f"read of {len(keys) - i} keys"
         try:
-            for value in values:
+            values = iter(backend.read_prefix(keys[i:],
+                                              max_value_bytes=store._kind.max_value_bytes))
+        except StoreError:
+            raise
+        except Exception as e:
+            raise backend._fail(op, e) from None
+        try:
+            while True:
                 try:
+                    value = next(values)
+                except StopIteration:
+                    break
+                except StoreError:
+                    raise
+                except Exception as e:
+                    raise backend._fail(op, e) from None
+                try:
+                    if isinstance(value, RefusedValue):
+                        raise ChunkError(value.reason)
+                    if own and isinstance(value, (memoryview, bytearray)):
+                        value = self._stage(value)   # not the backend's reused buffer
                     parts = decode_chunk(store._kind, keys[i], self.ids[i * c:(i + 1) * c], value)
                 except ChunkError as e:
-                    self.miss = self.fault = f"chunk {i} refused: {e}"
-                    log.warning("%s: %s (key %s)", store.backend.name, self.miss, keys[i])
-                    try:
-                        store.backend.delete([keys[i]])
-                    except StoreError as err:
-                        log.warning("%s", err)
+                    self._refuse(i, str(e), delete=True)
+                    return
+                except Exception as e:  # the codec failed otherwise (MemoryError, ...)
+                    self._refuse(i, f"{type(e).__name__}: {e}", delete=False)
                     return
                 yield i, parts
                 i += 1
@@ -284,21 +406,54 @@ class _Fetch:
         finally:
             close = getattr(values, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 (the values are no longer needed)
+                    log.warning("%s: closing a read failed: %s: %s", backend.name,
+                                type(e).__name__, e)
         if i < len(keys):
             self.miss = f"chunk {i} not stored"
+
+    def _refuse(self, i: int, why: str, *, delete: bool) -> None:
+        """Chunk i ends the run: the miss and the fault, logged; deleted from the store when
+        its value is bad (so that the next save writes it again)."""
+        backend = self.store.backend
+        self.miss = self.fault = f"chunk {i} refused: {why}"
+        log.warning("%s: %s (key %s)", backend.name, self.miss, self.keys[i])
+        if delete:
+            try:
+                backend.delete([self.keys[i]])
+            except Exception as err:  # noqa: BLE001 (the miss is reported either way)
+                log.warning("%s: delete of a refused chunk failed: %s: %s", backend.name,
+                            type(err).__name__, err)
 
 
 @dataclass
 class WriterStats:
-    """Counts of a StoreWriter: saves submitted, chunks written, saves dropped because the
-    queue was full, saves that failed (last_error: the latest failure's message)."""
+    """Counts of a StoreWriter: saves submitted, chunks written, saves dropped (the queue
+    was full, the writer closed or its thread gone, or discarded by a close that timed
+    out), saves that failed (last_error: the latest failure's message), and a prefix
+    cache's chunks not written because the chunk before them is not stored (they could
+    never be hit)."""
 
     submitted: int = 0
     chunks_written: int = 0
     dropped: int = 0
     failed: int = 0
     last_error: str | None = None
+    orphans_skipped: int = 0
+
+
+_WRITERS: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_WRITERS):
+        writer._reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StoreWriter:
@@ -306,25 +461,71 @@ class StoreWriter:
 
     `submit` queues (snapshot, tokens, extra) and returns at once; when `max_pending`
     saves already wait, the new one is dropped and counted (decoding never waits on the
-    store). A save that fails (StoreError, a mismatched snapshot) is counted and logged,
-    never raised into the caller. `flush` waits until every queued save is done; `close`
-    flushes and stops the thread (also as a context manager).
+    store). Any exception a save raises (StoreError, a mismatched snapshot, MemoryError,
+    a bug) is counted (stats.failed, stats.last_error) and logged, never raised into the
+    caller, and the thread goes on with the next save. If the thread still ends (an
+    exception that is no Exception, such as an asynchronous SystemExit: it is counted the
+    same way), `submit` drops and counts every save from then on (returns False) and
+    `flush`/`close` return at once. `flush(timeout)` waits until every queued save is
+    done, at most `timeout` seconds, and returns how many are not; `close(timeout)`
+    flushes, stops the thread and returns how many saves were lost (also as a context
+    manager). In a child forked from the process that made it, the writer starts empty,
+    with fresh stats and a thread of its own at its first submit (the parent's queue is
+    the parent's to save).
     """
+
+    #: the default wait of flush and close, seconds
+    TIMEOUT_S = 60.0
 
     def __init__(self, store: KVStore, *, max_pending: int = 8):
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise RangeError(f"max_pending must be a positive int, got {max_pending!r}")
         self.store = store
-        self.stats = WriterStats()
-        self._queue: queue.Queue = queue.Queue(max_pending)
-        self._lock = threading.Lock()
+        self.max_pending = max_pending
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvcore-store-writer", daemon=True)
-        self._thread.start()
+        self._reset()
+        _WRITERS.add(self)
+        with self._cond:
+            self._start()
+
+    def _reset(self) -> None:
+        """A fresh, empty state with no thread (at start, and in a forked child)."""
+        self.stats = WriterStats()
+        self._cond = threading.Condition(threading.Lock())  # guards everything below, stats
+        self._items: collections.deque = collections.deque()
+        self._busy = 0            # saves the thread has taken and not finished (0 or 1)
+        self._stop = False        # close: the thread ends once the queue is empty
+        self._thread: threading.Thread | None = None
+        self._running = False     # the thread runs its loop (False once it ended)
+
+    def _reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist here, and its lock may
+        have been held at the fork; a new state, the thread started at the first submit."""
+        self._reset()
+
+    def _start(self) -> bool:
+        """(with the lock) Starts the thread unless one was started; True while it runs.
+        A thread that cannot be started is reported (stats.last_error) and tried again at
+        the next submit."""
+        if self._thread is None and not self._closed:
+            thread = threading.Thread(target=self._run, args=(self._cond, self._items),
+                                      name="kvcore-store-writer", daemon=True)
+            self._running = True
+            try:
+                thread.start()
+            except Exception as e:  # noqa: BLE001 (RuntimeError: can't start new thread)
+                self._running = False
+                self.stats.last_error = f"the writer's thread cannot start: {e}"
+                log.warning("store writer: %s", self.stats.last_error)
+                return False
+            self._thread = thread
+        return self._running
 
     def submit(self, snapshot: Snapshot, tokens: Sequence[int] | np.ndarray,
                extra: Extra | None = None) -> bool:
-        """Queues a save; False when the queue was full and it was dropped."""
+        """Queues a save; False when it was dropped (counted in stats.dropped): the queue
+        was full, or the writer's thread has ended (stats.last_error says why). StateError
+        when the writer is closed."""
         if self._closed:
             raise StateError("StoreWriter.submit: the writer is closed")
         if not isinstance(snapshot, Snapshot):
@@ -332,63 +533,136 @@ class StoreWriter:
                              f"got {type(snapshot).__name__}")
         ids = token_array(tokens)  # bad arguments raise here, in the caller's thread
         encode_extra(extra)
-        with self._lock:
+        with self._cond:
             self.stats.submitted += 1
-        return self._put((snapshot, ids, extra))
+            if not self._room():
+                return False
+            self._items.append((snapshot, ids, extra))
+            self._cond.notify_all()
+        return True
 
-    def _put(self, item: tuple) -> bool:
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
-            with self._lock:
-                self.stats.dropped += 1
+    def _room(self) -> bool:
+        """(with the lock) Whether a save can be queued now; counts it dropped if not."""
+        if self._closed or not self._start() or len(self._items) >= self.max_pending:
+            self.stats.dropped += 1
             return False
+        return True
 
-    def _submit_chunk(self, content_key: bytes, ids: np.ndarray, make_parts) -> bool:
+    def _submit_chunk(self, content_key: bytes, ids: np.ndarray, make_parts,
+                      parent: bytes | None = None) -> bool:
         """Queues one chunk of a pool's prefix cache (KVStore._save_chunk): its content
-        key, its token ids and a function returning its parts (called only when the queue
-        has room: a dropped chunk costs no copy). False when dropped (the queue full, or
-        the writer closed: a pool's advance never raises for its writer). Counted in stats
-        as one save."""
-        with self._lock:
+        key, its token ids, a function returning its parts (called only when the queue
+        has room: a dropped chunk costs no copy) and the content key of the chunk before
+        it (None: the first). False when dropped (the queue full, the writer closed or its
+        thread ended: a pool's advance never raises for its writer). Counted in stats as
+        one save."""
+        with self._cond:
             self.stats.submitted += 1
-        if self._closed or self._queue.full():
-            with self._lock:
-                self.stats.dropped += 1
-            return False
-        return self._put((content_key, ids, make_parts()))
+            if not self._room():
+                return False
+        item = (content_key, ids, make_parts(), parent)
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+        return True
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
+    def _save(self, item: tuple) -> None:
+        if isinstance(item[0], bytes):
+            status = self.store._save_chunk(*item)
+            with self._cond:
+                if status == "written":
+                    self.stats.chunks_written += 1
+                elif status == "orphan":
+                    self.stats.orphans_skipped += 1
+        else:
+            n = self.store.save(*item)
+            with self._cond:
+                self.stats.chunks_written += n
+
+    def _failed(self, e: BaseException, what: str) -> None:
+        try:
+            message = f"{type(e).__name__}: {e}" if not isinstance(e, KVCacheError) else str(e)
+        except Exception:  # noqa: BLE001 (str() of the exception failed too)
+            message = type(e).__name__
+        with self._cond:
+            self.stats.failed += 1
+            self.stats.last_error = f"{what}{message}"
+        log.warning("store writer: %s%s", what, message)
+
+    def _run(self, cond: threading.Condition, items: collections.deque) -> None:
+        # cond and items are this thread's (a forked child makes new ones)
+        try:
+            while True:
+                with cond:
+                    while not items and not self._stop:
+                        cond.wait()
+                    if not items:
+                        return
+                    item = items.popleft()
+                    self._busy = 1
                 try:
-                    n = (self.store._save_chunk(*item) if isinstance(item[0], bytes)
-                         else self.store.save(*item))
-                    with self._lock:
-                        self.stats.chunks_written += n
-                except (StoreError, SnapshotError, DTypeError, RangeError) as e:
-                    with self._lock:
-                        self.stats.failed += 1
-                        self.stats.last_error = str(e)
-                    log.warning("store writer: save failed: %s", e)
-            finally:
-                self._queue.task_done()
+                    self._save(item)
+                except Exception as e:  # noqa: BLE001 (counted; the thread goes on)
+                    self._failed(e, "save failed: ")
+                finally:
+                    item = None
+                    with cond:
+                        self._busy = 0
+                        cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 (SystemExit, ...: reported, not silent)
+            self._failed(e, "the writer's thread ended (every later save is dropped): ")
+        finally:
+            with cond:
+                self._running = False
+                cond.notify_all()
 
-    def flush(self) -> None:
-        """Waits until every save queued so far is done (written, or failed and counted)."""
-        self._queue.join()
+    def _pending(self) -> int:
+        """(with the lock) Saves queued or in progress."""
+        return len(self._items) + self._busy
 
-    def close(self) -> None:
-        """Flushes, then stops the thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+    def _wait(self, timeout: float, what: str) -> None:
+        """(with the lock) Waits until no save is pending, the thread has ended, or timeout
+        seconds have passed."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not math.isfinite(timeout) or timeout < 0:
+            raise RangeError(f"{what}: timeout must be a finite number of seconds >= 0, "
+                             f"got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        while self._pending() and self._running:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def flush(self, timeout: float = TIMEOUT_S) -> int:
+        """Waits until every save queued so far is done (written, or failed and counted),
+        at most timeout seconds (default 60); returns how many are not done (0: all).
+        When the thread has ended, returns at once: those saves will never be done
+        (stats.last_error says why; close discards them)."""
+        with self._cond:
+            self._wait(timeout, "StoreWriter.flush")
+            return self._pending()
+
+    def close(self, timeout: float = TIMEOUT_S) -> int:
+        """Flushes (at most timeout seconds, default 60), then stops the thread; returns
+        how many saves were lost: those still queued at the timeout, or when the thread
+        had ended, are discarded (counted in stats.dropped), plus one the thread was still
+        running (it finishes or fails on its own; counted when it does). Idempotent (a
+        second close returns 0)."""
+        with self._cond:
+            if self._closed:
+                return 0
+            self._wait(timeout, "StoreWriter.close")
+            self._closed = self._stop = True
+            lost = len(self._items)
+            self._items.clear()
+            self.stats.dropped += lost
+            lost += self._busy
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and not lost:
+            thread.join(1.0)  # the thread sees the stop and ends at once
+        return lost
 
     def __enter__(self) -> "StoreWriter":
         return self
