@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from _blocking import BlockingLayer
 
 import kvcore
 from kvcore import KVCache, KVCacheError, KVPool, KVSpec, StateError
@@ -199,23 +200,6 @@ def test_pickle_protocol_5_sends_the_storage_out_of_band():
 
 
 # -- refusals --------------------------------------------------------------------------
-
-class BlockingLayer(int):
-    """A layer index whose conversion waits for an event: it holds a call inside the
-    object while another thread tries to copy it."""
-
-    def __new__(cls, value, inside, go):
-        obj = super().__new__(cls, value)
-        obj.inside, obj.go = inside, go
-        return obj
-
-    def __int__(self):
-        self.inside.set()
-        assert self.go.wait(60)
-        return super().__int__()
-
-    __index__ = __int__
-
 
 @pytest.mark.parametrize("what", ["cache", "pool"])
 def test_no_copy_while_another_thread_is_inside(what):

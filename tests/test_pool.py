@@ -4,6 +4,7 @@ KVCache fed the same positions (its writes are checked against kvcore.quantize i
 test_cache.py)."""
 import numpy as np
 import pytest
+from _blocking import BlockingLayer
 
 import kvcore
 from kvcore import (CapacityError, DTypeError, KVCache, KVPool, KVSpec, NonFiniteError,
@@ -418,22 +419,6 @@ def test_snapshots_both_ways(rng, fmt, tmp_path):
     assert state(pool) == before and small.sequences == []
 
 
-class _BlockingLayer(int):
-    """A layer index whose conversion waits for `go`: holds a call inside the pool."""
-
-    def __new__(cls, value, inside, go):
-        obj = super().__new__(cls, value)
-        obj.inside, obj.go = inside, go
-        return obj
-
-    def __index__(self):
-        self.inside.set()
-        assert self.go.wait(60)
-        return super().__int__()
-
-    __int__ = __index__
-
-
 def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
     import threading
     pool = KVPool(spec("int8"), num_pages=8, page_size=4)
@@ -448,7 +433,7 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(rng):
 
     def hold():
         try:
-            pool.append(k, v, seq=a, layer=_BlockingLayer(0, inside, go))
+            pool.append(k, v, seq=a, layer=BlockingLayer(0, inside, go))
         except BaseException as e:    # noqa: BLE001 - reported below
             errors.append(e)
     t = threading.Thread(target=hold)

@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from _blocking import BlockingLayer
 
 import kvcore
 from kvcore import (DTypeError, FormatError, KVCache, KVCacheError, KVSpec, NonFiniteError,
@@ -208,23 +209,6 @@ def test_restore_writes_only_the_bytes_that_were_verified(tmp_path, verify):
 
 
 # -------------------------------------------------------------- 5. threads
-
-class BlockingLayer(int):
-    """A layer index whose conversion waits for an event: it holds a call inside the
-    cache while another thread tries to use it."""
-
-    def __new__(cls, value, inside, go):
-        obj = super().__new__(cls, value)
-        obj.inside, obj.go = inside, go
-        return obj
-
-    def __int__(self):
-        self.inside.set()
-        assert self.go.wait(60)
-        return super().__int__()
-
-    __index__ = __int__
-
 
 def test_a_cache_in_use_by_another_thread_refuses_every_call(tmp_path):
     cache = make("int8", capacity=8, num_heads=4)
