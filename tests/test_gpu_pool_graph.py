@@ -17,7 +17,7 @@ from kvcore import apply_rope as cpu_rope
 from kvcore import decode_attention as cpu_attention
 
 from test_gpu_pool import D, H, L, PS, dev, same_pages
-from test_pool import _BlockingLayer
+from _blocking import BlockingLayer
 
 pytestmark = pytest.mark.gpu
 
@@ -246,7 +246,7 @@ def test_a_pool_in_use_by_another_thread_refuses_every_call(gpu, rng):
 
     def hold():
         try:
-            pool.append(_BlockingLayer(0, inside, go), kv, kv)
+            pool.append(BlockingLayer(0, inside, go), kv, kv)
         except BaseException as e:    # noqa: BLE001 - reported below
             errors.append(e)
 
