@@ -36,6 +36,15 @@
 //    trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift).
 // 6. Head dims: D = 64, 128, 256 are compiled as constants; the _dx instances take any
 //    multiple of 16 up to 256 at run time (same code, D not folded).
+// 7. Variants (docs/variants.md), run-time arguments of every instance (0 / null: off, and
+//    the kernel computes exactly what it does without them): window W and sink_tokens S
+//    select the positions the query at n - 1 sees, [0, min(S, n - W)) and [n - W, n)
+//    (the host refuses a window with causal=False, as the CPU kernels do);
+//    splits and tiles cut only those (visible indices, sinks first), so the work follows
+//    W + S and no other position is read (a windowed pool's pages outside it may be -1).
+//    softcap2 = c log2(e) caps the base-2 scores: s <- softcap2 tanh(s / softcap2). sinks
+//    [Hq] f32 (natural logits, null: none) join the denominator once, in split 0's
+//    epilogue (an empty row: out 0, lse = sink), so kv_attn_merge needs no change.
 #pragma once
 
 #include "common.cuh"
@@ -286,7 +295,8 @@ template <int FMT, int DT, int GB, class Src>
 __device__ __forceinline__ void kv_attn_split(
     const Src& src, int d, const void* __restrict__ q, int q_dtype, int hq, int group, float qk_scale,
     float* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ ws_o,
-    float* __restrict__ ws_lse) {
+    float* __restrict__ ws_lse, int window, int sink_tokens, float softcap2,
+    const float* __restrict__ sinks) {
     using C = AttnCfg<FMT, GB>;
     constexpr int T_MAX = C::t_max(DT), RW = (T_MAX + 31) / 32;
     constexpr int SCALE_STRIDE = C::scale_stride(DT), STAGE_BYTES = C::stage_bytes(DT);
@@ -294,7 +304,8 @@ __device__ __forceinline__ void kv_attn_split(
     __shared__ __align__(16) unsigned char stages[C::STAGES][STAGE_BYTES];
     __shared__ __align__(16) float part[GB * C::part_max(DT)];  // [g][row][c]
     __shared__ __align__(16) float prob[T_MAX * GB];           // [row][g]
-    __shared__ float alpha_s[GB], m_s[GB], l_s[GB];
+    __shared__ float alpha_s[GB], m_s[GB], l_s[GB], inv_s[GB], cap_s;
+    __shared__ int win_s[3];
 
     const int D = DT ? DT : d;
     const int RB = D * C::CB, SB = C::sb(D), TPR = C::tpr(D), RG = C::rg(D);
@@ -305,33 +316,62 @@ __device__ __forceinline__ void kv_attn_split(
     const int qh0 = kv_block_kvh(group, GB) * group + (blockIdx.y % (group / GB)) * GB;
     const size_t row0_out = (size_t)src.qrow * hq + qh0;  // output row of head qh0
 
-    // The split's positions: chunks of at least KV_MIN_SPLIT positions, whole tiles,
-    // computed from the row's own length (a short row leaves the later splits empty).
+    // The positions the query (at n - 1) sees: the window [lo, n), lo = max(n - window, 0),
+    // and the sink positions [0, s_end) below it (all n without a window, or when the
+    // sink positions reach the window). They are numbered by "visible indices": the sink
+    // positions first, padded to whole tiles ([0, s_pad), rows from s_end on masked as a
+    // tile's tail is), then the window, visible index v being position v + shift. Splits
+    // and tiles cut the visible indices, so the work follows the window, a tile never
+    // spans the gap, and no position outside what the query sees (no page, in the pool)
+    // is read. Without a window: s_pad = shift = 0, visible index = position.
     const int n = src.n;
-    int chunk = (n + nsplit - 1) / nsplit;
+    int lo = window > 0 && n > window ? n - window : 0;
+    if (sink_tokens >= lo) lo = 0;                       // the sinks reach the window
+    const int s_end = lo > 0 ? sink_tokens : 0;
+    const int s_pad = (s_end + T - 1) / T * T;
+    const int shift = lo - s_pad;
+    const int nv = n - shift;
+
+    // The split's visible indices: chunks of at least KV_MIN_SPLIT, whole tiles, computed
+    // from the row's own count (a short row leaves the later splits empty).
+    int chunk = (nv + nsplit - 1) / nsplit;
     chunk = chunk > KV_MIN_SPLIT ? chunk : KV_MIN_SPLIT;
     chunk = (chunk + T - 1) / T * T;
     const int start = split * chunk;
-    const int end = min(n, start + chunk);
+    const int end = min(nv, start + chunk);
+    // Tile t of the split: its first position and its valid rows (a sink tile's end at
+    // s_end). w = {s_pad, shift, min(end, s_end)}, in registers before the tile loop and
+    // from shared memory in it (see cap_s below).
+    auto tile_pos = [&](int t, const int* w) { const int v0 = start + t * T; return v0 < w[0] ? v0 : v0 + w[1]; };
+    auto tile_rows = [&](int t, const int* w) {
+        const int v0 = start + t * T;
+        return min(T, (v0 < w[0] ? w[2] : end) - v0);
+    };
 
     if (start >= end) {  // empty split (or row): out zeros / lse -inf for the merge
-        if (nsplit == 1) {
-            for (int i = tid; i < GB * D; i += KV_ATTN_THREADS) out[row0_out * D + i] = 0.0f;
+        // With sink logits, split 0 carries them: an empty row's lse is its sink, and with
+        // several splits split 0 hands the merge a zero partial of lse = sink.
+        const bool sink = sinks != nullptr && split == 0;
+        if (nsplit == 1 || sink) {  // out [row][D], or ws_o [row][nsplit][D] at split 0
+            float* dst = (nsplit == 1 ? out : ws_o) + row0_out * nsplit * D;
+            for (int g = 0; g < GB; g++)
+                for (int i = tid; i < D; i += KV_ATTN_THREADS) dst[(size_t)g * nsplit * D + i] = 0.0f;
         }
         for (int g = tid; g < GB; g += KV_ATTN_THREADS) {
-            if (nsplit > 1) ws_lse[(row0_out + g) * nsplit + split] = -INFINITY;
-            else if (lse_out) lse_out[row0_out + g] = -INFINITY;
+            const float s = sink ? sinks[qh0 + g] : -INFINITY;
+            if (nsplit > 1) ws_lse[(row0_out + g) * nsplit + split] = s * KV_LOG2E;
+            else if (lse_out) lse_out[row0_out + g] = s;
         }
         return;
     }
     const int ntiles = (end - start + T - 1) / T;
 
     // Issues the copies of tile t (rows past `end` are zero-filled, never read).
-    auto issue = [&](int t) {
+    auto issue = [&](int t, const int* w) {
         if (t < ntiles) {
             unsigned char* st = stages[t % C::STAGES];
-            const int p0 = start + t * T;
-            const int rows = min(T, end - p0);
+            const int p0 = tile_pos(t, w);
+            const int rows = tile_rows(t, w);
             const int ppr = RB / 16;  // 16-byte pieces per row
             for (int i = tid; i < T * ppr; i += KV_ATTN_THREADS) {
                 const int r = i / ppr;
@@ -371,8 +411,21 @@ __device__ __forceinline__ void kv_attn_split(
         kv_cp_commit();  // always one group per tile slot, so wait_group counts stay uniform
     };
 
+    {
+        const int w[3] = {s_pad, shift, min(end, s_end)};
 #pragma unroll
-    for (int t = 0; t < C::STAGES - 1; t++) issue(t);
+        for (int t = 0; t < C::STAGES - 1; t++) issue(t, w);
+    }
+    // The variants' values are read from shared memory in the tile loop (written here,
+    // visible after its first barrier): loop-invariant arguments there let nvcc unswitch
+    // the loop on them, which cost up to 36 registers (2 blocks per SM instead of 3 for
+    // f16/bf16 at GB 8).
+    if (tid == 0) {
+        cap_s = softcap2;
+        win_s[0] = s_pad;
+        win_s[1] = shift;
+        win_s[2] = min(end, s_end);
+    }
 
     // q for this thread's dims of the GB heads, pre-scaled for base-2 softmax.
     float qr[GB][C::DPT];
@@ -394,9 +447,9 @@ __device__ __forceinline__ void kv_attn_split(
     for (int t = 0; t < ntiles; t++) {
         kv_cp_wait<C::STAGES - 2>();
         __syncthreads();  // tile t visible to all; every thread is done with tile t - 1
-        issue(t + C::STAGES - 1);
+        issue(t + C::STAGES - 1, win_s);
         const unsigned char* st = stages[t % C::STAGES];
-        const int rows = min(T, end - (start + t * T));
+        const int rows = tile_rows(t, win_s);
 
         // a. partial scores of the thread's dims
         if (rg < RG) {
@@ -432,7 +485,9 @@ __device__ __forceinline__ void kv_attn_split(
                         const float* pp = part + (g * T + r) * TPR;
                         float v = 0.0f;
                         for (int cc = 0; cc < TPR; cc++) v += pp[cc];
-                        s[i] = v;
+                        // soft-capping (base 2: softcap2 = c log2(e)); masked rows stay -inf
+                        const float cap = cap_s;  // (from shared memory: see below)
+                        s[i] = cap > 0.0f ? cap * tanhf(v / cap) : v;
                     }
                     tmax = fmaxf(tmax, s[i]);
                 }
@@ -488,7 +543,19 @@ __device__ __forceinline__ void kv_attn_split(
 #pragma unroll
     for (int h = 0; h < C::HPW; h++) {
         const int g = warp + h * KV_ATTN_WARPS;
-        if (g < GB && lane == 0) { m_s[g] = m_run[h]; l_s[g] = l_run[h]; }
+        if (g < GB && lane == 0) {
+            float m = m_run[h], l = l_run[h], a = 1.0f;
+            if (sinks != nullptr && split == 0) {  // the sink joins the denominator once
+                const float s2 = sinks[qh0 + g] * KV_LOG2E;
+                const float mm = fmaxf(m, s2);
+                a = exp2f(m - mm);
+                l = l * a + exp2f(s2 - mm);
+                m = mm;
+            }
+            m_s[g] = m;
+            l_s[g] = l;
+            inv_s[g] = a / l;  // l >= 1 (the max row contributes 2^0); a = 1: exactly 1 / l
+        }
     }
     float* red = (float*)&stages[0][0];  // [RG/2][GB][D]
     for (int live = RG; live > 1;) {
@@ -512,7 +579,7 @@ __device__ __forceinline__ void kv_attn_split(
     if (rg == 0) {
 #pragma unroll
         for (int g = 0; g < GB; g++) {
-            const float inv = 1.0f / l_s[g];  // l >= 1: the max row contributes 2^0
+            const float inv = inv_s[g];
             const size_t row = row0_out + g;
             float* dst = nsplit == 1 ? out + row * D : ws_o + (row * nsplit + split) * D;
 #pragma unroll
@@ -522,7 +589,7 @@ __device__ __forceinline__ void kv_attn_split(
                 *(float4*)(dst + c * C::DPT + k) = v;
             }
             if (c == 0) {
-                const float lse2 = m_s[g] + log2f(l_s[g]);  // base 2, of the scaled scores
+                const float lse2 = m_s[g] + log2f(l_s[g]);  // base 2, of the scaled (capped) scores
                 if (nsplit > 1) ws_lse[row * nsplit + split] = lse2;
                 else if (lse_out) lse_out[row] = lse2 * KV_LN2;
             }
@@ -534,10 +601,14 @@ __device__ __forceinline__ void kv_attn_split(
 // q [R][Hq][D] f32/f16/bf16 (q_dtype 0/1/2); qk_scale = softmax scale * log2(e); out
 // [R][Hq][D] f32 and lse [R][Hq] f32 (natural log; null: not written) when nsplit == 1,
 // else ws_o [R][Hq][nsplit][D] and ws_lse [R][Hq][nsplit] (base 2) for kv_attn_merge.
+// Variants (0 / null: off): window, sink_tokens (ints), softcap2 = softcap * log2(e),
+// sinks [Hq] f32 natural-log sink logits.
 #define KV_ATTN_ARGS                                                                         \
     int d, const void *q, int q_dtype, int hq, int group, float qk_scale, float *out,        \
-        float *lse, float *ws_o, float *ws_lse
-#define KV_ATTN_PASS d, q, q_dtype, hq, group, qk_scale, out, lse, ws_o, ws_lse
+        float *lse, float *ws_o, float *ws_lse, int window, int sink_tokens, float softcap2, \
+        const float *sinks
+#define KV_ATTN_PASS d, q, q_dtype, hq, group, qk_scale, out, lse, ws_o, ws_lse, window, \
+        sink_tokens, softcap2, sinks
 
 // kv_attn_<format>_d<D>_g<GB>: GpuKVCache slots. Grid (nsplit, Hkv * G / GB, M).
 //   k_ptrs/v_ptrs [M] u64 -> codes [Hkv][N][D] of the format; ks_ptrs/vs_ptrs [M] u64 ->

@@ -31,6 +31,7 @@
 
 #define KV_Q8_0_BLOCK 32
 #define KV_LN2 0.6931471805599453f  // ln 2, float: base-2 log-sum-exp -> natural
+#define KV_LOG2E 1.4426950408889634f  // log2(e), float: natural logits -> base 2
 #define KV_INT8_MAX 127.0f
 #define KV_E4M3_MAX 448.0f
 #define KV_E5M2_MAX 57344.0f

@@ -302,6 +302,51 @@ cdef extern from *:
         return (kv_vf)((kv_vi)(y * (kv_vf)e) & keep);
     }
 
+    /* c tanh(s / c) for KV_W scores s (soft-capping; ic = 1 / c as float32), within a few
+       float32 ulp of the float64 value: tanh(x) = x P(x^2) / Q(x^2), Eigen's rational
+       approximation (numerator degree 13, denominator 6; relative error 1.3e-7 in exact
+       arithmetic), x held to +-7.9988117 (+-7.9053111 without FMA: where the float32
+       evaluation reaches 1, as Eigen's generic_fast_tanh_float), so a saturated score is
+       +-c exactly. One division and about 15 other operations per vector: Cephes' tanhf
+       (an exp, two divisions and a polynomial for small x, blended) took twice as long,
+       for 1.4 ulp instead of 5 at most. Lanes whose score is not finite (a score
+       past float32, or a masked lane's -inf) become NaN: the caller masks its lanes again
+       afterwards, and a visible score that overflowed refuses the call as it would
+       uncapped. */
+    KV_INLINE kv_vf kv_softcap(kv_vf s, float c, float ic) {
+    #if KV_W == 16 || defined(__FMA__)
+        const float top = 7.99881172180175781f;   /* with FMAs */
+    #else
+        const float top = 7.90531110763549805f;
+    #endif
+        kv_vf x = s * kv_splat(ic);
+    #if KV_W == 16   /* min, then max: a NaN lane becomes top (NaN again below) */
+        x = (kv_vf)_mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(top)), _mm512_set1_ps(-top));
+    #elif defined(__AVX__)
+        x = (kv_vf)_mm256_max_ps(_mm256_min_ps((__m256)x, _mm256_set1_ps(top)), _mm256_set1_ps(-top));
+    #else
+        kv_vi hi = x > kv_splat(top), lo = x < kv_splat(-top);
+        x = (kv_vf)(((kv_vi)x & ~(hi | lo)) | ((kv_vi)kv_splat(top) & hi) | ((kv_vi)kv_splat(-top) & lo));
+    #endif
+        kv_vf z = x * x;
+        kv_vf p = kv_fma(kv_splat(-2.76076847742355e-16f), z, kv_splat(2.00018790482477e-13f));
+        p = kv_fma(p, z, kv_splat(-8.60467152213735e-11f));
+        p = kv_fma(p, z, kv_splat(5.12229709037114e-08f));
+        p = kv_fma(p, z, kv_splat(1.48572235717979e-05f));
+        p = kv_fma(p, z, kv_splat(6.37261928875436e-04f));
+        p = kv_fma(p, z, kv_splat(4.89352455891786e-03f));
+        kv_vf qd = kv_fma(kv_splat(1.19825839466702e-06f), z, kv_splat(1.18534705686654e-04f));
+        qd = kv_fma(qd, z, kv_splat(2.26843463243900e-03f));
+        qd = kv_fma(qd, z, kv_splat(4.89352518554385e-03f));
+        return (p * x) / qd * kv_splat(c) + (s - s);   /* s - s: 0, or NaN where s is not finite */
+    }
+
+    /* x - j0 held to [0, KV_P] (a bound within a tile of KV_P positions from j0). */
+    KV_INLINE int32_t kv_rel(int64_t x, int64_t j0) {
+        const int64_t t = x - j0;
+        return (int32_t)(t < 0 ? 0 : t > KV_P ? KV_P : t);
+    }
+
     /* The attention of one sequence's new tokens (attend fills one per sequence). */
     typedef struct {
         const char *kc, *vc;     /* codes of storage row 0, head 0 */
@@ -312,9 +357,18 @@ cdef extern from *:
         int hkv, g, t, r;        /* kv heads, group size, new tokens, rows per group (t * g) */
         const int32_t* table;    /* page of each page_size positions: position p is storage */
         int64_t ps;              /*   row table[p / ps] * ps + p % ps */
-        int64_t n;               /* positions attended */
-        int64_t chunk;           /* positions per split (a multiple of 16) */
-        int nsplit;              /* splits: [sp * chunk, min(n, (sp + 1) * chunk)) */
+        int64_t n;               /* positions held */
+        int64_t lo;              /* the first position any row sees past the sink positions:
+                                    the window's splits cover [lo, n) (0 without a window) */
+        int64_t sa;              /* sink positions below lo, [0, sa): one split of their own
+                                    after the window's (0: none) */
+        int64_t chunk;           /* positions per split of [lo, n) (a multiple of 16) */
+        int nsw;                 /* splits of [lo, n): [lo + sp * chunk, min(n, lo + (sp + 1) * chunk)) */
+        int nsplit;              /* nsw, plus 1 when sa > 0 (kv_split_range) */
+        int64_t win;             /* window W (0: none): row r sees (last[r] - W, last[r]] */
+        int64_t sink_n;          /* S: positions [0, S) stay visible beside the window */
+        const float* sinks;      /* [hkv * g] sink logits (join each denominator) or NULL */
+        float cap;               /* soft-capping c (0: none): scores become c tanh(s / c) */
         const float* qin;        /* IN [t][hkv * g][d] */
         float* out;              /* OUT [t][hkv * g][d] (may be qin) */
         float* lse;              /* OUT [t][hkv * g] log-sum-exp (base e) or NULL */
@@ -324,7 +378,21 @@ cdef extern from *:
         float* o;                /* the result [t][hkv * g][d] before it goes to out
                                     (split-wise: the memory of q, no longer read then) */
         int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
+        int64_t* first;          /* [r]: the first position past the sink positions row r
+                                    sees (kv_prepare; 0 without a window) */
     } kv_job;
+
+    /* Split sp's positions [*p0, *p1): a split of the window's [lo, n), or the sink split
+       [0, sa) (without a window: [sp * chunk, min(n, (sp + 1) * chunk)), as always). */
+    KV_INLINE void kv_split_range(const kv_job* J, int sp, int64_t* p0, int64_t* p1) {
+        if (sp < J->nsw) {
+            *p0 = J->lo + sp * J->chunk;
+            *p1 = *p0 + J->chunk < J->n ? *p0 + J->chunk : J->n;
+        } else {
+            *p0 = 0;
+            *p1 = J->sa;
+        }
+    }
 
     /* Row-wise jobs (more than KV_SPLIT_ROWS rows: prefill, verification) are work items
        of KV_ROWS rows, each over all the job's splits in turn and merged at once;
@@ -384,16 +452,18 @@ cdef extern from *:
         if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
         return x;
     }
-    /* Floats of the job's own buffers: last [r] (int64), then split-wise the queries
-       [hkv][r][dp] (later the result), row-wise the result [t][hkv * g][d]. */
+    /* Floats of the job's own buffers: last [r] and first [r] (int64), then split-wise the
+       queries [hkv][r][dp] (later the result), row-wise the result [t][hkv * g][d]. */
     static size_t kv_job_floats(const kv_job* J) {
         size_t x = KV_ROWWISE(J) ? (size_t)J->t * J->hkv * J->g * J->d : (size_t)J->hkv * J->r * J->dp;
-        return KV_ROUND16(2 * (size_t)J->r) + KV_ROUND16(x);
+        return KV_ROUND16(4 * (size_t)J->r) + KV_ROUND16(x);
     }
-    /* Points J->last, J->q and J->o into buf (kv_job_floats floats); returns the floats after. */
+    /* Points J->last, J->first, J->q and J->o into buf (kv_job_floats floats); returns the
+       floats after. */
     static float* kv_job_place(kv_job* J, float* buf) {
         J->last = (int64_t*)buf;
-        J->o = buf + KV_ROUND16(2 * (size_t)J->r);
+        J->first = J->last + J->r;
+        J->o = buf + KV_ROUND16(4 * (size_t)J->r);
         J->q = KV_ROWWISE(J) ? NULL : J->o;
         return buf + kv_job_floats(J);
     }
@@ -591,6 +661,37 @@ cdef extern from *:
         }
     }
 
+    /* Whether a tile of np positions from j0 holds a position that a row whose window
+       starts at `first` (the largest first of the tile's rows) does not see although it
+       is not a sink position: the window's lower bound masks lanes of that tile. */
+    KV_INLINE int kv_window_cuts(const kv_job* J, int64_t first, int64_t j0, int np) {
+        const int64_t a = j0 > J->sink_n ? j0 : J->sink_n, b = j0 + np < first ? j0 + np : first;
+        return a < b;
+    }
+
+    /* The variants on a split-wise tile's scores s [R][KV_P] (np positions from j0; lanes
+       past np or past last[r] already -inf): soft-capping (J->cap > 0) of every score,
+       then lanes that row r does not see (past last[r], or before first[r] and not below
+       sink_n) set to -inf. */
+    static void kv_split_variants(const kv_job* J, int R, int np, int64_t j0, const int64_t* first,
+                                  const int64_t* last, float* s) {
+        const kv_vi lane = KV_LANES;
+        const int32_t sk = kv_rel(J->sink_n, j0);
+        const float c = J->cap, ic = 1.0f / c;
+        for (int r = 0; r < R; r++) {
+            const int32_t lo = kv_rel(first[r], j0), hi0 = kv_rel(last[r] + 1, j0);
+            const int32_t hi = hi0 < np ? hi0 : np;
+            float* sr = s + (size_t)r * KV_P;
+            for (int j = 0; j < np; j += KV_W) {
+                kv_vi pos = lane + (kv_vi)KV_REP(j);
+                kv_vi keep = (pos < (kv_vi)KV_REP(hi)) & ((pos >= (kv_vi)KV_REP(lo)) | (pos < (kv_vi)KV_REP(sk)));
+                kv_vf x = kv_loadf(sr + j);
+                if (c > 0.0f) x = kv_softcap(x, c, ic);
+                kv_storef(sr + j, (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep)));
+            }
+        }
+    }
+
     /* The tile's scales as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
@@ -690,6 +791,9 @@ cdef extern from *:
             pf.step = (pf.left / calls + 63) / 64 * 64;
             kv_tile_scales(fmt, J, J->ks, cur, ksc);
             kv_tile_scales(fmt, J, J->vs, cur, vsc);
+            /* soft-capping, or the window's lower bound inside this tile (multi-token
+               rows: the later tokens' windows start later) */
+            const int var = J->cap > 0.0f || kv_window_cuts(J, J->first[r1 - 1], j0, np);
             for (int h = 0; h < H; h++) {
                 kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, cur, h), v = kv_head_rows(fmt, J, J->vc, vsc, cur, h);
                 const size_t hr = (size_t)h * R + ro;
@@ -702,12 +806,14 @@ cdef extern from *:
                     kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
                     kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
                     kv_scores(KV_F32, nr, kd, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                    if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                     kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                                KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
                     kv_values(KV_F32, nr, vd, np, s, KV_P, 1, ah, dp);
                     continue;
                 }
                 kv_scores(fmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                 kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                            KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
                 kv_values(fmt, nr, v, np, s, KV_P, 1, ah, dp);
@@ -758,6 +864,30 @@ cdef extern from *:
         }
     }
 
+    /* The variants on a row-wise tile's scores sT [KV_P][KV_ROWS] (np positions from j0;
+       lanes past a row's last position already -inf, lastrel: those last positions
+       relative to j0): soft-capping (J->cap > 0), then the lanes of rows whose window
+       (first [nr], the block's rows) starts after a position that is not a sink position
+       set to -inf. */
+    static void kv_block_variants(const kv_job* J, int np, int64_t j0, const int64_t* first, int nr,
+                                  const kv_vi* lastrel, float* sT) {
+        kv_vi firstrel[KV_BV];
+        for (int v = 0; v < KV_BV; v++)
+            for (int k = 0; k < KV_W; k++)
+                firstrel[v][k] = v * KV_W + k < nr ? kv_rel(first[v * KV_W + k], j0) : 0;
+        const float c = J->cap, ic = 1.0f / c;
+        for (int p = 0; p < np; p++) {
+            const kv_vi sink = (kv_vi)KV_REP(j0 + p < J->sink_n ? -1 : 0), pv = (kv_vi)KV_REP(p);
+            for (int v = 0; v < KV_BV; v++) {
+                float* sp = sT + (size_t)p * KV_ROWS + v * KV_W;
+                kv_vi keep = (pv <= lastrel[v]) & (sink | (pv >= firstrel[v]));
+                kv_vf x = kv_loadf(sp);
+                if (c > 0.0f) x = kv_softcap(x, c, ic);
+                kv_storef(sp, (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep)));
+            }
+        }
+    }
+
     /* One row-wise block (rows [r0, r1), the rest of its KV_ROWS lanes masked) over the
        positions [p0, p1) of one split: queries qt [hkv][d][KV_ROWS], state w
        (kv_state_floats(KV_ROWS)), scratch x (kv_tile_scratch_floats). */
@@ -782,8 +912,13 @@ cdef extern from *:
         for (int r = 0; r < KV_ROWS; r++) lastb[r] = r < nr ? J->last[r0 + r] : -1;
         int64_t rowf[KV_P];
         kv_tile tile;
+        /* the first position past the sink positions that some row of the block sees
+           (first[] grows with r): tiles wholly before it and past the sink positions are
+           hidden from every row and not read (a windowed prefill costs T x W) */
+        const int64_t first = J->first[r0];
         for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
+            if (j0 + np <= first && j0 >= J->sink_n) continue;
             kv_tile_rows(J, j0, np, &tile);
             kv_tile_scales(fmt, J, J->ks, &tile, ksc);
             kv_tile_scales(fmt, J, J->vs, &tile, vsc);
@@ -815,6 +950,8 @@ cdef extern from *:
                     for (; j + KV_BP <= np; j += KV_BP) kv_block_scores(KV_BP, kp + j, d, qb, rs, lastrel + b, j, sb);
                     for (; j < np; j++) kv_block_scores(1, kp + j, d, qb, rs, lastrel + b, j, sb);
                 }
+                if (J->cap > 0.0f || kv_window_cuts(J, J->first[r1 - 1], j0, np))
+                    kv_block_variants(J, np, j0, J->first + r0, nr, lastrel, sT);
                 /* the online softmax of the row vectors */
                 float* mh = m + (size_t)h * KV_ROWS;
                 float* lh = l + (size_t)h * KV_ROWS * KV_W;
@@ -900,11 +1037,13 @@ cdef extern from *:
         return z == 0.0f;
     }
 
-    /* J->last [r]; split-wise J->q = the scaled queries (row-wise: only their check, each
-       work item scales its own rows). Returns kv_scale_rows' verdict. */
+    /* J->last [r] and J->first [r]; split-wise J->q = the scaled queries (row-wise: only
+       their check, each work item scales its own rows). Returns kv_scale_rows' verdict. */
     static int kv_prepare(kv_job* J, float scale, int causal) {
         J->scale = scale;
         for (int r = 0; r < J->r; r++) J->last[r] = causal ? J->n - J->t + r / J->g : J->n - 1;
+        for (int r = 0; r < J->r; r++)
+            J->first[r] = J->win && J->last[r] >= J->win ? J->last[r] - J->win + 1 : 0;
         return kv_scale_rows(J, 0, J->r, J->q, J->r);
     }
 
@@ -922,8 +1061,12 @@ cdef extern from *:
         for (int h = 0; h < H; h++)
             for (int r = r0; r < r1; r++) {
                 const size_t hr = (size_t)h * sr + ro + r - r0;
-                float top = -INFINITY, den = 0.0f;
+                const size_t at = (size_t)(r / G) * H * G + (size_t)h * G + r % G;   /* [t][hq] */
+                float top = J->sinks ? J->sinks[h * G + r % G] : -INFINITY, den = 0.0f;
                 for (int sp = 0; sp < nsplit; sp++) top = w[sp * stride + hr] > top ? w[sp * stride + hr] : top;
+                /* every row sees a position (its own), so top is -inf only when all its
+                   scores overflowed to -inf: NaN follows, and the call is refused */
+                float* o = out + at * d;
                 for (int sp = 0; sp < nsplit; sp++) {
                     const float* l = w + sp * stride + lo + hr * KV_W;
                     float sum = 0.0f;
@@ -931,9 +1074,9 @@ cdef extern from *:
                     c[sp] = expf(w[sp * stride + hr] - top);
                     den += c[sp] * sum;
                 }
+                if (J->sinks) den += expf(J->sinks[h * G + r % G] - top);   /* joins the denominator only */
                 for (int sp = 0; sp < nsplit; sp++) c[sp] /= den;
-                if (J->lse) J->lse[(size_t)(r / G) * H * G + (size_t)h * G + r % G] = top + logf(den);
-                float* o = out + ((size_t)(r / G) * H * G + (size_t)h * G + r % G) * d;
+                if (J->lse) J->lse[at] = top + logf(den);
                 const float* a = w + ao + hr * dp;
                 int i = 0;
                 for (; i + KV_W <= d; i += KV_W) {
@@ -949,6 +1092,13 @@ cdef extern from *:
                 bad += !kv_all_finite(o, d);
             }
         return bad;
+    }
+
+    /* Split sp of a split-wise job, all its rows, with a thread's scratch x. */
+    static void kv_split_item(const kv_job* J, int sp, float* x) {
+        int64_t p0, p1;
+        kv_split_range(J, sp, &p0, &p1);
+        kv_split(J, J->q, J->w + sp * kv_split_floats(J), J->r, 0, p0, p1, 0, J->r, x);
     }
 
     /* A split-wise job's splits merged into J->o; returns the rows not finite. */
@@ -975,7 +1125,8 @@ cdef extern from *:
                 }
             }
         for (int sp = 0; sp < J->nsplit; sp++) {
-            const int64_t p0 = sp * J->chunk, p1 = p0 + J->chunk < J->n ? p0 + J->chunk : J->n;
+            int64_t p0, p1;
+            kv_split_range(J, sp, &p0, &p1);
             kv_block(J, qt, w + sp * stride, p0, p1, r0, r1, x);
         }
         return kv_merge_rows(J, w, stride, KV_ROWS, 0, r0, r1, J->o);
@@ -1021,6 +1172,19 @@ cdef extern from *:
         return t[0];
     }
 
+    /* out [n] = kv_softcap of x [n] (the scores' soft-capping, for its accuracy test). */
+    static void kv_softcap_array(const float* x, size_t n, float c, float* out) {
+        const float ic = 1.0f / c;
+        size_t i = 0;
+        for (; i + KV_W <= n; i += KV_W) kv_storef(out + i, kv_softcap(kv_loadf(x + i), c, ic));
+        if (i < n) {
+            float buf[KV_W] = {0};
+            memcpy(buf, x + i, (n - i) * 4);
+            kv_storef(buf, kv_softcap(kv_loadf(buf), c, ic));
+            memcpy(out + i, buf, (n - i) * 4);
+        }
+    }
+
     /* 1 when x [n] holds no NaN or inf. */
     static int kv_all_finite(const float* x, size_t n) {
         uint32_t bad = 0;
@@ -1040,8 +1204,11 @@ cdef extern from *:
         ptrdiff_t cs, ch, ss, sh
         int fmt, d, dp, s, hkv, g, t, r
         const int32_t* table
-        int64_t ps, n, chunk
-        int nsplit
+        int64_t ps, n, lo, sa, chunk
+        int nsw, nsplit
+        int64_t win, sink_n
+        const float* sinks
+        float cap
         const float* qin
         float* out
         float* lse
@@ -1050,6 +1217,7 @@ cdef extern from *:
         float* q
         float* o
         int64_t* last
+        int64_t* first
     size_t kv_split_floats(const kv_job* J) noexcept nogil
     size_t kv_scratch_floats(const kv_job* J) noexcept nogil
     enum: KV_ROWS
@@ -1058,12 +1226,14 @@ cdef extern from *:
     int kv_prepare(kv_job* J, float scale, int causal) noexcept nogil
     void kv_split(const kv_job* J, const float* q, float* w, int sr, int ro, int64_t p0, int64_t p1,
                   int r0, int r1, float* x) noexcept nogil
+    void kv_split_item(const kv_job* J, int sp, float* x) noexcept nogil
     int kv_merge(const kv_job* J) noexcept nogil
     int kv_rows_item(const kv_job* J, int r0, int r1, float* x) noexcept nogil
     bint KV_ROWWISE(const kv_job* J) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
+    void kv_softcap_array(const float* x, size_t n, float c, float* out) noexcept nogil
     int KV_W
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
@@ -1115,15 +1285,27 @@ cdef int _layer_job(kv_job* J, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scale
     return 0
 
 
-cdef void _seq_job(kv_job* J, int T, int64_t n, int threads) noexcept nogil:
-    """J's split of n positions: equal splits (multiples of 16), one per thread, MIN_SPLIT
-    positions at least: the same for a sequence wherever its positions are stored."""
+cdef void _seq_job(kv_job* J, int T, int64_t n, int threads, int64_t window,
+                   int64_t sink_tokens) noexcept nogil:
+    """J's split of the positions its rows see: equal splits (multiples of 16), one per
+    thread, MIN_SPLIT positions at least, of [lo, n), lo the first position the first
+    token's window holds (0 without a window: [0, n), as always), then one split of the
+    sink positions below lo, [0, min(S, lo)). The same for a sequence wherever its
+    positions are stored; positions outside them (a window's past) are never read, their
+    pages not even looked up. window 0: none (then sink_tokens is 0); causal with a window."""
+    cdef int64_t m
     J.t = T
     J.r = T * J.g
     J.n = n
-    J.nsplit = <int>max(1, min(threads, n // MIN_SPLIT))
-    J.chunk = ((n + J.nsplit - 1) // J.nsplit + 15) // 16 * 16
-    J.nsplit = <int>((n + J.chunk - 1) // J.chunk)
+    J.win = window
+    J.sink_n = sink_tokens
+    J.lo = n - T + 1 - window if window and n - T + 1 > window else 0
+    J.sa = min(sink_tokens, J.lo)
+    m = n - J.lo
+    J.nsw = <int>max(1, min(threads, m // MIN_SPLIT))
+    J.chunk = ((m + J.nsw - 1) // J.nsw + 15) // 16 * 16
+    J.nsw = <int>((m + J.chunk - 1) // J.chunk)
+    J.nsplit = J.nsw + (1 if J.sa > 0 else 0)
 
 
 cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
@@ -1185,8 +1367,9 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
             if nt <= 1:
                 for it in range(nitems):
                     bad += _item(jobs, items, it, xs)
-            elif one_split_each:   # equal splits of one sequence: one per thread
-                for it in prange(nitems, num_threads=nt, schedule="static"):
+            elif one_split_each:   # equal splits of one sequence: one per thread (the
+                # sink split, small, goes round to the first thread)
+                for it in prange(nitems, num_threads=nt, schedule="static", chunksize=1):
                     bad += _item(jobs, items, it, xs + threadid() * scratch)
             else:           # unequal items: taken as threads come free
                 for it in prange(nitems, num_threads=nt, schedule="dynamic"):
@@ -1222,17 +1405,36 @@ cdef inline int _item(kv_job* jobs, const int* items, int it, float* scratch) no
     """Work item `it` with a thread's scratch; returns the rows it made that are not finite
     (a row-wise block, merged here), else 0."""
     cdef kv_job* J = &jobs[items[3 * it]]
-    cdef int64_t sp = items[3 * it + 1]
+    cdef int sp = items[3 * it + 1]
     cdef int r0 = items[3 * it + 2]
     if sp < 0:
         return kv_rows_item(J, r0, min(J.r, r0 + KV_ROWS), scratch)
-    kv_split(J, J.q, J.w + sp * kv_split_floats(J), J.r, 0, sp * J.chunk,
-             min(J.n, (sp + 1) * J.chunk), 0, J.r, scratch)
+    kv_split_item(J, sp, scratch)
+    return 0
+
+
+cdef int _variant_job(kv_job* J, sinks, float softcap, int64_t window, int64_t sink_tokens,
+                      bint causal, int hq) except -1:
+    """The sink logits and soft-capping of J (window and sink_tokens are _seq_job's), after
+    the checks the kernel relies on."""
+    if window < 0 or sink_tokens < 0 or (sink_tokens and not window) or (window and not causal):
+        raise ValueError(f"attend: window {window}, sink_tokens {sink_tokens}, causal {causal}: "
+                         f"a window needs causal, sink positions a window")
+    if not softcap >= 0 or softcap == float("inf"):
+        raise ValueError(f"attend: softcap {softcap} is not finite and >= 0")
+    J.cap = softcap
+    J.sinks = NULL
+    if sinks is not None:
+        if cnp.PyArray_TYPE(<cnp.ndarray>sinks) != cnp.NPY_FLOAT32 or \
+                (<cnp.ndarray>sinks).ndim != 1 or (<cnp.ndarray>sinks).shape[0] != hq:
+            raise ValueError(f"attend: sinks must be float32 [{hq}]")
+        J.sinks = <const float*>_data(<cnp.ndarray>sinks, "sinks")
     return 0
 
 
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
-           Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None):
+           Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None, *,
+           int64_t window=0, int64_t sink_tokens=0, sinks=None, float softcap=0):
     """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n) of a
     KVCache's layer (storage row p holds position p: one page of N rows). Returns
     ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
@@ -1244,6 +1446,12 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
     C-contiguous (may be q itself); lse float32 [T, Hq] C-contiguous or None. The caller
     (attention.py) validates shapes and dtypes; this only reads.
+    Variants (docs/variants.md), all off by default: window W >= 1 (0: none; causal only):
+    token t sees (p - W, p], p = n - T + t; sink_tokens S (with a window): positions
+    [0, S) stay visible; sinks float32 [Hq] C-contiguous, finite, or None: a logit per
+    query head in each softmax denominator (and lse); softcap c > 0 (0: none): scores
+    become c tanh(s / c). Positions outside every row's window and the sink positions are
+    never read.
     """
     cdef kv_job J
     cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
@@ -1255,14 +1463,16 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     J.qin = <const float*>_data(q, "q")
     J.out = <float*>_data(out, "out")
     J.lse = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
-    _seq_job(&J, <int>q.shape[0], n, num_threads())
+    _variant_job(&J, sinks, softcap, window, sink_tokens, causal, <int>q.shape[1])
+    _seq_job(&J, <int>q.shape[0], n, num_threads(), window, sink_tokens)
     return _run(&J, 1, scale, causal, num_threads())
 
 
 def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
                  int fmt, Py_ssize_t page_size, const int32_t[:, ::1] tables,
                  const int64_t[::1] lengths, const int64_t[::1] counts, float scale,
-                 bint causal, cnp.ndarray out, lse=None):
+                 bint causal, cnp.ndarray out, lse=None, *, int64_t window=0,
+                 int64_t sink_tokens=0, sinks=None, float softcap=0):
     """Attention of B sequences' new tokens, each over its own positions, in one call;
     returns ATTEND_OK, ATTEND_BAD_Q or ATTEND_OVERFLOW (out untouched), as `attend`.
 
@@ -1274,8 +1484,10 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     scales [P * page_size, Hkv, S] or None; tables int32 [B, M] (M * page_size >= every
     length, entries < P); lengths, counts int64 [B] (counts[b] <= lengths[b] when causal,
     lengths[b] >= 1 when counts[b] >= 1, counts[b] * Hq / Hkv <= ROWS_MAX). OUT out as q
-    (may be q); lse float32
-    [sum counts, Hq] or None. Checked by the caller (pool.py / attention.py).
+    (may be q); lse float32 [sum counts, Hq] or None. Checked by the caller (pool.py /
+    attention.py). The variants as `attend`'s, the same for every sequence: with a window,
+    a sequence's table entries of pages that hold none of the positions its rows see (the
+    window's past, below the sink positions) are never read (they may be -1).
     """
     cdef Py_ssize_t B = lengths.shape[0], b, row = 0
     cdef int nj = 0, hq = <int>q.shape[1], d = <int>q.shape[2], threads = num_threads()
@@ -1284,6 +1496,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     cdef float* op = <float*>_data(out, "out")
     cdef float* lp = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
     _layer_job(&base, k_codes, v_codes, k_scales, v_scales, fmt, hq)
+    _variant_job(&base, sinks, softcap, window, sink_tokens, causal, hq)
     cdef kv_job* jobs = <kv_job*>calloc(max(B, 1), sizeof(kv_job))
     if jobs == NULL:
         raise MemoryError("decode attention: job allocation failed")
@@ -1296,7 +1509,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
                 jobs[nj].qin = qp + row * hq * d
                 jobs[nj].out = op + row * hq * d
                 jobs[nj].lse = NULL if lp == NULL else lp + row * hq
-                _seq_job(&jobs[nj], <int>counts[b], lengths[b], threads)
+                _seq_job(&jobs[nj], <int>counts[b], lengths[b], threads, window, sink_tokens)
                 nj += 1
             row += counts[b]
         return _run(jobs, nj, scale, causal, threads)
@@ -1323,6 +1536,15 @@ def stream_sum(const unsigned char[::1] buf) -> int:
             w0 = min(words, t * per)
             total += kv_stream_sum(p, w0, min(words, w0 + per))
     return total
+
+
+def softcap_values(const float[::1] x, float c, float[::1] out):
+    """out = c * tanh(x / c) as the kernels compute it (soft-capping of the scores, c > 0
+    finite; a non-finite x gives NaN): for its accuracy test."""
+    if not 0 < c < float("inf") or out.shape[0] != x.shape[0]:
+        raise ValueError("softcap_values: c finite > 0, and out of x's length")
+    if x.shape[0]:
+        kv_softcap_array(&x[0], x.shape[0], c, &out[0])
 
 
 def fma_burn(int64_t rounds) -> int:

@@ -12,6 +12,14 @@ With a prefix cache (`_prefix.PrefixIndex`), a sequence also keeps its committed
 ids and the chained keys of its full pages; `advance` registers each page as it fills, a
 page whose refs drop to 0 stays cached when registered (`_release`), and pages are taken
 from the free list first, then from the cached ones in eviction order (`_Taker`).
+
+With a sliding window W (and S sink positions; `window=`, `sink_tokens=`), a sequence holds
+only what a future query can see: wherever positions commit (`slide`), the pages whose
+positions all lie below length - W + 1 and past the sink pages are released and their
+entries in the page list become -1. A sequence then holds positions [0, sink_pages *
+page_size) (its sink pages, `sink_pages` = ceil(S / page_size)) and [start, length), with
+start a multiple of page_size (start 0: all of [0, length)). Every position at or past
+start is held, so writes never meet a -1 entry.
 """
 from __future__ import annotations
 
@@ -30,11 +38,13 @@ _NO_EXTRA = encode_extra(None)
 
 
 class Seq:
-    """One sequence: its pages in position order, committed length, pending per layer; with
-    a prefix cache, its committed token ids (int64 little-endian bytes; None: not keyed,
-    e.g. restored from a snapshot), the keys of its full pages and its extras' bytes."""
+    """One sequence: its pages in position order (-1: released by a sliding window),
+    committed length, pending per layer, the first held position past its sink pages
+    (`start`; 0 when it holds all of [0, length)); with a prefix cache, its committed token
+    ids (int64 little-endian bytes; None: not keyed, e.g. restored from a snapshot), the
+    keys of its full pages and its extras' bytes."""
 
-    __slots__ = ("pages", "length", "pending", "ids", "keys", "extra")
+    __slots__ = ("pages", "length", "pending", "ids", "keys", "extra", "start")
 
     def __init__(self, num_layers: int, keyed: bool = False, extra: bytes = b""):
         self.pages: list[int] = []
@@ -43,6 +53,7 @@ class Seq:
         self.ids: bytearray | None = bytearray() if keyed else None
         self.keys: list[bytes] = []
         self.extra = extra
+        self.start = 0
 
 
 @dataclass
@@ -89,7 +100,11 @@ class PageTable:
     """Pages, reference counts, free list and per-sequence tables of one pool."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, capacity: int,
-                 prefix: PrefixIndex | None = None):
+                 prefix: PrefixIndex | None = None, window: int | None = None,
+                 sink_tokens: int = 0):
+        self.window = window                  # None: every position stays held
+        self.sink_tokens = sink_tokens        # S: positions [0, S) stay visible (a window only)
+        self.sink_pages = -(-sink_tokens // page_size) if window is not None else 0
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -136,13 +151,17 @@ class PageTable:
 
     def truncate(self, s: int, n: int) -> None:
         """Keeps the first n committed positions, drops every pending one, and releases
-        the pages past ceil(n / page_size)."""
+        the pages past ceil(n / page_size). With a window, StateError (nothing changed)
+        when a position the window needs at length n was released (`check_cut`)."""
         seq = self.get(s)
         if isinstance(n, bool) or not isinstance(n, int):
             n = check_index("n", n, seq.length + 1)
         if not 0 <= n <= seq.length:
             raise OutOfRangeError(f"truncate of sequence {s} to {n} out of range: expected "
                                   f"0 <= n <= length {seq.length}")
+        self.check_cut(s, seq, n, "truncate")
+        if seq.start and n <= self.sink_pages * self.page_size:
+            seq.start = 0                 # within the sink pages: all of [0, n) is held
         keep = -(-n // self.page_size)
         if self.prefix is not None:       # a rolled-back page never answers a lookup
             for g in seq.pages[n // self.page_size:]:
@@ -154,6 +173,79 @@ class PageTable:
         del seq.pages[keep:]
         seq.length = n
         seq.pending = [0] * self.num_layers
+
+    # -- the sliding window -----------------------------------------------------------
+
+    def held(self, seq: Seq, n: int | None = None) -> list[tuple[int, int]]:
+        """The positions of seq's first n (default: length) committed ones that it holds,
+        as [start, stop) ranges in order: [(0, n)], or [(0, sink_pages * page_size),
+        (start, n)] once a window released the pages between (the first range absent
+        without sink positions). n must pass `check_cut` (the caller's)."""
+        n = seq.length if n is None else n
+        if not seq.start or n <= self.sink_pages * self.page_size:
+            return [(0, n)] if n else []
+        sinks = self.sink_pages * self.page_size
+        return ([(0, sinks)] if sinks else []) + [(seq.start, n)]
+
+    def check_cut(self, s: int, seq: Seq, n: int, what: str) -> None:
+        """StateError unless seq, cut to its first n committed positions (truncate,
+        snapshot), still holds every position the window needs there: the sink positions
+        and [n - W + 1, n) (what the next query, at position n, sees)."""
+        if not seq.start or n <= self.sink_pages * self.page_size:
+            return
+        assert self.window is not None              # start > 0 only with a window
+        if n - self.window + 1 < seq.start:
+            raise StateError(
+                f"{what} of sequence {s} to {n} positions needs positions from "
+                f"{max(0, n - self.window + 1)} (window {self.window}), but the window "
+                f"released them: sequence {s} holds positions from {seq.start} "
+                f"(first_held); a windowed sequence rolls back only to n >= "
+                f"{seq.start + self.window - 1}")
+
+    def slide(self, seq: Seq) -> None:
+        """Releases the pages of seq that no query at a position >= its length can see:
+        every position in them lies below length - W + 1 and past the sink positions
+        (pages from sink_pages on). Their entries become -1; a registered page stays cached
+        (its content is still the K/V of its key), another becomes free. No-op without a
+        window."""
+        if self.window is None:
+            return
+        ps = self.page_size
+        cut = (seq.length - self.window + 1) // ps   # pages [0, cut) are out of every window
+        if cut <= self.sink_pages or cut * ps <= seq.start:
+            return
+        pages = seq.pages
+        first = max(self.sink_pages, seq.start // ps)
+        gone = [g for g in pages[first:cut] if g >= 0]
+        pages[first:cut] = [-1] * (cut - first)
+        seq.start = cut * ps
+        self._release(gone)
+
+    def place(self, s: int, n: int, start: int) -> list[int]:
+        """(restore) Gives sequence s, empty, n committed positions that hold [0,
+        sink_pages * page_size) and [start, n) (all of [0, n) when start is 0; start a
+        multiple of page_size): a page for each page index holding one of them, taken as a
+        write takes pages (free ones first, then cached ones, evicted), -1 for the others.
+        The caller checked that enough pages are available. Returns the storage rows of
+        the held positions, in order."""
+        seq, ps, refs = self.get(s), self.page_size, self.refs
+        count = -(-n // ps)
+        held = list(range(count)) if not start else [*range(self.sink_pages),
+                                                     *range(start // ps, count)]
+        pick = _Taker(self.free, self.prefix)
+        pages = [-1] * count
+        for t, i in enumerate(held, 1):
+            g = pick(t)
+            assert g >= 0                  # the caller checked available()
+            pages[i] = g
+            refs[g] = 1
+        taken = len(held)
+        del self.free[len(self.free) - min(taken, pick.nfree):]
+        if taken > pick.nfree:
+            self._index.evict(pick.evicted[:taken - pick.nfree])
+        seq.pages, seq.length, seq.start = pages, n, start
+        seq.pending = [0] * self.num_layers
+        return [pages[p // ps] * ps + p % ps for a, b in self.held(seq) for p in range(a, b)]
 
     def fork(self, s: int) -> tuple[int, tuple[int, int] | None]:
         """A new sequence holding s's committed positions: s's full pages shared (refs + 1),
@@ -169,13 +261,15 @@ class PageTable:
         new = self.seqs[t]
         new.pages = seq.pages[:full]
         new.length = seq.length
+        new.start = seq.start
         if seq.ids is not None:
             new.ids = seq.ids[:8 * seq.length]
             new.keys = seq.keys[:full]
         else:
             new.ids = None
         for g in new.pages:
-            self.refs[g] += 1
+            if g >= 0:                        # -1: released by the window
+                self.refs[g] += 1
         copy = None
         if part:
             dst = self._take_one()
@@ -223,6 +317,7 @@ class PageTable:
             if refs[g] == 0:
                 del index.lru[g]             # cached -> in use
             refs[g] += 1
+        self.slide(seq)                      # a window keeps only the pages it sees
         return s, seq.length
 
     def advance(self, ids: list[int], tokens: list[np.ndarray] | None = None) -> list[int]:
@@ -250,7 +345,9 @@ class PageTable:
                 if seq.ids is not None:
                     assert tokens is not None       # _check_tokens: a keyed sequence has them
                     seq.ids += tokens[b].astype("<i8", copy=False).tobytes()
-                    self._register(seq)
+                    self._register(seq)     # before the slide: a page fills, then leaves
+                if self.window is not None:
+                    self.slide(seq)
             out.append(t)
         return out
 
@@ -403,9 +500,19 @@ class PageTable:
     # -- reads ---------------------------------------------------------------------
 
     def rows(self, s: int, start: int, stop: int) -> list[int]:
-        """Physical rows of positions [start, stop) of sequence s (held pages only)."""
+        """Physical rows of positions [start, stop) of sequence s (held positions only)."""
         pages, ps = self.get(s).pages, self.page_size
         return [pages[p // ps] * ps + p % ps for p in range(start, stop)]
+
+    def held_rows(self, s: int, n: int, pending: int = 0) -> list[int]:
+        """Physical rows of the positions of s's first n committed ones that it holds
+        (`held`), then of `pending` positions past its length, in order."""
+        seq = self.get(s)
+        pages, ps = seq.pages, self.page_size
+        spans = self.held(seq, n)
+        if pending:
+            spans.append((seq.length, seq.length + pending))
+        return [pages[p // ps] * ps + p % ps for a, b in spans for p in range(a, b)]
 
     def _release(self, pages: list[int]) -> None:
         """Drops one hold of each page, the last first (so that a chain's leaf is the least
@@ -413,6 +520,8 @@ class PageTable:
         refs, free = self.refs, self.free
         cached = self.prefix.entries if self.prefix is not None else ()
         for g in reversed(pages):
+            if g < 0:
+                continue                    # released by the window already
             refs[g] -= 1
             if refs[g] == 0:
                 if g in cached:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Literal, Sequence, cast, overload
+from typing import Any, Literal, NamedTuple, Sequence, cast, overload
 
 import numpy as np
 
 from . import _attention
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
-                        check_seq_ids, check_shape, is_array)
+                        check_seq_ids, check_shape, float_input_dtypes, is_array)
 from .formats import Format
 from .spec import KVSpec
 from .cache import KVCache
@@ -28,20 +28,26 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      counts: Sequence[int] | AnyArray | None = None,
                      scale: float | None = None, causal: bool = True,
                      out: OutArray | None = None,
-                     return_lse: Literal[False] = False) -> np.ndarray | OutArray: ...
+                     return_lse: Literal[False] = False, window: int | None = None,
+                     sink_tokens: int = 0, sinks: AnyArray | None = None,
+                     softcap: float | None = None) -> np.ndarray | OutArray: ...
 @overload
 def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      seqs: Sequence[int] | None = None,
                      counts: Sequence[int] | AnyArray | None = None,
                      scale: float | None = None, causal: bool = True,
                      out: OutArray | None = None,
-                     return_lse: Literal[True]) -> tuple[np.ndarray | OutArray, np.ndarray]: ...
+                     return_lse: Literal[True], window: int | None = None,
+                     sink_tokens: int = 0, sinks: AnyArray | None = None,
+                     softcap: float | None = None) -> tuple[np.ndarray | OutArray, np.ndarray]: ...
 def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      seqs: Sequence[int] | None = None,
                      counts: Sequence[int] | AnyArray | None = None,
                      scale: float | None = None, causal: bool = True,
                      out: OutArray | None = None,
-                     return_lse: bool = False) -> Any:
+                     return_lse: bool = False, window: int | None = None,
+                     sink_tokens: int = 0, sinks: AnyArray | None = None,
+                     softcap: float | None = None) -> Any:
     """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
     KVPool, read in the storage's own format.
 
@@ -58,25 +64,117 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
     allocated when None.
     Returns out, or (out, lse) with return_lse: lse float32 of q's shape without D, the
     natural-log log-sum-exp of each row's scaled scores (merge_attention's input).
+    Variants (docs/variants.md; all off by default, and a call without them computes what
+    it always did, bit for bit):
+    window: an int W >= 1, causal only: the token at position p sees (p - W, p].
+    sink_tokens: an int S >= 0, with a window: positions [0, S) stay visible too (j <= p).
+    sinks: [Hq] float32 (float16/bfloat16 converted), finite: a logit per query head that
+    joins the softmax's denominator (and lse) and adds no value.
+    softcap: a finite float c > 0: every score s becomes c * tanh(s / c).
     Raises RangeError (out untouched) when scale * q, a score or the weighted sum of V
     would pass the float32 range. A pool sequence's rows equal, bit for bit, this call on
     a KVCache holding the same positions with the same thread count (docs/attention.md).
     """
     if isinstance(cache, KVPool):
         with cache._guard("decode_attention"):
+            window, sink_tokens = cache._attention_window(window, sink_tokens)
+            var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap)
             return _pool_attention(q, cache, layer, seqs, counts, scale, causal, out,
-                                   return_lse)
+                                   return_lse, var)
     if not isinstance(cache, KVCache):
         raise DTypeError(f"invalid type of cache: expected KVCache, got {type(cache).__name__} "
                          f"(or a KVPool with seqs)")
     if seqs is not None or counts is not None:
         raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
     with cache._guard("decode_attention"):
-        return _attend(q, cache, layer, scale, causal, out, return_lse)
+        var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap)
+        return _attend(q, cache, layer, scale, causal, out, return_lse, var)
+
+
+class _Variants(NamedTuple):
+    """The variants of a call as the kernels take them (0 / None: off)."""
+    window: int
+    sink_tokens: int
+    sinks: np.ndarray | None
+    softcap: float
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The kernels' keyword arguments (none for the plain call)."""
+        return {} if self is _NO_VARIANTS else self._asdict()
+
+    def window_start(self, n: int, T: int) -> int:
+        """The first position past the sink positions that any of the T tokens over n
+        positions sees (the kernel's lo): the positions read are [0, min(S, lo)) and
+        [lo, n)."""
+        return n - T + 1 - self.window if self.window and n - T + 1 > self.window else 0
+
+
+_NO_VARIANTS = _Variants(0, 0, None, 0.0)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: object,
+                    sinks: object, softcap: object) -> _Variants:
+    """The variants checked (docs/variants.md): DTypeError for a type, RangeError for a
+    value or a combination the call does not take, ShapeError / NonFiniteError for sinks."""
+    if window is None and sinks is None and softcap is None and type(sink_tokens) is int \
+            and sink_tokens == 0:
+        return _NO_VARIANTS   # the common call
+    w = 0
+    if window is not None:
+        w = _int_arg("window", window)
+        if w < 1:
+            raise RangeError(f"window must be an int >= 1 (positions a query sees, its own "
+                             f"included), got {w}")
+        if not causal:
+            raise RangeError("a window needs causal=True: the query at position p sees "
+                             "(p - window, p]; causal=False attends every position")
+    s = _int_arg("sink_tokens", sink_tokens)
+    if s < 0:
+        raise RangeError(f"sink_tokens must be an int >= 0, got {s}")
+    if s and not w:
+        raise RangeError(f"sink_tokens={s} needs a window: sink positions stay visible "
+                         f"beside a sliding window")
+    arr = None
+    if sinks is not None:
+        arr = sinks if type(sinks) is np.ndarray else check_ndarray("sinks", sinks)
+        if arr.dtype != np.float32:
+            check_dtype("sinks", arr, float_input_dtypes())
+            arr = arr.astype(np.float32)        # float16/bfloat16: exact
+        if arr.shape != (_query_heads(spec),):
+            check_shape("sinks", arr, [_query_heads(spec)])
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        if not np.isfinite(arr).all():
+            bad = int(np.argmax(~np.isfinite(arr)))
+            raise NonFiniteError(f"non-finite value in sinks: sinks[{bad}] = {arr[bad]!s}")
+    cap = 0.0
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.integer,
+                                                                 np.floating)):
+            raise DTypeError(f"invalid type of softcap: expected float, got "
+                             f"{type(softcap).__name__}")
+        try:
+            value = float(softcap)
+        except OverflowError:   # an int past the float range
+            value = math.inf
+        cap = float(np.float32(value)) if 0 < value <= _FLOAT32_MAX else 0.0
+        if not cap > 0:   # NaN, inf, <= 0, past float32 or below its smallest value
+            raise RangeError(f"softcap must be a finite float32 > 0, got {softcap!r}")
+    return _Variants(min(w, _INT64_MAX), min(s, _INT64_MAX), arr, cap)
+
+
+def _int_arg(name: str, value: object) -> int:
+    """An int argument (numpy ints too, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DTypeError(f"invalid type of {name}: expected int, got {type(value).__name__} "
+                         f"({value!r:.40})")
+    return int(value)
 
 
 def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal: bool,
-            out: AnyArray | None, return_lse: bool) -> Any:
+            out: AnyArray | None, return_lse: bool, var: _Variants) -> Any:
     spec = cache.spec
     layer = check_index("layer", layer, spec.num_layers)
     q = _check_q(q, spec)
@@ -95,16 +193,17 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     arrays = cache._layer_arrays(layer)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
                                bool(causal), arr.reshape(q3.shape),
-                               None if lse is None else lse.reshape(q3.shape[:2]))
+                               None if lse is None else lse.reshape(q3.shape[:2]),
+                               **var.kwargs)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
-        raise _overflow_error(q3, spec.fmt, arrays, n, scale, causal, layer)
+        raise _overflow_error(q3, spec.fmt, arrays, np.arange(n), n, scale, causal, var, layer)
     return _result(arr if out is None else out, lse)
 
 
 def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] | None,
                     counts: object, scale: float | None, causal: bool, out: AnyArray | None,
-                    return_lse: bool) -> Any:
+                    return_lse: bool, var: _Variants) -> Any:
     spec = pool.spec
     layer = check_index("layer", layer, spec.num_layers)
     if seqs is None:
@@ -135,10 +234,18 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
         _check_rows(t, spec)
         lengths.append(n)
     width = max([pool.pages_for(n) for n in lengths] + [1])
-    tables = np.zeros((B, width), np.int32)
+    tables = np.full((B, width), -1, np.int32)   # -1: a page the kernel never reads
+    ps = pool.page_size
     for b, s in enumerate(seqs):
-        pages = table.seqs[s].pages[:pool.pages_for(lengths[b])]
-        tables[b, :len(pages)] = pages
+        pages = table.seqs[s].pages
+        end = pool.pages_for(lengths[b])
+        # the pages holding positions some row sees: [0, min(S, lo)) and [lo, n) (a
+        # window's past is never read: a windowed pool may have released those pages)
+        lo = var.window_start(lengths[b], count_list[b]) if count_list[b] else lengths[b]
+        first = lo // ps
+        tables[b, first:end] = pages[first:end]
+        sink_end = pool.pages_for(min(var.sink_tokens, lo))
+        tables[b, :sink_end] = pages[:sink_end]
     scale = _check_scale(scale, spec.head_dim)
     arr = _out(out, q, pool._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
@@ -147,7 +254,7 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
     status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
                                      np.array(lengths, np.int64),
                                      np.array(count_list, np.int64), scale, bool(causal),
-                                     arr, lse)
+                                     arr, lse, **var.kwargs)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
@@ -155,10 +262,12 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
             if t and _attention.attend_paged(
                     q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
                     np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
-                    np.empty((t,) + q.shape[1:], np.float32)
+                    np.empty((t,) + q.shape[1:], np.float32), **var.kwargs
                     ) != _attention.ATTEND_OK:
-                raise _overflow_error(q[at:at + t], spec.fmt, pool._gather(s, layer, pending=True),
-                                      n, scale, causal, layer, f"sequence {s}, ")
+                positions = np.arange(n)
+                rows = tables[b, positions // ps].astype(np.int64) * ps + positions % ps
+                raise _overflow_error(q[at:at + t], spec.fmt, arrays, rows, n, scale, causal,
+                                      var, layer, f"sequence {s}, ")
             at += t
         raise AssertionError("the batch overflowed, but no sequence alone does")
     return _result(arr if out is None else out, lse)
@@ -231,30 +340,39 @@ def _check_scale(scale: object, head_dim: int) -> float:
     return float(s32)
 
 
-def _overflow_error(q3: np.ndarray, fmt: Format, arrays: LayerArrays, n: int, scale: float,
-                    causal: bool, layer: int, where: str = "") -> RangeError:
+def _overflow_error(q3: np.ndarray, fmt: Format, arrays: LayerArrays, rows: np.ndarray, n: int,
+                    scale: float, causal: bool, var: _Variants, layer: int,
+                    where: str = "") -> RangeError:
     """The error of an attention call whose float32 computation overflowed, with the
-    numbers: the largest |scale * q.k| over the visible positions and the largest |V|,
-    computed in float64 (the cold path of a refused call)."""
+    numbers: the largest |scale * q.k| (before any soft-capping) over the visible positions
+    and the largest |V| over the positions read, computed in float64 (the cold path of a
+    refused call). rows [n]: the storage row of each position (only the rows of positions
+    some token sees are read)."""
     from .quant import dequantize
     k_codes, v_codes, k_scales, v_scales = arrays
-    k = dequantize(k_codes[:n], None if k_scales is None else k_scales[:n], fmt
-                   ).astype(np.float64)     # [n, Hkv, D]
-    v = dequantize(v_codes, v_scales, fmt)
     T, Hq, D = q3.shape
+    j = np.arange(n)
+    p = n - T + np.arange(T)
+    visible = (j[None, :] <= p[:, None]) if causal else np.ones((T, n), bool)   # [T, n]
+    if var.window:
+        visible &= (j[None, :] > p[:, None] - var.window) | (j[None, :] < var.sink_tokens)
+    read = visible.any(0)
+    rows, visible = rows[read], visible[:, read]
+    k = dequantize(k_codes[rows], None if k_scales is None else k_scales[rows], fmt
+                   ).astype(np.float64)     # [positions read, Hkv, D]
+    v = dequantize(v_codes[rows], None if v_scales is None else v_scales[rows], fmt)
     Hkv = k.shape[1]
     qg = q3.astype(np.float64).reshape(T, Hkv, Hq // Hkv, D) * scale
     with np.errstate(over="ignore", invalid="ignore"):
         scores = np.abs(np.einsum("thgd,nhd->thgn", qg, k))
-    if causal:
-        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]   # [T, n]
-        scores = np.where(visible[:, None, None, :], scores, 0.0)
+    scores = np.where(visible[:, None, None, :], scores, 0.0)
     with np.errstate(over="ignore"):
         qmax = float(np.abs(q3).max()) * scale
     return RangeError(
         f"decode_attention of {where}layer {layer} overflows float32: the scores scale * q.k reach "
         f"{float(np.nanmax(scores)):.4g} (|scale * q| up to {qmax:.4g}, |V| up to "
-        f"{float(np.abs(v).max()):.4g} over {n} positions); float32 holds up to 3.4028235e+38")
+        f"{float(np.abs(v).max()):.4g} over {rows.size} positions); float32 holds up to "
+        f"3.4028235e+38")
 
 
 def merge_attention(o1: AnyArray, lse1: AnyArray, o2: AnyArray,

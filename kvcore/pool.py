@@ -14,6 +14,9 @@ starts a sequence on the longest cached run of them, and pages no sequence holds
 cached until a write needs a page and none is free (docs/design.md, Prefix cache).
 With a chunk store attached (`store=`), a lookup continues in the store past the cached
 pages, and chunks that fill at `advance` are queued to a `StoreWriter` (docs/store.md).
+With `window=W` every layer is a sliding layer: wherever positions commit, the pages no
+future query can see are released and read -1 in the page tables (docs/design.md, Sliding
+windows).
 copy.deepcopy and pickle copy the storage, the table and the counters and rebuild the
 rest (docs/design.md, Copies).
 """
@@ -35,8 +38,8 @@ from ._prefix_keys import ROOT, chain_key, encode_extra, token_array
 from ._storage import LayerArrays, Storage
 from ._validate import (AnyArray, OutArray, check_index, check_int32, check_ndarray, check_out,
                         check_seq_id, check_seq_ids, is_array)
-from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
-                     StateError, StoreError)
+from .errors import (CapacityError, DTypeError, OutOfRangeError, RangeError, ShapeError,
+                     SnapshotError, SpecError, StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
 
@@ -87,9 +90,19 @@ class KVPool:
     pages (checked, registered as cached pages). store_writer (a StoreWriter of that
     store): each whole chunk that `advance` completes is copied out of the pages and
     queued to it (saved on its thread; dropped and counted when its queue is full).
+
+    window=W (an int >= 1; None: none) makes every layer of the pool a sliding layer: the
+    query at position p sees positions p - W < j <= p, plus the first sink_tokens=S
+    positions (an int >= 0, only with a window). Wherever positions commit (advance,
+    match_prefix, restore), the pages no later query can see are released (back to the
+    free list, or cached when registered), so a sequence holds about W + page_size
+    positions plus its sink pages, whatever its length; their entries in page_table,
+    block_tables and csr read -1 (`first_held`, docs/design.md, Sliding windows). A
+    windowed pool takes no store_writer (its chunks start at position 0).
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *,
+                 window: int | None = None, sink_tokens: int = 0,
                  prefix_cache: bool = False, store: KVStore | None = None,
                  store_writer: StoreWriter | None = None):
         if not isinstance(spec, KVSpec):
@@ -99,11 +112,16 @@ class KVPool:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        win, sinks = _window(window, sink_tokens)
+        if win is not None and store_writer is not None:
+            raise SpecError(f"store_writer= needs a pool without a window: a store saves chunks "
+                            f"from position 0, and window={win} releases the pages a query no "
+                            f"longer sees (store= alone, for lookups, is taken)")
         ps = int(page_size)
         kv, writer = _attached(spec, ps, prefix_cache, store, store_writer)
         self._attach(spec, ps, Storage(spec, int(num_pages) * ps),
                      PageTable(int(num_pages), ps, spec.num_layers, spec.capacity,
-                               PrefixIndex() if prefix_cache else None), kv, writer)
+                               PrefixIndex() if prefix_cache else None, win, sinks), kv, writer)
 
     def _attach(self, spec: KVSpec, page_size: int, store: Storage, table: PageTable,
                 kv: KVStore | None, writer: StoreWriter | None,
@@ -223,14 +241,18 @@ class KVPool:
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
         pending one; pages past the last kept position are released. With a prefix cache,
-        the page it cuts into and those it drops leave the cache (whoever holds them)."""
+        the page it cuts into and those it drops leave the cache (whoever holds them).
+        With a window: StateError (nothing changed) when the window at length n would see
+        a released position, i.e. unless n >= first_held(seq) + window - 1 (or n within
+        the sink pages)."""
         with self._guard("truncate"):
             self._table.truncate(seq, n)
 
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's committed positions: full pages are shared (a later
         write to a shared page copies it first), the partial last page is copied now.
-        CapacityError (nothing changed) when that copy finds no free page."""
+        CapacityError (nothing changed) when that copy finds no free page. A windowed
+        sequence's fork holds the same positions (the same first_held)."""
         with self._guard("fork"):
             t, copy = self._table.fork(seq)
             if copy is not None:
@@ -351,6 +373,54 @@ class KVPool:
         return self._ps
 
     @property
+    def window(self) -> int | None:
+        """W of a sliding-window pool (the query at p sees p - W < j <= p), None: none."""
+        return self._table.window
+
+    @property
+    def sink_tokens(self) -> int:
+        """S: the first S positions stay visible beside the window (0 without a window)."""
+        return self._table.sink_tokens
+
+    def first_held(self, seq: int) -> int:
+        """The first position of seq past its sink pages that it still holds: 0 until a
+        window released a page, then a multiple of page_size; seq holds [first_held,
+        length) and, with sink_tokens, its sink pages' positions [0, ceil(S / page_size)
+        * page_size) (`held`)."""
+        return self._table.get(seq).start
+
+    def held(self, seq: int) -> list[tuple[int, int]]:
+        """The committed positions seq holds, as [start, stop) ranges in position order:
+        [(0, length)] (none when empty), or once a window released pages, [(0, sink end),
+        (first_held, length)] (the first absent without sink positions). dequantize and
+        snapshots hold these positions, in this order."""
+        return self._table.held(self._table.get(seq))
+
+    def _attention_window(self, window: object, sink_tokens: object) -> tuple[Any, Any]:
+        """(decode_attention) The window and sink positions a call on this pool applies:
+        the caller's, unchanged, on a pool without a window; on a windowed pool the pool's
+        when window is None (sink_tokens None or 0 then take the pool's too), else the
+        caller's when they see no position the pool released (window <= W, sink_tokens
+        <= S): RangeError otherwise. Values that are not ints are passed on unchanged, for
+        decode_attention's own checks."""
+        W, S = self._table.window, self._table.sink_tokens
+        if W is None:
+            return window, sink_tokens
+        if window is None:
+            window = W
+            if sink_tokens is None or (sink_tokens.__class__ is int and sink_tokens == 0):
+                return W, S
+        if sink_tokens is None:
+            sink_tokens = 0
+        for name, value, most in (("window", window, W), ("sink_tokens", sink_tokens, S)):
+            if isinstance(value, (int, np.integer)) and not isinstance(value, bool) \
+                    and value > most:
+                raise RangeError(f"decode_attention on a pool of window {W} and sink_tokens "
+                                 f"{S} takes {name} <= {most}, got {value}: the pool released "
+                                 f"the positions it would see")
+        return window, sink_tokens
+
+    @property
     def num_pages(self) -> int:
         return self._table.num_pages
 
@@ -394,7 +464,8 @@ class KVPool:
         return self._table.get(seq).pending[check_index("layer", layer, self._num_layers)]
 
     def page_table(self, seq: int) -> np.ndarray:
-        """The page ids seq holds, in position order: int32 [ceil(held / page_size)] (a copy)."""
+        """The page ids seq holds, in position order: int32 [ceil(held / page_size)] (a copy);
+        -1 for a page a window released."""
         return np.array(self._table.get(seq).pages, np.int32)
 
     def pages_for(self, n: int) -> int:
@@ -413,8 +484,9 @@ class KVPool:
                      fill: int = -1) -> OutArray:
         """out int32 [B, M] (C-contiguous, writable): row b holds the pages of seqs[b]'s
         positions (committed, plus `layer`'s pending ones when given), then `fill`
-        (vLLM's block table): an int32 (DTypeError, RangeError otherwise). ShapeError when M
-        is too small or out overlaps the pool's storage; a refused call writes nothing."""
+        (vLLM's block table): an int32 (DTypeError, RangeError otherwise). A page a window
+        released reads -1 (whatever fill is). ShapeError when M is too small or out
+        overlaps the pool's storage; a refused call writes nothing."""
         with self._guard("block_tables"):
             if fill.__class__ is not int or not -2**31 <= fill < 2**31:
                 fill = check_int32("fill", fill)
@@ -435,17 +507,33 @@ class KVPool:
             return out
 
     def csr(self, seqs: Sequence[int], indptr: AnyArray, indices: AnyArray,
-            last_page_len: AnyArray, *, layer: int | None = None) -> int:
+            last_page_len: AnyArray, *, layer: int | None = None,
+            released: int | None = None) -> int:
         """The page tables of seqs in FlashInfer's CSR form, written into the caller's
         int32 arrays: indptr [B + 1], indices [>= nnz] (pages of seqs[b] at
         indices[indptr[b]:indptr[b + 1]]), last_page_len [B] (positions in the last page,
         1..page_size; 0 for an empty sequence). Positions: committed, plus `layer`'s
         pending ones when given. Returns nnz. ShapeError when two of the arrays overlap
-        (or one overlaps the pool's storage); a refused call writes nothing."""
+        (or one overlaps the pool's storage); a refused call writes nothing.
+        A sequence with pages a window released: their entries hold `released` (an int32,
+        e.g. a page id the kernel never reads, or -1 for one that skips them; positions keep
+        their place, so position p is still in entry p // page_size); StateError without
+        it (no entry may name a page the sequence does not hold)."""
         with self._guard("csr"):
+            if released is not None and (released.__class__ is not int
+                                         or not -2**31 <= released < 2**31):
+                released = check_int32("released", released)
             seqs = check_seq_ids("seqs", seqs)
             tabs = [(self._table.get(s).pages[:self.pages_for(n)], n)
                     for s, n in ((s, self._held(s, layer)) for s in seqs)]
+            if any(self._table.get(s).start for s in seqs):
+                s = next(s for s in seqs if self._table.get(s).start)
+                if released is None:
+                    raise StateError(
+                        f"csr: sequence {s} holds positions from {self._table.get(s).start} "
+                        f"only (window {self.window} released the pages before): pass "
+                        f"released= (the int32 its entries get) or use block_tables (-1)")
+                tabs = [([released if g < 0 else g for g in t], n) for t, n in tabs]
             nnz = sum(len(t) for t, _ in tabs)
             ptr = check_out("indptr", indptr, (len(seqs) + 1,), [np.int32])
             last = check_out("last_page_len", last_page_len, (len(seqs),), [np.int32])
@@ -477,17 +565,19 @@ class KVPool:
     def _rows(self, seq: int, layer: int, pending: bool) -> np.ndarray:
         layer = check_index("layer", layer, self._num_layers)
         s = self._table.get(seq)
-        n = s.length + (s.pending[layer] if pending else 0)
-        return np.array(self._table.rows(seq, 0, n), np.int64)
+        return np.array(self._table.held_rows(seq, s.length, s.pending[layer] if pending else 0),
+                        np.int64)
 
     def _gather(self, seq: int, layer: int, *, pending: bool = False) -> LayerArrays:
-        """(k_codes, v_codes, k_scales, v_scales) of seq's positions in one layer, copied in
-        position order (raw code dtype; scales None when S = 0). Internal (tests)."""
+        """(k_codes, v_codes, k_scales, v_scales) of seq's held positions in one layer
+        (`held`, then the pending ones when asked), copied in position order (raw code
+        dtype; scales None when S = 0). Internal (tests)."""
         return self._store.gather(layer, self._rows(seq, layer, pending))
 
     def dequantize(self, seq: int, layer: int, which: str, *, pending: bool = False) -> np.ndarray:
         """K (which="k") or V ("v") of seq's committed positions (and pending ones when
-        asked) decoded: float32 [n, Hkv, D], a new array."""
+        asked) decoded: float32 [n, Hkv, D], a new array. A windowed sequence gives the
+        positions it holds (`held`), in order."""
         with self._guard("dequantize"):
             if which not in ("k", "v"):
                 raise OutOfRangeError(f"which {which!r} out of range: expected 'k' or 'v'")
@@ -502,12 +592,36 @@ class KVPool:
 
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot a
-        KVCache makes: restores into a KVCache, a GpuKVCache or a pool sequence."""
+        KVCache makes: restores into a KVCache, a GpuKVCache or a pool sequence.
+        A windowed sequence that released pages gives the positions it holds: [0,
+        sink_end) and [start, n) (Snapshot.start = first_held(seq)), which only a windowed
+        KVPool restores; n must leave every position the window needs at n held
+        (StateError otherwise, as truncate)."""
         with self._guard("snapshot"):
-            length = self.length(seq)
-            rows = np.array(self._table.rows(seq, 0, length), np.int64)
-            return snapshot_parts(self._spec, length, n,
-                                  lambda layer, count: self._store.gather(layer, rows[:count]))
+            table = self._table
+            s = table.get(seq)
+            length = s.length
+            if not s.start:
+                rows = np.array(table.rows(seq, 0, length), np.int64)
+                return snapshot_parts(self._spec, length, n,
+                                      lambda layer, count: self._store.gather(layer, rows[:count]))
+            if n is None:
+                n = length
+            elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+                raise DTypeError(f"invalid type of n: expected int or None, got "
+                                 f"{type(n).__name__}")
+            if not 0 <= n <= length:
+                raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
+                                      f"0 <= n <= length {length}")
+            n = int(n)
+            table.check_cut(seq, s, n, "snapshot")
+            spans = table.held(s, n)
+            start, sink_end = (spans[-1][0], spans[0][1] if len(spans) > 1 else 0) \
+                if spans and spans[-1][0] else (0, 0)
+            rows = np.array(table.held_rows(seq, n), np.int64)
+            return snapshot_parts(self._spec, n, n,
+                                  lambda layer, count: self._store.gather(layer, rows),
+                                  start=start, sink_end=sink_end)
 
     def restore(self, snapshot: Snapshot, *, seq: int | None = None,
                 requantize: bool = False) -> int:
@@ -515,13 +629,21 @@ class KVPool:
         pending): a new one, or `seq`, whose content and pages it replaces; returns its id.
         Checked as KVCache.restore (SnapshotError; requantize=True re-encodes another
         format), StateError for an unknown seq, and CapacityError when the pool has too few
-        pages (free ones, plus those only seq holds): a refused call changes nothing."""
+        pages (free ones, plus those only seq holds): a refused call changes nothing.
+        A windowed pool keeps only the pages its window needs at snapshot.length, and
+        takes a snapshot of a windowed sequence (Snapshot.start > 0) when it holds every
+        position this pool's window and sink positions need there, on this pool's pages
+        (SnapshotError otherwise); a pool without a window refuses such a snapshot."""
         with self._guard("restore"):
-            snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize),
-                            self._storage)
             table = self._table
-            own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
+            snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize,
+                                         windowed=table.window is not None), self._storage)
+            start = self._restored_start(snap)
+            own = 0 if seq is None else sum(g >= 0 and table.refs[g] == 1
+                                            for g in table.get(seq).pages)
             need = self.pages_for(snap.length)
+            if start:
+                need -= start // self._ps - table.sink_pages
             if need > table.available() + own:
                 raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
                                     f"needs {need} pages, {table._short()}"
@@ -532,16 +654,44 @@ class KVPool:
                 table.truncate(seq, 0)
             restored = table.get(seq)
             restored.ids, restored.keys = None, []   # no token ids: never registered
-            plan = table.plan_write(None, [seq], [snap.length])
-            table.commit_write(plan)
-            rows = np.array(plan.rows, np.int64)
+            rows = np.array(table.place(seq, snap.length, start), np.int64)
+            at = _snapshot_index(snap, table.held(restored))
             for layer in range(self._num_layers):
                 for name, arr in zip(("k_codes", "v_codes", "k_scales", "v_scales"),
                                      self._store.layer_arrays(layer)):
                     if arr is not None:
-                        arr[rows] = getattr(snap, name)[layer]
-            table.get(seq).length = snap.length
+                        part = getattr(snap, name)[layer]
+                        arr[rows] = part if at is None else part[at]
             return seq
+
+    def _restored_start(self, snap: Snapshot) -> int:
+        """(restore, a checked snapshot) The first held position past the sink pages of
+        the sequence restoring snap makes: 0 (all of [0, length)) without a window or
+        when the window needs every page; else the window's first page at snap.length
+        (as an advance to that length leaves it), or the snapshot's own start when later.
+        SnapshotError when snap lacks a position the pool's window or sink positions need
+        at its length, or its held positions do not fall on this pool's pages."""
+        table, ps, n = self._table, self._ps, snap.length
+        if table.window is None:
+            return 0
+        cut = (n - table.window + 1) // ps
+        start = cut * ps if cut > table.sink_pages else 0
+        if not snap.start:
+            return start
+        sinks = table.sink_pages * ps
+        where = (f"the snapshot holds positions [0, {snap.sink_end}) and [{snap.start}, {n})")
+        if n - table.window + 1 < snap.start:
+            raise SnapshotError(f"{where}, but this pool's window {table.window} needs "
+                                f"positions from {max(0, n - table.window + 1)} at length {n}")
+        if snap.sink_end < sinks:
+            raise SnapshotError(f"{where}, but this pool keeps its sink pages, positions "
+                                f"[0, {sinks}) (sink_tokens {table.sink_tokens}, page_size "
+                                f"{ps})")
+        start = max(start, snap.start)
+        if start % ps:
+            raise SnapshotError(f"{where}: its first held position {snap.start} does not "
+                                f"start a page of this pool (page_size {ps})")
+        return start
 
     # -- the chunk store (docs/store.md) ---------------------------------------------
 
@@ -661,6 +811,7 @@ class KVPool:
         if seq.ids is not None and end > start:
             seq.ids += ids[start:end].astype("<i8", copy=False).tobytes()
             table._register(seq)
+        table.slide(seq)                      # a window keeps only the pages it sees
         return end - start
 
     def _put_rows(self, rows: np.ndarray, parts: dict[str, np.ndarray], skip: int) -> None:
@@ -731,6 +882,8 @@ class KVPool:
         s = self._spec
         return (f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
                 f"format={s.format!r}, pages={self.num_pages}x{self._ps}, "
+                + (f"window={self.window}, sink_tokens={self.sink_tokens}, "
+                   if self.window is not None else "") +
                 f"used={self.num_used_pages}, sequences={len(self._table.seqs)}"
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
@@ -758,6 +911,36 @@ def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
     if writer is not None and not (isinstance(writer, StoreWriter) and writer.store is store):
         raise SpecError("store_writer must be a kvcore.store.StoreWriter of the same store")
     return store, writer
+
+
+def _window(window: object, sink_tokens: object) -> tuple[int | None, int]:
+    """(window, sink_tokens) of a KVPool, checked (SpecError): window None or an int >= 1,
+    sink_tokens an int >= 0, and > 0 only with a window."""
+    if window is not None and (isinstance(window, bool)
+                               or not isinstance(window, (int, np.integer)) or window < 1):
+        raise SpecError(f"window must be None or an int >= 1 (positions a query sees, its "
+                        f"own included), got {window!r}")
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, (int, np.integer)) \
+            or sink_tokens < 0:
+        raise SpecError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    if sink_tokens and window is None:
+        raise SpecError(f"sink_tokens={sink_tokens} needs a window (window=W): without one "
+                        f"every position stays visible")
+    return (None if window is None else int(window)), int(sink_tokens)
+
+
+def _snapshot_index(snap: Snapshot, spans: list[tuple[int, int]]) -> np.ndarray | None:
+    """The indices into a snapshot's position axis of the positions in spans (each held
+    by the snapshot), in order; None when they are all of its positions, in order."""
+    if not snap.start:
+        at = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else _EMPTY_ROWS
+    else:
+        at = np.concatenate([np.arange(a, b) if a < snap.sink_end
+                             else np.arange(a, b) - snap.start + snap.sink_end
+                             for a, b in spans]) if spans else _EMPTY_ROWS
+    if at.size == snap.k_codes.shape[1] and (at.size == 0 or (at[0] == 0 and at[-1] == at.size - 1)):
+        return None
+    return at
 
 
 def _counts(counts: object, n: int) -> list[int]:

@@ -40,7 +40,10 @@ from .spec import KVSpec
 if TYPE_CHECKING:
     from .cache import KVCache
 
-FILE_VERSION = 2  # 2 adds the XXH3-128 digests; version 1 files (SHA-256 only) still load
+FILE_VERSION = 3  # 3 adds start and sink_end (a windowed sequence's snapshot), 2 XXH3-128
+# digests; a snapshot of all its positions is still written as version 2 (older kvcore reads
+# it), and versions 1 (SHA-256 only) and 2 still load
+_WINDOWED_VERSION = 3
 # Per-tensor digests in the metadata (hex, fixed width): SHA-256, the content address any
 # tool can recompute, and XXH3-128, which load checks by default (over 10x faster).
 class _Hash(Protocol):
@@ -67,11 +70,14 @@ _READ_CHUNK = 1 << 20  # load reads and hashes in pieces of this size (hashed wh
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
-    """Positions [0, length) of every layer of a cache.
+    """Positions [0, length) of every layer of a cache, or, for a sequence of a windowed
+    KVPool that released pages (start > 0), its held positions [0, sink_end) and
+    [start, length): N = sink_end + length - start positions in all, in that order.
 
-    k_codes, v_codes: [L, length, Hkv, D], the format's code dtype, C-contiguous.
-    k_scales, v_scales: [L, length, Hkv, S], the format's scale dtype; None when the
+    k_codes, v_codes: [L, N, Hkv, D], the format's code dtype, C-contiguous.
+    k_scales, v_scales: [L, N, Hkv, S], the format's scale dtype; None when the
     format has no scales (S = 0).
+    start, sink_end: 0 <= sink_end < start <= length, or both 0 (all positions held).
     """
 
     spec: KVSpec
@@ -80,20 +86,28 @@ class Snapshot:
     v_codes: np.ndarray
     k_scales: np.ndarray | None = None
     v_scales: np.ndarray | None = None
+    start: int = 0
+    sink_end: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
             raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(self.spec).__name__}")
-        if isinstance(self.length, bool) or not isinstance(self.length, (int, np.integer)):
-            raise DTypeError(f"invalid type of length: expected int, got "
-                             f"{type(self.length).__name__}")
-        object.__setattr__(self, "length", int(self.length))
+        for name in ("length", "start", "sink_end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise DTypeError(f"invalid type of {name}: expected int, got "
+                                 f"{type(value).__name__}")
+            object.__setattr__(self, name, int(value))
         s, f = self.spec, self.spec.fmt
         if not 0 <= self.length <= s.capacity:
             raise SnapshotError(
                 f"snapshot length {self.length} out of range: expected 0 <= length <= {s.capacity}")
-        code_shape = (s.num_layers, self.length, s.num_kv_heads, s.head_dim)
-        scale_shape = (s.num_layers, self.length, s.num_kv_heads, f.scales_per_row(s.head_dim))
+        if (self.start or self.sink_end) and not 0 <= self.sink_end < self.start <= self.length:
+            raise SnapshotError(f"snapshot start {self.start} and sink_end {self.sink_end} out "
+                                f"of range: expected 0 <= sink_end < start <= length "
+                                f"{self.length}, or both 0")
+        code_shape = (s.num_layers, self.held, s.num_kv_heads, s.head_dim)
+        scale_shape = (s.num_layers, self.held, s.num_kv_heads, f.scales_per_row(s.head_dim))
         for name in ("k_codes", "v_codes"):
             _check_part(name, getattr(self, name), code_shape, f.code_dtype)
         for name in ("k_scales", "v_scales"):
@@ -102,6 +116,11 @@ class Snapshot:
                 _check_part(name, arr, scale_shape, f.scale_dtype)
             elif arr is not None:
                 raise SnapshotError(f"snapshot of format {f.name} has no scales, got {name}")
+
+    @property
+    def held(self) -> int:
+        """Positions the arrays hold: length, or sink_end + length - start."""
+        return self.length - self.start + self.sink_end
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +138,8 @@ class Snapshot:
         (SHA-256 and XXH3-128 per tensor).
         """
         path = os.fspath(path)
-        parts = [(name, getattr(self, name)) for name, _, _ in _layout(self.spec, self.length)]
-        meta = _metadata(self.spec, self.length)
+        parts = [(name, getattr(self, name)) for name, _, _ in _layout(self.spec, self.held)]
+        meta = _metadata(self.spec, self.length, self.start, self.sink_end)
         meta.update({f"{algo}_{name}": "0" * new().digest_size * 2
                      for algo, new in _DIGESTS.items() for name, _ in parts})
         meta["sha256"] = "0" * 64
@@ -168,11 +187,13 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
 
 
 def snapshot_parts(spec: KVSpec, length: int, n: int | None,
-                   layer_parts: Callable[[int, int], Iterable[np.ndarray | None]]) -> Snapshot:
+                   layer_parts: Callable[[int, int], Iterable[np.ndarray | None]], *,
+                   start: int = 0, sink_end: int = 0) -> Snapshot:
     """A Snapshot of positions [0, n) (n defaults to length; OutOfRangeError unless
-    0 <= n <= length) of a sequence of `spec`: layer_parts(layer, n) gives (k_codes,
-    v_codes, k_scales, v_scales) of that layer's first n positions, token-major
-    [n, Hkv, D] / [n, Hkv, S] or None (shared by KVCache and KVPool)."""
+    0 <= n <= length) of a sequence of `spec`: layer_parts(layer, N) gives (k_codes,
+    v_codes, k_scales, v_scales) of that layer's N held positions of [0, n) (all n of
+    them; with start > 0, [0, sink_end) and [start, n)), token-major [N, Hkv, D] /
+    [N, Hkv, S] or None (shared by KVCache and KVPool)."""
     if n is None:
         n = length
     elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -181,12 +202,13 @@ def snapshot_parts(spec: KVSpec, length: int, n: int | None,
         raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
                               f"0 <= n <= length {length}")
     n = int(n)
-    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, n)}
+    held = n - start + sink_end
+    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, held)}
     for layer in range(spec.num_layers):
-        for name, arr in zip(_PART_NAMES, layer_parts(layer, n)):
+        for name, arr in zip(_PART_NAMES, layer_parts(layer, held)):
             if arr is not None:
                 parts[name][layer] = arr
-    return Snapshot(spec, n, **parts)
+    return Snapshot(spec, n, **parts, start=start, sink_end=sink_end)
 
 
 def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = False) -> None:
@@ -216,9 +238,15 @@ def detached(snap: Snapshot, storage: np.ndarray) -> Snapshot:
     return snap
 
 
-def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> Snapshot:
+def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False,
+                 windowed: bool = False) -> Snapshot:
     """The snapshot to write into a cache of `spec`, checked; shared by the CPU and GPU
     caches' restore.
+
+    A snapshot of a windowed sequence (start > 0: positions [sink_end, start) were
+    released) is refused unless `windowed` (a KVPool with a window, which checks the
+    positions against its own window): a cache without a window would attend to
+    positions it does not hold.
 
     Refuses (SnapshotError) a snapshot of another num_layers, num_kv_heads or head_dim,
     one longer than spec.capacity, one of another format unless requantize=True, and one
@@ -233,6 +261,11 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False) -> S
     if not isinstance(snap, Snapshot):
         raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
                          f"got {type(snap).__name__}")
+    if snap.start and not windowed:
+        raise SnapshotError(
+            f"the snapshot holds positions [0, {snap.sink_end}) and [{snap.start}, "
+            f"{snap.length}) of a windowed KVPool's sequence (the window released the rest): "
+            f"only a KVPool with a window (KVPool(..., window=W)) restores it")
     have, want = snap.spec, spec
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         if getattr(have, key) != getattr(want, key):
@@ -310,7 +343,7 @@ def _requantize(snap: Snapshot, fmt: Format) -> Snapshot:
     """snap decoded to float32 and re-encoded in `fmt`, layer by layer."""
     from .quant import dequantize, quantize
     spec, src = snap.spec.replace(format=fmt.name), snap.spec.fmt
-    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.length)}
+    parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.held)}
     for which in ("k", "v"):
         codes, scales = getattr(snap, f"{which}_codes"), getattr(snap, f"{which}_scales")
         for layer in range(spec.num_layers):
@@ -323,7 +356,7 @@ def _requantize(snap: Snapshot, fmt: Format) -> Snapshot:
             parts[f"{which}_codes"][layer] = c.view(fmt.code_dtype)
             if s is not None:
                 parts[f"{which}_scales"][layer] = s
-    return Snapshot(spec, snap.length, **parts)
+    return Snapshot(spec, snap.length, **parts, start=snap.start, sink_end=snap.sink_end)
 
 
 # ---------------------------------------------------------------------------- files
@@ -340,10 +373,14 @@ def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dt
     return out + [("k_codes", codes, f.code_dtype), ("v_codes", codes, f.code_dtype)]
 
 
-def _metadata(spec: KVSpec, length: int) -> dict[str, str]:
+def _metadata(spec: KVSpec, length: int, start: int = 0, sink_end: int = 0) -> dict[str, str]:
+    """The metadata before the digests: version 2 for a snapshot of all its positions,
+    3 with start and sink_end for a windowed sequence's (start > 0)."""
     from . import __version__
-    meta = {"file_version": str(FILE_VERSION), "kvcore_version": __version__,
-            "format": spec.format, "length": str(length)}
+    meta = {"file_version": str(_WINDOWED_VERSION if start else 2),
+            "kvcore_version": __version__, "format": spec.format, "length": str(length)}
+    if start:
+        meta.update(start=str(start), sink_end=str(sink_end))
     meta.update({k: str(getattr(spec, k)) for k in _SPEC_KEYS})
     return meta
 
@@ -523,10 +560,11 @@ def load_snapshot(path: str | os.PathLike[str], *, verify: bool | str = True) ->
                                 f"the limit of {_MAX_HEADER_BYTES} bytes")
         raw = f.read(header_len)
         try:
-            spec, length, meta, offsets = _parse_header(raw, size - 8 - header_len)
+            spec, (length, start, sink_end), meta, offsets = _parse_header(raw,
+                                                                           size - 8 - header_len)
         except SnapshotError as e:
             raise SnapshotError(f"snapshot file {path!r}: {e}") from None
-        layout = _layout(spec, length)
+        layout = _layout(spec, length - start + sink_end)
         data = np.empty(size - 8 - header_len, np.uint8)
         views = [data[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].data
                  for name, shape, dtype in layout]
@@ -543,12 +581,13 @@ def load_snapshot(path: str | os.PathLike[str], *, verify: bool | str = True) ->
     frozen = np.frombuffer(data.data.toreadonly(), np.uint8)
     arrays = {name: frozen[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize]
               .view(dtype).reshape(shape) for name, shape, dtype in layout}
-    return Snapshot(spec, length, **arrays)
+    return Snapshot(spec, length, **arrays, start=start, sink_end=sink_end)
 
 
-def _parse_header(raw: bytes, data_len: int) -> tuple[KVSpec, int, dict[str, str], dict[str, int]]:
+def _parse_header(raw: bytes, data_len: int
+                  ) -> tuple[KVSpec, tuple[int, int, int], dict[str, str], dict[str, int]]:
     """Validates the JSON header against the data section's size; returns
-    (spec, length, metadata, {tensor name: offset in the data section})."""
+    (spec, (length, start, sink_end), metadata, {tensor name: offset in the data section})."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -558,9 +597,10 @@ def _parse_header(raw: bytes, data_len: int) -> tuple[KVSpec, int, dict[str, str
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SnapshotError("header has no __metadata__ of strings: not a kvcore snapshot")
-    spec, length = _parse_metadata(meta)
-    layout = _layout(spec, length)
-    return spec, length, meta, _parse_table(header, layout, data_len)
+    spec, span = _parse_metadata(meta)
+    length, start, sink_end = span
+    layout = _layout(spec, length - start + sink_end)
+    return spec, span, meta, _parse_table(header, layout, data_len)
 
 
 def _meta_uint(meta: dict[str, str], key: str) -> int:
@@ -571,7 +611,9 @@ def _meta_uint(meta: dict[str, str], key: str) -> int:
     return int(value)
 
 
-def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
+def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, tuple[int, int, int]]:
+    """The spec and (length, start, sink_end); start and sink_end are 0 in files before
+    version 3 and in version 3 files of a snapshot of all its positions."""
     if "file_version" not in meta:
         raise SnapshotError("metadata has no file_version: not a kvcore snapshot")
     version = _meta_uint(meta, "file_version")
@@ -588,6 +630,8 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
     algos = ["sha256"] if version == 1 else list(_DIGESTS)
     expected = {"file_version", "kvcore_version", "format", "length", "sha256",
                 *_SPEC_KEYS, *(f"{algo}_{n}" for algo in algos for n in names)}
+    if version >= _WINDOWED_VERSION:
+        expected |= {"start", "sink_end"}
     if set(meta) != expected:
         missing, extra = sorted(expected - set(meta)), sorted(set(meta) - expected)
         raise SnapshotError(f"metadata keys differ from a file of format {fmt.name}: "
@@ -601,7 +645,13 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, int]:
     length = _meta_uint(meta, "length")
     if length > spec.capacity:
         raise SnapshotError(f"metadata length {length} exceeds capacity {spec.capacity}")
-    return spec, length
+    start = sink_end = 0
+    if version >= _WINDOWED_VERSION:
+        start, sink_end = _meta_uint(meta, "start"), _meta_uint(meta, "sink_end")
+        if not 0 <= sink_end < start <= length:
+            raise SnapshotError(f"metadata start {start} and sink_end {sink_end} out of range: "
+                                f"expected 0 <= sink_end < start <= length {length}")
+    return spec, (length, start, sink_end)
 
 
 def _parse_table(table: dict[str, Any], layout: list[tuple[str, tuple[int, ...], np.dtype]],

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore import (DTypeError, KVCache, KVSpec, NonFiniteError, OutOfRangeError, ShapeError,
-                    StateError, decode_attention)
+from kvcore import (DTypeError, KVCache, KVSpec, NonFiniteError, OutOfRangeError, RangeError,
+                    ShapeError, StateError, decode_attention)
 
 FORMATS = list(kvcore.FORMATS)
 TOL = 1e-5
@@ -342,3 +342,218 @@ def test_benchmark_probes(rng, threads):
             fma_burn(-1)
     finally:
         kvcore.set_num_threads(0)
+
+
+# ---------------------------------------------------------------- variants (docs/variants.md)
+# Every variant against the float64 reference of tests/_attention_reference.py, on the
+# cache's own dequantized K/V.
+
+from _attention_reference import reference_attention  # noqa: E402
+
+SOFTCAP_TOL = 8 * 2.0**-24   # per unit of c: the capped scores' few-ulp tanh, times c
+
+
+def variant_cases(rng, hq, n, T):
+    """(name, kwargs) of the variants and their edges for T tokens over n positions."""
+    big = rng.standard_normal(hq).astype(np.float32) * 3
+    return [
+        ("window 1", dict(window=1)),
+        ("window >= n", dict(window=n + 5)),
+        ("window mid-tile", dict(window=37)),
+        ("window edge of the first token", dict(window=n - T + 1)),
+        ("sinks outside the window", dict(window=40, sink_tokens=4)),
+        ("sinks overlapping the window", dict(window=n - T - 10, sink_tokens=n - T - 5)),
+        ("sink logits", dict(sinks=big)),
+        ("a dominant sink logit", dict(sinks=np.full(hq, 25.0, np.float32))),
+        ("softcap small", dict(softcap=0.3)),
+        ("softcap large", dict(softcap=50.0)),
+        ("everything", dict(window=45, sink_tokens=3, sinks=big, softcap=2.0)),
+    ]
+
+
+def check_variant(q, cache, layer, kw, threads=(1, 2), scale=None):
+    """decode_attention with kw against the reference (out and lse), on each thread count;
+    the same bits on each call."""
+    k = cache.dequantize(layer, "k", pending=True)
+    v = cache.dequantize(layer, "v", pending=True)
+    ref, ref_lse = reference_attention(q, k, v, scale=scale, return_lse=True, **kw)
+    tol = TOL + SOFTCAP_TOL * kw.get("softcap", 0)
+    for nt in threads:
+        kvcore.set_num_threads(nt)
+        try:
+            out, lse = decode_attention(q, cache, layer, scale=scale, return_lse=True, **kw)
+            again = decode_attention(q, cache, layer, scale=scale, **kw)
+        finally:
+            kvcore.set_num_threads(0)
+        assert out.tobytes() == again.tobytes()
+        assert rel_err(out, ref) < tol, (kw, nt)
+        assert np.abs(lse - ref_lse).max() < 1e-5 * max(1, np.abs(ref_lse).max()), (kw, nt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_variants_every_format(rng, fmt):
+    """Each variant and its edges, one token and T = 5 (rows 0..4 see windows ending at
+    n - 5 .. n - 1), every format, 1 and 2 threads."""
+    n = 200
+    cache = make_cache(rng, fmt, 2, 4, 64, n, layers=1)
+    for T in (1, 5):
+        q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+        for _, kw in variant_cases(rng, 8, n, T):
+            check_variant(q, cache, 0, kw)
+
+
+@pytest.mark.parametrize("group, d", [(1, 3), (1, 70), (8, 3), (8, 70), (8, 128)])
+def test_variants_gqa_and_odd_head_dims(rng, group, d):
+    cache = make_cache(rng, "int8", 2, group, d, 150, layers=1)
+    q = rng.standard_normal((3, 2 * group, d)).astype(np.float32)
+    sinks = rng.standard_normal(2 * group).astype(np.float32)
+    for kw in (dict(window=20, sink_tokens=2), dict(sinks=sinks, softcap=1.5),
+               dict(window=64, sinks=sinks, softcap=20.0)):
+        check_variant(q, cache, 0, kw, threads=(2,))
+
+
+@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
+@pytest.mark.parametrize("T, group", [(20, 2), (60, 4), (200, 1)])
+def test_variants_multi_token_across_the_window_edge(rng, fmt, T, group):
+    """T tokens whose windows start T positions apart, crossing tile boundaries: split-wise
+    (T x G <= 128 rows per kv head) and row-wise (more: prefill blocks of 256 rows, whose
+    tiles before every row's window are skipped), 1 to 3 threads."""
+    n = 330
+    cache = make_cache(rng, fmt, 2, group, 64, n, layers=1)
+    q = rng.standard_normal((T, 2 * group, 64)).astype(np.float32)
+    for kw in (dict(window=70), dict(window=50, sink_tokens=6, softcap=5.0),
+               dict(window=130, sinks=np.full(2 * group, 1.0, np.float32))):
+        check_variant(q, cache, 0, kw, threads=(1, 3))
+
+
+def test_window_covering_everything_is_the_plain_call(rng):
+    """A window that holds every position a row sees, no sink positions, no sink logits, no
+    cap: the same bits as the plain call (one and many tokens, split-wise and row-wise)."""
+    cache = make_cache(rng, "bf16", 2, 4, 64, 300, layers=1)
+    for T in (1, 7, 100):
+        q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+        plain, plain_lse = decode_attention(q, cache, 0, return_lse=True)
+        for kw in (dict(window=300), dict(window=10**30), dict(window=300, sink_tokens=0),
+                   dict(window=None, sink_tokens=0, sinks=None, softcap=None)):
+            out, lse = decode_attention(q, cache, 0, return_lse=True, **kw)
+            assert out.tobytes() == plain.tobytes() and lse.tobytes() == plain_lse.tobytes()
+
+
+def test_window_never_reads_the_positions_before_it(rng):
+    """NaN K and V written (raw codes) into the positions no row sees, between the sink
+    positions and the window: a kernel that read them (even masked: weight 0 x NaN) would
+    give NaN and refuse the call. n = 5000: the window's 300 positions, and 4 sinks."""
+    n, W, S, T = 5000, 300, 4, 3
+    cache = make_cache(rng, "f32", 2, 4, 64, n, layers=1)
+    k, v = cache.dequantize(0, "k"), cache.dequantize(0, "v")
+    kc, vc, _, _ = cache._layer_arrays(0)
+    kc[S:n - T - W + 1] = np.nan
+    vc[S:n - T - W + 1] = np.nan
+    q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+    for nt in (1, 2):
+        kvcore.set_num_threads(nt)
+        try:
+            out = decode_attention(q, cache, 0, window=W, sink_tokens=S)
+        finally:
+            kvcore.set_num_threads(0)
+        want = reference_attention(q, k, v, scale=None, window=W, sink_tokens=S)
+        assert rel_err(out, want) < TOL
+
+
+def test_dominant_sink_logit(rng):
+    """A sink logit far above every score takes all the weight: out is 0 (every weight
+    exp(s - sink) underflows) and lse the sink; one a little above: out small, still within
+    rounding of the reference."""
+    cache = make_cache(rng, "fp8_e4m3", 2, 4, 64, 100, layers=1)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    sinks = np.full(8, 3e4, np.float32)
+    out, lse = decode_attention(q, cache, 0, sinks=sinks, return_lse=True)
+    assert not out.any() and (lse == sinks).all()
+    check_variant(q, cache, 0, dict(sinks=np.linspace(8, 12, 8).astype(np.float32)))
+
+
+def test_softcap_of_large_scores(rng):
+    """Scores near 1e4 capped at c = 30: the capped scores lie in [-30, 30], so the call is
+    as accurate as for small scores (the raw scores' float32 error is flattened by tanh)."""
+    cache = make_cache(rng, "int8", 2, 4, 128, 300, layers=1)
+    q = (rng.standard_normal((2, 8, 128)) * 1000).astype(np.float32)
+    check_variant(q, cache, 0, dict(softcap=30.0), scale=1.0)
+
+
+def test_softcap_values():
+    """The kernels' c * tanh(x / c) (kvcore._attention.softcap_values) over every 251st
+    float32 in [2^-30, 16) (times c) and its negatives, against float64: within 6 ulp
+    (Eigen's rational approximation: 1.3e-7 relative in exact arithmetic, 4.9 ulp measured
+    over every 3rd float32); tanh(+-inf) and NaN give NaN (a score past float32 refuses the
+    call, capped or not)."""
+    from kvcore._attention import softcap_values
+    lo, hi = np.float32(2.0**-30).view(np.uint32), np.float32(16).view(np.uint32)
+    x = np.arange(lo, hi, 251, dtype=np.uint32).view(np.float32)
+    for c in (1.0, 0.125, 50.0):
+        xc = (x * np.float32(c)).astype(np.float32)
+        out = np.empty_like(xc)
+        softcap_values(xc, c, out)
+        want = c * np.tanh(xc.astype(np.float64) / c)
+        ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+        assert (np.abs(out - want) / ulp).max() < 6, c
+        neg = np.empty_like(xc)
+        softcap_values(-xc, c, neg)
+        assert (neg == -out).all()
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 16.0, 3e38, -3e38], np.float32)
+    out = np.empty_like(special)
+    softcap_values(special, 2.0, out)
+    assert np.isnan(out[:3]).all() and not out[3:5].any()
+    assert (out[5:7] == 2.0).all() and out[7] == -2.0   # saturated: c itself
+
+
+def test_sinks_in_other_float_dtypes(rng):
+    """float16 (and bfloat16, with ml_dtypes) sink logits are converted exactly: the same
+    bits as their float32 values; an array of another library goes through DLPack."""
+    cache = make_cache(rng, "f16", 2, 4, 64, 50, layers=1)
+    q = rng.standard_normal((8, 64)).astype(np.float32)
+    s16 = rng.standard_normal(8).astype(np.float16)
+    want = decode_attention(q, cache, 0, sinks=s16.astype(np.float32))
+    assert decode_attention(q, cache, 0, sinks=s16).tobytes() == want.tobytes()
+    assert decode_attention(q, cache, 0, sinks=s16.astype(np.float32)[::-1][::-1]
+                            ).tobytes() == want.tobytes()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    sb = s16.astype(ml_dtypes.bfloat16)
+    assert decode_attention(q, cache, 0, sinks=sb).tobytes() == \
+        decode_attention(q, cache, 0, sinks=sb.astype(np.float32)).tobytes()
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(window=0), RangeError, "window must be an int >= 1"),
+    (dict(window=-3), RangeError, "window must be an int >= 1"),
+    (dict(window=4.0), DTypeError, r"invalid type of window: expected int, got float"),
+    (dict(window=True), DTypeError, "invalid type of window: expected int, got bool"),
+    (dict(window=8, causal=False), RangeError, "a window needs causal=True"),
+    (dict(window=8, sink_tokens=-1), RangeError, "sink_tokens must be an int >= 0"),
+    (dict(sink_tokens=2), RangeError, "sink_tokens=2 needs a window"),
+    (dict(window=8, sink_tokens=1.0), DTypeError, "invalid type of sink_tokens"),
+    (dict(softcap=0.0), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=-1), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=float("inf")), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=float("nan")), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=1e39), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=1e-50), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap=10**400), RangeError, "softcap must be a finite float32 > 0"),
+    (dict(softcap="5"), DTypeError, "invalid type of softcap: expected float, got str"),
+    (dict(softcap=True), DTypeError, "invalid type of softcap: expected float, got bool"),
+    (dict(sinks=np.zeros(4, np.float32)), ShapeError,
+     r"invalid shape of sinks: expected \[8\], got \[4\]"),
+    (dict(sinks=np.zeros((1, 8), np.float32)), ShapeError, "invalid shape of sinks"),
+    (dict(sinks=np.zeros(8)), DTypeError, "invalid dtype of sinks: expected float32"),
+    (dict(sinks=np.zeros(8, np.int32)), DTypeError, "invalid dtype of sinks"),
+    (dict(sinks=[0.0] * 8), DTypeError, "invalid type of sinks"),
+    (dict(sinks=np.array([0, 0, 0, np.inf, 0, 0, 0, 0], np.float32)), NonFiniteError,
+     r"non-finite value in sinks: sinks\[3\] = inf"),
+    (dict(sinks=np.full(8, np.nan, np.float16)), NonFiniteError, "non-finite value in sinks"),
+])
+def test_variants_refused_with_out_untouched(rng, kw, error, match):
+    cache = make_cache(rng, "int8", 2, 4, 64, 20, layers=1)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    out = np.full_like(q, 7.0)
+    with pytest.raises(error, match=match):
+        decode_attention(q, cache, 0, out=out, **kw)
+    assert (out == 7.0).all()

@@ -16,7 +16,10 @@ from kvcore.errors import CudaError
 from kvcore.formats import get_format
 from kvcore.gpu._emu import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler (g++) on PATH")
+from _attention_reference import reference_attention
+
+pytestmark = [pytest.mark.emu,
+              pytest.mark.skipif(not kernels.available(), reason="no C++ compiler (g++) on PATH")]
 
 CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu_cases")
 FORMATS = ["f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"]
@@ -69,9 +72,10 @@ def test_entries_from_the_signatures():
     # (slot and paged storage) x (D 64, 128, 256, run-time D) x (1, 2, 4, 8 heads per block)
     assert len(attn.entries) == 32 and {"kv_attn_q8_0_d256_g8", "kv_pattn_q8_0_dx_g1"} <= set(attn.entries)
     assert [p.is_pointer for p in attn.entries["kv_attn_q8_0_d64_g1"]] == (
-        [True] * 5 + [False] * 3 + [True] + [False] * 4 + [True] * 4)
+        [True] * 5 + [False] * 3 + [True] + [False] * 4 + [True] * 4 + [False] * 3 + [True])
     assert [p.is_pointer for p in attn.entries["kv_pattn_q8_0_dx_g1"]] == (
-        [True] * 5 + [False] + [True] * 2 + [False] * 5 + [True] + [False] * 4 + [True] * 4)
+        [True] * 5 + [False] + [True] * 2 + [False] * 5 + [True] + [False] * 4 + [True] * 4
+        + [False] * 3 + [True])   # the variants: window, sink_tokens, softcap2, sinks
 
 
 def test_load_is_cached_and_a_build_error_names_the_compiler_error(tmp_path):
@@ -293,9 +297,11 @@ def _heads_per_block(group):
     return next(b for b in (8, 4, 2, 1) if group % b == 0)
 
 
-def run_attention(fmt, D, group, Hkv, lengths, N, nsplit, rng, *, extra=0, seed=0, q_dtype="float32"):
-    """Launches kv_attn_<fmt> (and the merge) over a cache made with kvcore.quantize;
-    returns (out, the float64 reference)."""
+def run_attention(fmt, D, group, Hkv, lengths, N, nsplit, rng, *, extra=0, seed=0, q_dtype="float32",
+                  window=None, sink_tokens=0, sinks=None, softcap=None):
+    """Launches kv_attn_<fmt> (and the merge) over a cache made with kvcore.quantize, with
+    the variants of docs/variants.md (the query of slot m at its last position); returns
+    (out, the float64 reference)."""
     f = get_format(fmt)
     M, Hq, GB = len(lengths), Hkv * group, _heads_per_block(group)
     kx = rng.standard_normal((M, Hkv, N, D)).astype(np.float32) * 2
@@ -316,9 +322,13 @@ def run_attention(fmt, D, group, Hkv, lengths, N, nsplit, rng, *, extra=0, seed=
     ws_lse = np.full((M, Hq, nsplit), np.nan, np.float32)
     scale = 1.0 / math.sqrt(D)
     mod = kernels.load(f"attention_{fmt}")
-    _launch(mod, f"kv_attn_{fmt}_d{D}_g{GB}", (nsplit, Hkv * group // GB, M), (128, 1, 1),
+    sinks32 = None if sinks is None else np.asarray(sinks, np.float32)
+    dn = D if D in (64, 128, 256) else "x"   # other head_dims: the run-time-D instance
+    _launch(mod, f"kv_attn_{fmt}_d{dn}_g{GB}", (nsplit, Hkv * group // GB, M), (128, 1, 1),
             ptrs[0], ptrs[1], sptrs[0], sptrs[1], lens, extra, N, D, q, dt_id, Hq, group,
-            ctypes.c_float(scale * LOG2E), out, 0, ws_o, ws_lse, seed=seed)
+            ctypes.c_float(scale * LOG2E), out, 0, ws_o, ws_lse, window or 0, sink_tokens,
+            ctypes.c_float(np.float32((softcap or 0.0) * LOG2E)),
+            0 if sinks32 is None else sinks32, seed=seed)
     if nsplit > 1:
         _launch(kernels.load("attention"), "kv_attn_merge", (M * Hq, 1, 1), (D, 1, 1), ws_o, ws_lse, out,
                 0, nsplit, D, seed=seed)
@@ -327,12 +337,11 @@ def run_attention(fmt, D, group, Hkv, lengths, N, nsplit, rng, *, extra=0, seed=
     qf = q.astype(np.float64)
     for m in range(M):
         n = max(0, min(lengths[m] + extra, N))
-        for h in range(Hq):
-            if n == 0:
-                continue
-            s = K[m, h // group, :n] @ qf[m, h] * scale
-            p = np.exp(s - s.max())
-            ref[m, h] = p @ V[m, h // group, :n] / p.sum()
+        if n:
+            ref[m] = reference_attention(qf[m], K[m, :, :n].transpose(1, 0, 2),
+                                         V[m, :, :n].transpose(1, 0, 2), scale=scale,
+                                         window=window, sink_tokens=sink_tokens, sinks=sinks32,
+                                         softcap=softcap)
     return out, ref
 
 
@@ -357,6 +366,25 @@ def test_attention_full_slots(fmt, D, rng):
     any read past a full slot."""
     N = 96 if D < 256 else 48
     out, ref = run_attention(fmt, D, 2, 2, [N, N - 1], N, 3, rng, extra=1)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt,D,group,lengths,N,nsplit,window,sink_tokens,softcap,sinks", [
+    ("int8", 64, 4, [100, 7, 0], 128, 1, 30, 3, None, None),       # sinks + window, one split
+    ("q8_0", 96, 2, [300, 129], 320, 3, 150, 5, 20.0, True),      # split, a sink tile, run-time D
+    ("f16", 128, 1, [40, 200], 200, 2, 64, 0, 2.0, True),         # window without sink positions
+    ("fp8_e4m3", 64, 8, [90], 96, 1, 100, 4, None, True),         # window past the length
+])
+def test_attention_variants_against_float64(fmt, D, group, lengths, N, nsplit, window, sink_tokens,
+                                            softcap, sinks, rng):
+    """The variants of docs/variants.md on the emulated kernel itself (launched directly):
+    window, sink positions, sink logits (an empty slot's out is 0), soft-capping, with one
+    split and several (the sink logit joins split 0 only)."""
+    Hq = 2 * group if fmt != "fp8_e4m3" else group
+    s = rng.uniform(-2, 4, Hq).astype(np.float32) if sinks else None
+    out, ref = run_attention(fmt, D, group, 2 if fmt != "fp8_e4m3" else 1, lengths, N, nsplit, rng,
+                             seed=1, window=window, sink_tokens=sink_tokens, sinks=s,
+                             softcap=softcap)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 

@@ -385,6 +385,20 @@ def test_decode_attention_one_off(rng):
     cache.free()
 
 
+def _one_filled_slot(fmt, group, rng, n=157):
+    """(spec, parts, GpuKVCache of 2 slots, KVCache): slot 1 and the KVCache hold the same n
+    random positions, slot 0 is empty; Hkv 2, D 64, group query heads per kv head."""
+    import kvcore
+    from kvcore.gpu import GpuKVCache
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=200, num_heads=2 * group, format=fmt)
+    parts = random_parts(spec, n, rng)
+    cache = GpuKVCache(spec, slots=2)
+    cache.scatter(Snapshot(spec, n, *parts), 1)
+    cpu = kvcore.KVCache(spec)
+    cpu.restore(Snapshot(spec, n, *parts))
+    return spec, parts, cache, cpu
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "q8_0"])
 @pytest.mark.parametrize("group", [1, 8])
@@ -392,15 +406,8 @@ def test_decode_attention_one_off_lse(fmt, group, rng):
     """return_lse gives (out, lse) as the CPU decode_attention does: lse [M, Hq] the
     natural log-sum-exp of each row's scaled scores, -inf for an empty slot."""
     import kvcore
-    from kvcore.gpu import GpuKVCache
     from kvcore.gpu.attention import decode_attention
-    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=200, num_heads=2 * group, format=fmt)
-    n = 157
-    parts = random_parts(spec, n, rng)
-    cache = GpuKVCache(spec, slots=2)
-    cache.scatter(Snapshot(spec, n, *parts), 1)
-    cpu = kvcore.KVCache(spec)
-    cpu.restore(Snapshot(spec, n, *parts))
+    spec, parts, cache, cpu = _one_filled_slot(fmt, group, rng)
     q = rng.standard_normal((2, 2 * group, 64)).astype(np.float32)
     out, lse = decode_attention(_device_array(q), cache, 0, return_lse=True)
     out, lse = out.to_numpy(), lse.to_numpy()
@@ -491,3 +498,190 @@ def test_reference_helpers_agree_with_cpu_decode_attention(fmt, rng):
     ref = reference(q.astype(np.float64), dequantize(parts[0], parts[2], fmt)[0],
                     dequantize(parts[1], parts[3], fmt)[0], 1 / 8)
     assert rel_err(kvcore.decode_attention(q, cpu, 0).astype(np.float64), ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- variants
+
+def test_variants_checked_and_splits_bound():
+    """check_variants is the CPU decode_attention's check (one rule, one message) and
+    holds W and S to int32; a window bounds the splits at the W + S positions a query
+    sees (with max_length, the smaller)."""
+    from kvcore.errors import NonFiniteError, RangeError
+    from kvcore.gpu.attention import check_variants, splits_bound
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=64, num_heads=8, format="int8")
+    v = check_variants(spec, window=2**40, sink_tokens=np.int64(3), softcap=30,
+                       sinks=np.zeros(8, np.float16))
+    assert (v.window, v.sink_tokens, v.softcap) == (2**31 - 1, 3, 30.0)
+    assert v.sinks.dtype == np.float32 and v.visible == 2**31 - 1
+    assert check_variants(spec).visible is None and not check_variants(spec).any
+    assert splits_bound(None, check_variants(spec, window=100, sink_tokens=4)) == 104
+    assert splits_bound(50, check_variants(spec, window=100)) == 50
+    assert splits_bound(None, check_variants(spec)) is None
+    with pytest.raises(DTypeError, match="invalid type of window"):
+        check_variants(spec, window=2.0)
+    with pytest.raises(RangeError, match="window must be an int >= 1"):
+        check_variants(spec, window=0)
+    with pytest.raises(RangeError, match="needs causal"):
+        check_variants(spec, window=4, causal=False)
+    with pytest.raises(RangeError, match="needs a window"):
+        check_variants(spec, sink_tokens=2)
+    with pytest.raises(RangeError, match="softcap"):
+        check_variants(spec, softcap=-1.0)
+    with pytest.raises(RangeError, match="softcap"):
+        check_variants(spec, softcap=3e38)   # finite float32, but c log2(e) is not
+    with pytest.raises(ShapeError, match=r"sinks"):
+        check_variants(spec, sinks=np.zeros(4, np.float32))
+    with pytest.raises(DTypeError, match="sinks"):
+        check_variants(spec, sinks=np.zeros(8, np.int32))
+    with pytest.raises(NonFiniteError, match="sinks"):
+        check_variants(spec, sinks=np.full(8, np.nan, np.float32))
+
+
+def _variants_case(fmt, head_dim, group, lengths, rng, *, num_splits=None, q_gain=1.0, hkv=2,
+                   **variants):
+    """Runs an AttentionPlan with the variants over slots of `lengths` (the query of slot m
+    at its last position) and checks out and lse against the float64 reference on the
+    dequantized cache; returns (plan's num_splits, out, lse, slot parts) for more checks."""
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import AttentionPlan
+    from _attention_reference import reference_attention
+    spec = KVSpec(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, capacity=max(lengths),
+                  num_heads=hkv * group, format=fmt)
+    M = len(lengths)
+    cache = GpuKVCache(spec, slots=M)
+    try:
+        parts = []
+        for m, n in enumerate(lengths):
+            parts.append(random_parts(spec, n, rng))
+            cache.scatter(Snapshot(spec, n, *parts[-1]), m)
+        qh = (rng.standard_normal((M, spec.num_heads, head_dim)) * q_gain).astype(np.float32)
+        out = _device_array(np.full((M, spec.num_heads, head_dim), np.nan, np.float32))
+        lse = _device_array(np.full((M, spec.num_heads), np.nan, np.float32))
+        plan = AttentionPlan(cache, q_dtype="float32", num_splits=num_splits, **variants)
+        try:
+            plan.run(_device_array(qh), out, 0, lse=lse)
+            cache.check()
+            got, got_lse, nsplit = out.to_numpy(), lse.to_numpy(), plan.num_splits
+        finally:
+            plan.free()
+    finally:
+        cache.free()
+    scale = 1 / math.sqrt(head_dim)
+    for m, n in enumerate(lengths):
+        k = dequantize(parts[m][0], parts[m][2], fmt)[0]
+        v = dequantize(parts[m][1], parts[m][3], fmt)[0]
+        ref, ref_lse = reference_attention(qh[m], k, v, scale=scale, return_lse=True, **variants)
+        if n == 0:
+            assert (got[m] == 0).all()
+        else:
+            assert rel_err(got[m], ref) < 1e-5, f"slot {m} (length {n})"
+        finite = np.isfinite(ref_lse)
+        assert (np.isneginf(got_lse[m]) == ~finite).all(), f"lse of slot {m}"
+        assert (np.abs(got_lse[m][finite] - ref_lse[finite])
+                <= 2e-5 * (1 + np.abs(ref_lse[finite]))).all(), f"lse of slot {m}"
+    return nsplit, got, got_lse, parts
+
+
+VARIANT_LENGTHS = [0, 1, 9, 70, 300]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_variants_every_format(fmt, rng):
+    """Every format with every variant (window, sink positions, sink logits, soft-capping),
+    GQA 1 and 8 and a run-time head_dim in turn: a window of 200 over several splits (two of
+    them holding positions, the sink logits in split 0 only), and a window of 40 that cuts
+    tiles mid-way, in one split (its splits follow W + S, not the lengths); an empty slot
+    gets out 0 and lse = its sink."""
+    i = FORMATS.index(fmt)
+    group, head_dim = (1, 8)[i % 2], (64, 80, 128)[i % 3] if fmt != "q8_0" else 96
+    Hq = 2 * group
+    sinks = rng.uniform(-1, 3, Hq).astype(np.float32)
+    nsplit, *_ = _variants_case(fmt, head_dim, group, VARIANT_LENGTHS, rng, num_splits=3,
+                                window=200, sink_tokens=3, sinks=sinks, softcap=4.0, q_gain=3.0)
+    assert nsplit == 3
+    nsplit, *_ = _variants_case(fmt, head_dim, group, VARIANT_LENGTHS, rng, window=40,
+                                sink_tokens=5, sinks=sinks, softcap=4.0, q_gain=3.0)
+    assert nsplit == 1   # 45 positions at most: one split, whatever the lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,group,variants", [
+    ("int8", 8, dict(window=33)),
+    ("f16", 1, dict(window=100, sink_tokens=64)),           # sinks across a whole tile
+    ("bf16", 8, dict(sinks="random")),                       # sink logits alone, every split
+    ("fp8_e5m2", 1, dict(softcap=2.5)),                      # soft-capping alone
+])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_each_variant_alone(fmt, group, variants, num_splits, rng):
+    if variants.get("sinks") == "random":
+        variants = dict(sinks=rng.normal(0, 3, 2 * group).astype(np.float32))
+    _variants_case(fmt, 64, group, VARIANT_LENGTHS, rng, num_splits=num_splits, q_gain=2.0, **variants)
+
+
+@pytest.mark.gpu
+def test_window_covering_everything_is_the_plain_call_bit_for_bit(rng):
+    """A window no shorter than any length (its sink positions inside it) reads what the
+    plain call reads in the same order: the same bits, split or not."""
+    for num_splits in (1, 3):
+        a = _variants_case("q8_0", 64, 4, VARIANT_LENGTHS, np.random.default_rng(5), num_splits=num_splits)
+        b = _variants_case("q8_0", 64, 4, VARIANT_LENGTHS, np.random.default_rng(5), num_splits=num_splits,
+                           window=300, sink_tokens=7)
+        assert a[1].tobytes() == b[1].tobytes() and a[2].tobytes() == b[2].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,group", [("int8", 1), ("q8_0", 8)])
+def test_variants_one_off_equal_cpu_decode_attention(fmt, group, rng):
+    """decode_attention(..., window, sink_tokens, sinks, softcap, return_lse=True) equals
+    the CPU decode_attention with the same variants within float32 rounding; device sinks
+    (a DeviceArray) give the same bits as host sinks."""
+    import kvcore
+    from kvcore.gpu.attention import decode_attention
+    spec, parts, cache, cpu = _one_filled_slot(fmt, group, rng)
+    q = (rng.standard_normal((2, 2 * group, 64)) * 3).astype(np.float32)
+    sinks = rng.uniform(-2, 6, 2 * group).astype(np.float32)
+    variants = dict(window=50, sink_tokens=4, softcap=3.0)
+    out, lse = decode_attention(_device_array(q), cache, 0, return_lse=True, sinks=sinks, **variants)
+    dsinks = _device_array(sinks)
+    out2, lse2 = decode_attention(_device_array(q), cache, 0, return_lse=True, sinks=dsinks, **variants)
+    out, lse, out2, lse2 = (x.to_numpy() for x in (out, lse, out2, lse2))
+    assert out.tobytes() == out2.tobytes() and lse.tobytes() == lse2.tobytes()
+    assert (out[0] == 0).all() and np.array_equal(lse[0], sinks)   # an empty slot: its sinks
+    cpu_out, cpu_lse = kvcore.decode_attention(q[1], cpu, 0, return_lse=True, sinks=sinks, **variants)
+    assert np.abs(out[1] - cpu_out).max() < 2e-5 * np.abs(cpu_out).max()
+    assert np.abs(lse[1] - cpu_lse).max() < 2e-6 * np.abs(cpu_lse).max()
+    cache.free()
+
+
+@pytest.mark.gpu
+def test_bad_variants_refused_before_anything(rng, monkeypatch):
+    """Bad variants are refused by AttentionPlan, decode_attention and DecodeGraph with
+    nothing launched and nothing allocated."""
+    from kvcore.errors import NonFiniteError, RangeError
+    from kvcore.gpu import GpuKVCache, driver, live_bytes
+    from kvcore.gpu.attention import AttentionPlan, decode_attention
+    from kvcore.gpu.graph import DecodeGraph
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=32, num_heads=4, format="int8")
+    cache = GpuKVCache(spec, slots=2)
+    q = _device_array(np.zeros((2, 4, 64), np.float32))
+    launched = []
+    monkeypatch.setattr(driver, "launch", lambda *a, **k: launched.append(a))
+    bad = [(dict(window=0), RangeError), (dict(window=1.5), DTypeError),
+           (dict(sink_tokens=-1, window=4), RangeError), (dict(sink_tokens=2), RangeError),
+           (dict(softcap=0.0), RangeError), (dict(softcap=float("nan")), RangeError),
+           (dict(sinks=np.zeros(3, np.float32)), ShapeError),
+           (dict(sinks=np.array([0, 1, np.inf, 0], np.float32)), NonFiniteError),
+           (dict(sinks=_device_array(np.zeros(4, np.float16))), DTypeError),
+           (dict(sinks=_device_array(np.zeros(2, np.float32))), ShapeError)]
+    before = live_bytes()   # the device sinks above included
+    for kw, err in bad:
+        with pytest.raises(err):
+            AttentionPlan(cache, q_dtype="float32", **kw)
+        with pytest.raises(err):
+            decode_attention(q, cache, 0, **kw)
+        with pytest.raises(err):
+            DecodeGraph(cache, dtype="float32", **kw)
+    assert launched == [] and live_bytes() == before
+    monkeypatch.undo()
+    cache.free()

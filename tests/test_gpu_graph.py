@@ -23,6 +23,25 @@ def _fill(graph, layer, q, k, v):
     graph.v(layer).copy_from_numpy(v)
 
 
+def _step_twins(graphs, caches, inputs, step):
+    """One step of two twin graphs on the same inputs [layer] = (q, k, v): the first
+    replayed, the second run eagerly; their outputs must be equal. Returns the outputs."""
+    for g in graphs:
+        for layer, qkv in enumerate(inputs):
+            _fill(g, layer, *qkv)
+    graphs[0].replay()
+    graphs[1].step_eager()
+    for g, c in zip(graphs, caches):
+        g.synchronize()
+        c.check()
+    outs = []
+    for layer in range(len(inputs)):
+        a, b = graphs[0].out(layer).to_numpy(), graphs[1].out(layer).to_numpy()
+        np.testing.assert_array_equal(a, b, err_msg=f"step {step} layer {layer}")
+        outs.append(b)
+    return outs
+
+
 def _cpu_check(cache, spec, layer, q_rot, got):
     """The GPU output of one step against the CPU decode_attention and float64 on the
     snapshot of every slot (taken after the step: the new position is committed)."""
@@ -56,18 +75,8 @@ def test_replay_equals_eager_equals_cpu(fmt, rng):
         inputs = [(rng.standard_normal((M, 8, 128)).astype(np.float16),
                    rng.standard_normal((M, 2, 128)).astype(np.float16),
                    rng.standard_normal((M, 2, 128)).astype(np.float16)) for _ in range(L)]
-        for g in graphs:
-            for layer in range(L):
-                _fill(g, layer, *inputs[layer])
-        graphs[0].replay()
-        graphs[1].step_eager()
-        for g, c in zip(graphs, caches):
-            g.synchronize()
-            c.check()
-        for layer in range(L):
-            a, b = graphs[0].out(layer).to_numpy(), graphs[1].out(layer).to_numpy()
-            np.testing.assert_array_equal(a, b, err_msg=f"step {step} layer {layer}")
-            assert np.isfinite(a).all()
+        for layer, b in enumerate(_step_twins(graphs, caches, inputs, step)):
+            assert np.isfinite(b).all()
             if step in checks:
                 _cpu_check(caches[1], spec, layer, graphs[1].q(layer).to_numpy(), b)
     lengths = caches[0].lengths_host()
@@ -110,3 +119,89 @@ def test_graph_validation():
     with pytest.raises(DTypeError, match="invalid dtype"):
         DecodeGraph(cache, dtype="float64")
     cache.free()
+
+
+@pytest.mark.gpu
+def test_replay_with_variants_equals_eager_and_cpu(rng):
+    """A DecodeGraph with a sliding window, sink positions, sink logits and soft-capping:
+    over a GpuKVCache, replays equal eager steps bit for bit (host sinks in one graph, the
+    same values as a device array in the other), and the CPU decode_attention with the same
+    variants and the float64 reference; the window passes slot lengths during the steps."""
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.graph import DecodeGraph
+    from _attention_reference import reference_attention
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=64, num_heads=16, format="q8_0")
+    M, L, steps = 3, spec.num_layers, 6
+    sinks = rng.uniform(-1, 3, 16).astype(np.float32)
+    variants = dict(window=12, sink_tokens=2, softcap=5.0)
+    caches = [GpuKVCache(spec, slots=M) for _ in range(2)]
+    for m, n in enumerate((0, 9, 40)):
+        parts = random_parts(spec, n, rng)
+        for c in caches:
+            c.scatter(Snapshot(spec, n, *parts), m)
+    from test_gpu_attention import _device_array
+    dsinks = _device_array(sinks)
+    graphs = [DecodeGraph(caches[0], dtype="float32", sinks=sinks, **variants),
+              DecodeGraph(caches[1], dtype="float32", sinks=dsinks, **variants)]
+    assert graphs[0].plan.num_splits == 1   # W + S = 14 positions at most
+    for step in range(steps):
+        inputs = [tuple((rng.standard_normal(shape) * 2).astype(np.float32)
+                        for shape in ((M, 16, 64), (M, 2, 64), (M, 2, 64))) for _ in range(L)]
+        _step_twins(graphs, caches, inputs, step)
+    for layer in range(L):
+        q_rot, got = graphs[1].q(layer).to_numpy(), graphs[1].out(layer).to_numpy()
+        for m in range(M):
+            snap = caches[1].snapshot(m)
+            scales = (None, None) if snap.k_scales is None else (snap.k_scales[layer], snap.v_scales[layer])
+            k = dequantize(snap.k_codes[layer], scales[0], spec.format)
+            v = dequantize(snap.v_codes[layer], scales[1], spec.format)
+            ref = reference_attention(q_rot[m], k, v, scale=1 / 8, sinks=sinks, **variants)
+            assert rel_err(got[m], ref) < 1e-5, f"slot {m} vs float64"
+            cpu = kvcore.KVCache(spec)
+            cpu.restore(snap)
+            theirs = kvcore.decode_attention(q_rot[m], cpu, layer, sinks=sinks, **variants)
+            assert rel_err(got[m], theirs.astype(np.float64)) < 2e-5, f"slot {m} vs CPU"
+    for g in graphs:
+        g.destroy()
+    for c in caches:
+        c.free()
+
+
+@pytest.mark.gpu
+def test_pool_graph_with_variants_equals_cpu_pool(rng):
+    """A DecodeGraph over a GpuKVPool with the variants (host sinks: the graph keeps its own
+    device copy) equals the CPU KVPool's decode_attention with the same variants, step
+    after step while the window moves past page boundaries; refused variants capture
+    nothing."""
+    from kvcore import KVPool
+    from kvcore.errors import RangeError
+    from kvcore.gpu import GpuKVPool, live_bytes
+    from kvcore.gpu.graph import DecodeGraph
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, capacity=64, num_heads=8, format="int8")
+    gp, cp = GpuKVPool(spec, 16, 4, max_batch=2, max_pages_per_seq=8), KVPool(spec, 16, 4)
+    before = live_bytes()
+    with pytest.raises(RangeError, match="needs a window"):
+        DecodeGraph(gp, dtype="float32", rope=False, sink_tokens=3)
+    assert live_bytes() == before
+    sinks = rng.uniform(0, 3, 8).astype(np.float16)          # converted exactly
+    variants = dict(window=6, sink_tokens=1, softcap=3.0)
+    g = DecodeGraph(gp, dtype="float32", rope=False, sinks=sinks, **variants)
+    a, b = gp.new_sequence(), gp.new_sequence()
+    assert [cp.new_sequence(), cp.new_sequence()] == [a, b]
+    for step in range(11):
+        seqs = [a, b] if step % 3 else [b]
+        q = (rng.standard_normal((2, 8, 64)) * 3).astype(np.float32)
+        k, v = (rng.standard_normal((2, 1, 64)).astype(np.float32) for _ in range(2))
+        gp.begin_step(seqs)
+        _fill(g, 0, q, k, v)
+        g.replay()
+        gp.advance()
+        got = g.out(0).to_numpy()[:len(seqs)]
+        n = len(seqs)
+        cp.append_batch(k[:n], v[:n], seqs=seqs, layer=0)
+        want = kvcore.decode_attention(q[:n], cp, 0, seqs=seqs, sinks=sinks, **variants)
+        cp.advance(seqs)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"step {step}")
+    assert gp.length(b) == 11
+    g.destroy()
+    gp.free()

@@ -511,6 +511,129 @@ def test_decode_attention_equals_cpu_pool(gpu, rng, fmt, group, head_dim, ps, ma
     gp.free()
 
 
+WINDOW_CASES = [   # format, GQA ratio, head_dim, page_size, max_pages_per_seq, window, sink_tokens
+    ("q8_0", 8, 64, 4, 24, 11, 3),       # one split; the windows start mid-page
+    ("fp8_e4m3", 1, 80, 16, 24, 150, 5),  # several splits over the window (run-time D)
+]
+
+
+@pytest.mark.parametrize("fmt,group,head_dim,ps,max_pages,window,sink_tokens", WINDOW_CASES)
+def test_decode_attention_window_with_released_pages(gpu, rng, fmt, group, head_dim, ps, max_pages,
+                                                     window, sink_tokens):
+    """A step of 3, 1, 2 and 0 new tokens with a sliding window, sink positions, sink logits
+    and soft-capping: the block-table entries of every page wholly outside what the step's
+    rows see are -1 (as a windowed pool that released them would have it), and page -1 of
+    the decoded layer is poisoned (NaN codes and scales), so a read of one shows. out and
+    lse equal the CPU pool's decode_attention with the same variants within float32
+    rounding and the float64 reference within the usual bounds; a window with causal=False
+    and a host sinks array first seen while capturing are refused, launching nothing."""
+    from _attention_reference import reference_attention
+    Hkv, R = 2, 8
+    s = KVSpec(num_layers=2, num_kv_heads=Hkv, head_dim=head_dim, capacity=max_pages * ps,
+               num_heads=group * Hkv, format=fmt)
+    Hq, pages = s.num_heads, 3 * max_pages
+    gp = gpu.GpuKVPool(s, pages, ps, max_batch=4, max_pages_per_seq=max_pages, max_tokens=2)
+    cp = KVPool(s, pages, ps)
+    perm = rng.permutation(pages).tolist()
+    gp._table.free[:] = perm
+    cp._table.free[:] = list(perm)
+    long_, new, short, idle = (cp.new_sequence() for _ in range(4))
+    normal = lambda n: rng.standard_normal((n, Hkv, head_dim)).astype(np.float32)
+    before = {long_: max_pages * ps - 3, short: 2 * ps + 1, idle: 7}
+    for layer in range(2):
+        cp.append_batch(normal(sum(before.values())), normal(sum(before.values())),
+                        seqs=list(before), layer=layer, counts=list(before.values()))
+    cp.advance(list(before))
+    for x in (long_, new, short, idle):
+        assert gp.bring_back(cp, x) == x if cp.length(x) else gp.new_sequence() == x
+    seqs, counts = [long_, new, short, idle], [3, 1, 2, 0]
+    gp.begin_step(seqs, counts)
+    for layer in range(2):
+        k, v = normal(6), normal(6)
+        gp.append(layer, dev(gpu, k), dev(gpu, v))
+        cp.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
+    gp.check()
+    # release what no row sees: pages wholly outside [0, S) and [first window start, n)
+    tables = gp.block_tables.to_numpy()
+    released = 0
+    for b, (x, c) in enumerate(zip(seqs, counts)):
+        n = cp.length(x) + c
+        lo = max(0, n - c + 1 - window) if c else n
+        keep = set(range(-(-min(sink_tokens, lo) // ps))) | set(range(lo // ps, -(-n // ps)))
+        for i in range(-(-n // ps)):
+            if i not in keep:
+                tables[b, i] = -1
+                released += 1
+    assert released >= 5
+    gp.block_tables.copy_from_numpy(tables)
+    for view in ((gp.keys(0), gp.values(0)) + ((gp.key_scales(0), gp.value_scales(0))
+                                                if s.fmt.quantized else ())):
+        host = view.to_numpy()
+        host.view(np.uint8)[-1] = 0xFF     # layer 0's last page: what page -1 of layer 1 reads
+        view.copy_from_numpy(host)
+    sinks = rng.uniform(-1, 4, Hq).astype(np.float32)
+    variants = dict(window=window, sink_tokens=sink_tokens, sinks=sinks, softcap=6.0)
+    q = (rng.standard_normal((R, Hq, head_dim)) * 3).astype(np.float32)
+    buf = gpu.DeviceBuffer.alloc(4 * R * Hq * (head_dim + 1))
+    out = buf.view((R, Hq, head_dim), np.float32)
+    lse = buf.view((R, Hq), np.float32, offset=4 * R * Hq * head_dim)
+    buf.fill(0xFF)
+    qd = dev(gpu, q)
+    gp.decode_attention(qd, out, 1, lse=lse, **variants)
+    gp.check()
+    got, got_lse = out.to_numpy(), lse.to_numpy()
+    want, want_lse = kvcore_attention(q[:6], cp, 1, seqs=seqs, counts=counts, return_lse=True,
+                                      **variants)
+    np.testing.assert_allclose(got[:6], want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got_lse[:6], want_lse, rtol=2e-6, atol=2e-6)
+    assert (got[6:] == 0).all() and (got_lse[6:] == sinks).all()   # rows seeing nothing
+    r = 0
+    for x, c in zip(seqs, counts):
+        if not c:
+            continue
+        kk, vv = (cp.dequantize(x, 1, w, pending=True) for w in ("k", "v"))
+        ref, ref_lse = reference_attention(q[r:r + c], kk, vv, scale=1 / np.sqrt(head_dim),
+                                           return_lse=True, **variants)
+        err, cpu_err = np.abs(got[r:r + c] - ref).max(), np.abs(want[r:r + c] - ref).max()
+        assert err <= 2 * cpu_err + 4 * 2**-24 * np.abs(ref).max(), x
+        assert np.abs(got_lse[r:r + c] - ref_lse).max() <= 4e-6 * (1 + np.abs(ref_lse).max())
+        r += c
+    assert gp._window_splits(window + sink_tokens) == (2 if window > 128 else 1)  # W + S positions
+    # refused: nothing launched (out stays as it is)
+    buf.fill(0x7F)
+    before_out = out.to_numpy().tobytes()
+    from kvcore.errors import RangeError
+    with pytest.raises(RangeError, match="needs causal"):
+        gp.decode_attention(qd, out, 1, causal=False, window=window)
+    with pytest.raises(ShapeError, match="sinks"):
+        gp.decode_attention(qd, out, 1, sinks=sinks[:-1])
+    drv, st = gpu.driver.cuda(), gp.stream
+    with st.ctx:
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        with pytest.raises(StateError, match="host sinks are copied to the device at their "
+                                             "first use"):
+            gp.decode_attention(qd, out, 1, sinks=sinks + 1)
+        gp.decode_attention(qd, out, 1, **variants)   # seen before: captured as it is
+    finally:
+        with st.ctx:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    with st.ctx:
+        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
+    assert out.to_numpy().tobytes() == before_out
+    with st.ctx:
+        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+    gp.check()
+    assert out.to_numpy().tobytes() == got.tobytes()
+    with st.ctx:
+        gpu.driver.call("cuGraphExecDestroy", exe)
+        gpu.driver.call("cuGraphDestroy", graph)
+    gp.advance()
+    buf.free()
+    gp.free()
+
+
 def test_decode_attention_head_dims(gpu):
     """Every multiple of 16 up to 256 has a decode kernel; another head_dim keeps the pool
     (append, pages) but its decode_attention refuses, naming the supported ones."""

@@ -524,11 +524,11 @@ def test_refusals():
 
 
 def test_other_attention_patterns_refused():
-    """Sliding-window layers are refused by the cache, a bidirectional mask by the mask
-    function (before any layer writes)."""
-    from transformers import MistralConfig
-    with pytest.raises(kvcore.StateError, match="sliding_attention"):
-        cfg = MistralConfig(num_hidden_layers=1, sliding_window=4)
+    """Chunked-attention layers are refused by the cache, a bidirectional mask by the mask
+    function (before any layer writes). Sliding windows: tests/test_hf_variants.py."""
+    with pytest.raises(kvcore.StateError, match="chunked_attention"):
+        cfg = LlamaConfig(num_hidden_layers=1)
+        cfg.attention_chunk_size = 4
         cfg._attn_implementation = "kvcore"
         kvhf.KVCoreCache(cfg)
     model = _model(4, 1, 64, layers=1, is_causal=False)

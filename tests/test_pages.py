@@ -5,8 +5,8 @@ from kvcore._pages import PageTable
 from kvcore.errors import CapacityError, OutOfRangeError, StateError
 
 
-def table(pages=8, ps=4, layers=2, capacity=20):
-    return PageTable(pages, ps, layers, capacity)
+def table(pages=8, ps=4, layers=2, capacity=20, window=None, sinks=0):
+    return PageTable(pages, ps, layers, capacity, None, window, sinks)
 
 
 def write(t, layer, ids, counts):
@@ -16,11 +16,12 @@ def write(t, layer, ids, counts):
 
 
 def check(t):
-    """free + held = P, refs = holders, no free page held."""
+    """free + held = P, refs = holders, no free page held (-1: released by a window)."""
     holders = [0] * t.num_pages
     for seq in t.seqs.values():
         for g in seq.pages:
-            holders[g] += 1
+            if g >= 0:
+                holders[g] += 1
     assert holders == t.refs
     assert sorted(t.free) == [g for g in range(t.num_pages) if holders[g] == 0]
     assert len(set(t.free)) == len(t.free)
@@ -173,3 +174,83 @@ def test_reservation_takes_pages_after_the_committed_positions():
     plan = write(t, None, [s], [5])
     assert plan.rows == [0, 1, 2, 3, 4] and t.get(s).pending == [0, 0] and t.get(s).length == 0
     check(t)
+
+
+def step(t, ids, count=1):
+    """One step of count positions to every layer of each of ids, committed."""
+    for layer in range(t.num_layers):
+        write(t, layer, ids, [count] * len(ids))
+    return t.advance(ids)
+
+
+@pytest.mark.parametrize("window, ps, sinks", [(1, 4, 0), (5, 4, 0), (6, 4, 2), (4, 1, 1),
+                                               (3, 4, 9), (30, 4, 0)])
+def test_window_releases_the_pages_no_query_sees(window, ps, sinks):
+    """At each advance the pages whose positions all lie below length - W + 1, past the
+    sink pages, read -1 and go back to the free list; a sequence holds at most
+    ceil((W + ps - 1) / ps) + 1 pages past its sink pages, and every position the next
+    query sees (sinks, and [length - W + 1, length)) is held."""
+    t = table(pages=24, ps=ps, capacity=200, window=window, sinks=sinks)
+    s = t.new()
+    sink_pages = -(-sinks // ps)
+    most = 0
+    for n in range(1, 80):
+        step(t, [s])
+        seq = t.get(s)
+        held = [i for i, g in enumerate(seq.pages) if g >= 0]
+        assert held == [i for i in range(-(-n // ps))
+                        if i < sink_pages or (i + 1) * ps > n - window + 1]
+        first = max(0, (n - window + 1) // ps * ps)
+        assert seq.start == (first if first > sink_pages * ps else 0)
+        spans = t.held(seq)
+        visible = set(range(min(sinks, n))) | set(range(max(0, n - window + 1), n))
+        assert visible <= {p for a, b in spans for p in range(a, b)}
+        most = max(most, len(held))
+        check(t)
+    assert most <= -(-(window + ps - 1) // ps) + 1 + sink_pages
+    t.free_seq(s)
+    assert len(t.free) == 24
+    check(t)
+
+
+def test_window_truncate_keeps_what_the_window_needs():
+    """truncate may drop only what the window at the new length does not need: below
+    that (released positions it would see) StateError, nothing changed; within the sink
+    pages the sequence holds all of [0, n) again."""
+    t = table(pages=8, ps=4, capacity=40, window=6, sinks=2)
+    s = t.new()
+    for _ in range(20):
+        step(t, [s])
+    seq = t.get(s)
+    assert seq.start == 12 and t.held(seq) == [(0, 4), (12, 20)]
+    before = (list(seq.pages), seq.length, seq.start, list(t.free), list(t.refs))
+    with pytest.raises(StateError, match=r"truncate of sequence 0 to 16 positions needs "
+                                         r"positions from 11 \(window 6\).*holds positions from "
+                                         r"12 \(first_held\).*only to n >= 17"):
+        t.truncate(s, 16)
+    assert before == (list(seq.pages), seq.length, seq.start, list(t.free), list(t.refs))
+    t.truncate(s, 17)
+    assert t.held(seq) == [(0, 4), (12, 17)] and seq.pages[-1] >= 0
+    step(t, [s])                       # the next write lands in a held page
+    t.truncate(s, 3)                   # within the sink page
+    assert seq.start == 0 and t.held(seq) == [(0, 3)] and len(seq.pages) == 1
+    check(t)
+
+
+def test_window_fork_shares_the_held_pages():
+    t = table(pages=8, ps=4, capacity=40, window=5)
+    s = t.new()
+    for _ in range(14):
+        step(t, [s])
+    u, copy = t.fork(s)
+    a, b = t.get(s), t.get(u)
+    assert a.pages[:2] == b.pages[:2] == [-1, -1] and b.start == a.start == 8
+    assert b.pages[2] == a.pages[2] and t.refs[a.pages[2]] == 2
+    assert copy == (a.pages[3], b.pages[3])
+    check(t)
+    step(t, [s, u], 3)                 # both slide: the shared page leaves both
+    assert t.refs[a.pages[3]] == 1 and a.pages[2] == b.pages[2] == -1
+    check(t)
+    t.free_seq(s)
+    t.free_seq(u)
+    assert len(t.free) == 8

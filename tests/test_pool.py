@@ -2,6 +2,7 @@
 exports for runtimes, snapshots both ways. Every stored byte is checked against a
 KVCache fed the same positions (its writes are checked against kvcore.quantize in
 test_cache.py)."""
+
 import numpy as np
 import pytest
 from _blocking import BlockingLayer
@@ -606,3 +607,182 @@ def test_csr_refuses_overlapping_outputs(rng):
     # adjacent, not overlapping: taken
     assert pool.csr([a, b], buf[0:3], buf[3:8], buf[8:10]) == 5
     assert buf[:3].tolist() == [0, 2, 5] and buf[8:10].tolist() == [1, 1]
+
+
+# -- sliding windows (docs/design.md, Sliding windows) ---------------------------------------
+
+def test_window_constructor_checks():
+    for kw, match in ((dict(window=0), r"window must be None or an int >= 1 .*got 0"),
+                      (dict(window=-3), "got -3"), (dict(window=2.0), "got 2.0"),
+                      (dict(window=True), "got True"),
+                      (dict(window=4, sink_tokens=-1), "sink_tokens must be an int >= 0, got -1"),
+                      (dict(window=4, sink_tokens=1.0), "got 1.0"),
+                      (dict(sink_tokens=2), r"sink_tokens=2 needs a window \(window=W\)")):
+        with pytest.raises(SpecError, match=match):
+            KVPool(spec(), num_pages=2, page_size=4, **kw)
+    pool = KVPool(spec(), num_pages=2, page_size=4, window=np.int64(3), sink_tokens=np.int32(1))
+    assert (pool.window, pool.sink_tokens) == (3, 1) and type(pool.window) is int
+    assert "window=3, sink_tokens=1" in repr(pool)
+    plain = KVPool(spec(), num_pages=2, page_size=4)
+    assert (plain.window, plain.sink_tokens) == (None, 0) and "window" not in repr(plain)
+
+
+@pytest.mark.parametrize("fmt, window, ps, sinks", [("f16", 7, 4, 0), ("int8", 5, 3, 4),
+                                                     ("q8_0", 1, 2, 1), ("bf16", 16, 16, 2)])
+def test_window_memory_follows_the_window(rng, fmt, window, ps, sinks):
+    """Two sequences decode 120 positions each in a pool whose pages hold far less than
+    their histories: each holds at most ceil((W + ps - 1) / ps) + 1 pages past its sink
+    pages after every step, free + used = P, and every held position reads back exactly
+    the bytes a KVCache fed the same positions holds there (dequantize: the held
+    positions, in order)."""
+    sink_pages = -(-sinks // ps)
+    bound = -(-(window + ps - 1) // ps) + 1 + sink_pages
+    s = spec(fmt, capacity=200)
+    pool = KVPool(s, num_pages=2 * bound + 2, page_size=ps, window=window, sink_tokens=sinks)
+    seqs = [pool.new_sequence(), pool.new_sequence()]
+    caches = [KVCache(s), KVCache(s)]
+    for n in range(1, 121):
+        k, v = steps(rng, 2)
+        for layer in range(L):
+            pool.append_batch(k, v, seqs=seqs, layer=layer)
+            for b, cache in enumerate(caches):
+                cache.append(layer, k[b:b + 1], v[b:b + 1])
+        assert pool.advance() == [1, 1]
+        for cache in caches:
+            cache.advance()
+        for seq in seqs:
+            table = pool.page_table(seq)
+            assert len(table) == pool.pages_for(n)
+            assert (table >= 0).sum() <= bound
+            first = pool.first_held(seq)
+            assert first % ps == 0 and first <= max(0, n - window + 1)
+            assert (table[sink_pages:first // ps] == -1).all() and (table[first // ps:] >= 0).all()
+        assert pool.num_free_pages + pool.num_used_pages == pool.num_pages
+    for seq, cache in zip(seqs, caches):
+        spans = pool.held(seq)
+        assert spans[-1][1] == 120 and spans[-1][0] == pool.first_held(seq) > 0
+        at = np.concatenate([np.arange(a, b) for a, b in spans])
+        for layer in range(L):
+            for got, want in zip(pool._gather(seq, layer), cache._layer_arrays(layer)):
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert got.tobytes() == want[at].tobytes()
+            assert pool.dequantize(seq, layer, "v").tobytes() == \
+                cache.dequantize(layer, "v")[at].tobytes()
+    for seq in seqs:
+        pool.free(seq)
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_window_exports_and_rollback(rng):
+    """page_table and block_tables give -1 for released pages, csr refuses them unless
+    told what to write there; slot_mapping maps only new positions (always held); a
+    truncate below what the window needs is refused with nothing changed; fork shares
+    the held pages; a prefill releases at its advance."""
+    pool = KVPool(spec(capacity=64), num_pages=12, page_size=4, window=6, sink_tokens=2)
+    a = pool.new_sequence()
+    for layer in range(L):
+        pool.append(*steps(rng, 23), seq=a, layer=layer)
+    assert pool.page_table(a).tolist() == list(range(6)) and pool.first_held(a) == 0
+    assert pool.advance(a) == 23          # the prefill's pages are released at its advance
+    ta = pool.page_table(a).tolist()
+    assert ta[1:4] == [-1, -1, -1] and min(ta[:1] + ta[4:]) >= 0
+    assert pool.first_held(a) == 16 and pool.held(a) == [(0, 4), (16, 23)]
+    assert pool.num_free_pages == 12 - 3
+    bt = np.full((1, 8), 99, np.int32)
+    pool.block_tables([a], bt, fill=-5)
+    assert bt.tolist() == [ta + [-5, -5]]
+    indptr, indices, last = np.zeros(2, np.int32), np.zeros(8, np.int32), np.zeros(1, np.int32)
+    before = (indptr.copy(), indices.copy(), last.copy())
+    with pytest.raises(StateError, match=r"csr: sequence 0 holds positions from 16 only "
+                                         r"\(window 6 released the pages before\): pass released="):
+        pool.csr([a], indptr, indices, last)
+    assert all(np.array_equal(x, y) for x, y in zip(before, (indptr, indices, last)))
+    with pytest.raises(DTypeError, match="invalid type of released"):
+        pool.csr([a], indptr, indices, last, released=1.0)
+    assert pool.csr([a], indptr, indices, last, released=0) == 6
+    assert indices[:6].tolist() == [0 if g < 0 else g for g in ta] and last.tolist() == [3]
+    slots = np.zeros(3, np.int64)
+    pool.slot_mapping([a], [3], slots)
+    assert slots.tolist() == [ta[5] * 4 + 3, pool.page_table(a)[6] * 4, pool.page_table(a)[6] * 4 + 1]
+    pool.truncate(a, 23)
+    # rollback: only to a length whose window the held positions still cover (>= 16 + 5)
+    before = state(pool)
+    with pytest.raises(StateError, match="only to n >= 21"):
+        pool.truncate(a, 20)
+    assert state(pool) == before and pool.first_held(a) == 16
+    pool.truncate(a, 21)
+    assert pool.held(a) == [(0, 4), (16, 21)]
+    b = pool.fork(a)
+    tb = pool.page_table(b).tolist()
+    assert tb[:5] == pool.page_table(a).tolist()[:5] and pool.held(b) == pool.held(a)
+    assert pool._table.refs[tb[4]] == 2 and tb[5] != pool.page_table(a)[5]
+    for layer in range(L):
+        assert pool.dequantize(b, layer, "k").tobytes() == pool.dequantize(a, layer, "k").tobytes()
+    pool.truncate(b, 3)                   # within the sink page: all of [0, 3) held again
+    assert pool.held(b) == [(0, 3)] and pool.first_held(b) == 0
+    assert pool.page_table(b).tolist() == [ta[0]]
+
+
+def test_window_copies_keep_the_window(rng):
+    import copy
+    import pickle
+    pool = KVPool(spec(), num_pages=8, page_size=4, window=5, sink_tokens=1)
+    a = pool.new_sequence()
+    for layer in range(L):
+        pool.append(*steps(rng, 13), seq=a, layer=layer)
+    pool.advance(a)
+    for other in (copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        assert (other.window, other.sink_tokens) == (5, 1) and other.held(a) == pool.held(a)
+        assert other.page_table(a).tolist() == pool.page_table(a).tolist()
+        for layer in range(L):
+            assert other.dequantize(a, layer, "k").tobytes() == \
+                pool.dequantize(a, layer, "k").tobytes()
+
+
+def test_decode_attention_window_defaults_from_the_pool():
+    """What kvcore.decode_attention applies on a pool (KVPool._attention_window): a pool
+    without a window passes the caller's values on; a windowed pool gives its own window
+    and sink positions when none is asked, takes a smaller window or fewer sink
+    positions (they see a subset of what is held), refuses more."""
+    plain = KVPool(spec(), num_pages=2, page_size=4)
+    assert plain._attention_window(None, 0) == (None, 0)
+    assert plain._attention_window(9, 2) == (9, 2)
+    pool = KVPool(spec(), num_pages=2, page_size=4, window=8, sink_tokens=2)
+    assert pool._attention_window(None, 0) == (8, 2)
+    assert pool._attention_window(None, None) == (8, 2)
+    assert pool._attention_window(None, 1) == (8, 1)
+    assert pool._attention_window(4, 0) == (4, 0)
+    assert pool._attention_window(8, None) == (8, 0)
+    assert pool._attention_window("x", 0) == ("x", 0)        # left to decode_attention's checks
+    for window, sinks, match in ((9, 0, "takes window <= 8, got 9"),
+                                 (None, 3, "takes sink_tokens <= 2, got 3"),
+                                 (8, 3, "takes sink_tokens <= 2, got 3")):
+        with pytest.raises(kvcore.RangeError, match=match):
+            pool._attention_window(window, sinks)
+
+
+@pytest.mark.parametrize("window, ps, sinks", [(6, 4, 2), (1, 4, 0), (5, 3, 0), (4, 1, 1)])
+def test_decode_attention_on_a_windowed_pool(rng, window, ps, sinks):
+    """Attention over a windowed pool, each step attended before its advance (the
+    documented order), never reads a released page: it equals, bit for bit, a KVCache
+    holding the whole history with the same window, prefill chunks included. The call
+    names no window: decode_attention takes the pool's."""
+    s = spec("f32", capacity=64, num_heads=4)
+    pool = KVPool(s, num_pages=16, page_size=ps, window=window, sink_tokens=sinks)
+    cache = KVCache(s)
+    a = pool.new_sequence()
+    for t in (11, 1, 7, 1, 1, 3, 1, 1, 1, 1):
+        k, v = steps(rng, t)
+        q = rng.standard_normal((t, 4, D)).astype(np.float32)
+        for layer in range(L):
+            pool.append(k, v, seq=a, layer=layer)
+            cache.append(layer, k, v)
+            got = kvcore.decode_attention(q, pool, layer, seqs=[a], counts=[t])
+            want = kvcore.decode_attention(q, cache, layer, window=window, sink_tokens=sinks)
+            assert got.tobytes() == want.tobytes()
+        pool.advance(a)
+        cache.advance()
+    assert pool.first_held(a) > 0
+    with pytest.raises(kvcore.RangeError, match=f"takes window <= {window}"):
+        kvcore.decode_attention(q[:1], pool, 0, seqs=[a], window=window + 1)

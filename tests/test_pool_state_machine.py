@@ -15,6 +15,8 @@ reference counts and every sequence's table, length and pending counts are uncha
 PrefixMachine runs the same rules over a pool with a prefix cache, K/V a function of the
 token ids, plus match_prefix and free into the cache (its docstring lists its invariants);
 StorePrefixMachine adds a chunk store (a directory) and its writer to that cache.
+WindowMachine and WindowPrefixMachine run them over a pool with a sliding window
+(WindowRules lists what changes and the invariants it adds).
 
 Examples per format: KVCORE_POOL_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_POOL_STEPS (default 30); e.g. KVCORE_POOL_EXAMPLES=500 for a long run.
@@ -58,6 +60,7 @@ class Seq:
         self.ids = []              # token ids (PrefixMachine): committed, then pending
         self.extra = None
         self.keyed = True
+        self.start = 0             # first held position past the sink pages (a window's)
 
     def copy(self, fmt):
         c = Seq(fmt)
@@ -332,6 +335,8 @@ class PoolMachine(RuleBasedStateMachine):
             return                 # the fork was refused
         target = max(self.model) if which else s
         self.truncate_to(target, max(0, self.model[target].length - back))
+        if any(self.model[target].pending):   # refused (a window): drop the pending ones
+            self.truncate_to(target, self.model[target].length)
         for layer in range(L):
             if not self.batch(layer, [target], [1], seed + layer):
                 return
@@ -649,6 +654,227 @@ class StorePrefixMachine(PrefixMachine):
         assert after.store_faults == 0, after.last_store_fault
 
 
+class WindowRules:
+    """The rules of a machine over a pool with a sliding window (WINDOW, SINKS; mixed in
+    before PoolMachine or PrefixMachine). The model keeps every position's codes and each
+    sequence's first held position (`start`: the window's first page at each commit, as
+    docs/design.md says, kept by fork, reset by a truncate into the sink pages); the
+    pool's own tables give the pages (a write's page needs). Changed rules: truncate and
+    snapshot below what the window needs at the new length are refused (StateError,
+    nothing changed); restore keeps the window's pages only; attention runs over the
+    pending positions (a step is attended before its advance) and equals, bit for bit, a
+    KVCache holding the whole history under the same window. Invariants added: every
+    sequence holds exactly the modelled positions (its window's needs and its sink pages
+    among them) in held pages, -1 for the others, and reads them back byte for byte;
+    held pages per sequence stay within ceil((W + PS - 1) / PS) + 1 + sink pages; no page
+    a table names is free or cached; free + cached + in use = P."""
+
+    WINDOW, SINKS = 3, 0
+
+    def make_pool(self, **kw):
+        return KVPool(self.spec, num_pages=P, page_size=PS, window=self.WINDOW,
+                      sink_tokens=self.SINKS, **kw)
+
+    @property
+    def sink_end(self):
+        return -(-self.SINKS // PS) * PS
+
+    def slid(self, n, start):
+        """The first held position after positions commit up to n (KVPool's slide)."""
+        cut = (n - self.WINDOW + 1) // PS
+        return cut * PS if cut * PS > self.sink_end and cut * PS > start else start
+
+    def held(self, m, n=None):
+        n = m.length if n is None else n
+        if not m.start or n <= self.sink_end:
+            return list(range(n))
+        return list(range(self.sink_end)) + list(range(m.start, n))
+
+    def may_cut(self, m, n):
+        return not m.start or n <= self.sink_end or n >= m.start + self.WINDOW - 1
+
+    # the pool's own tables give the pages (a -1 is no page)
+    def holders(self):
+        count = {}
+        for seq in self.pool._table.seqs.values():
+            for g in seq.pages:
+                if g >= 0:
+                    count[g] = count.get(g, 0) + 1
+        return count
+
+    def page_list(self, s):
+        return self.pool._table.seqs[s].pages
+
+    def track_pages(self, m, first, last):
+        pass
+
+    def state(self):
+        return super().state() + ({s: q.start for s, q in self.pool._table.seqs.items()},)
+
+    def pool_advance(self, seqs=None):
+        targets = (sorted(self.model) if seqs is None else [seqs] if isinstance(seqs, int)
+                   else list(seqs))
+        ends = {s: self.model[s].length + self.model[s].pending[0] for s in targets}
+        out = super().pool_advance(seqs)
+        for s in targets:
+            self.model[s].start = self.slid(ends[s], self.model[s].start)
+        return out
+
+    def truncate_to(self, s, n):
+        m = self.model[s]
+        if 0 <= n <= m.length and not self.may_cut(m, n):
+            self.refused(StateError, self.pool.truncate, s, n)
+            return
+        super().truncate_to(s, n)
+        if 0 <= n <= m.length and n <= self.sink_end:
+            m.start = 0
+
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3))
+    def fork(self, pick):
+        s = sorted(self.model)[pick % len(self.model)]
+        before = set(self.model)
+        super().fork(pick)
+        for t in set(self.model) - before:
+            self.model[t].start = self.model[s].start
+
+    def match_tokens(self, tokens, extra):
+        before = set(self.model)
+        super().match_tokens(tokens, extra)
+        for t in set(self.model) - before:
+            self.model[t].start = self.slid(self.model[t].length, 0)
+
+    @precondition(lambda self: self.model and len(self.model) < 4)
+    @rule(pick=st.integers(0, 3), n=st.integers(0, N), through_file=st.booleans())
+    def snapshot_restore(self, pick, n, through_file):
+        s = sorted(self.model)[pick % len(self.model)]
+        m = self.model[s]
+        n = min(n, m.length)
+        if not self.may_cut(m, n):
+            self.refused(StateError, self.pool.snapshot, s, n)
+            return
+        snap = self.pool.snapshot(s, n)
+        assert snap.start == (0 if n <= self.sink_end else m.start)
+        assert snap.held == len(self.held(m, n))
+        if through_file:
+            path = os.path.join(tempfile.mkdtemp(prefix="kvcore-window-"), "s.safetensors")
+            snap.save(path)
+            snap = kvcore.load_snapshot(path)
+            shutil.rmtree(os.path.dirname(path))
+        c = Seq(self.fmt)
+        c.length, c.start = n, self.slid(n, snap.start)
+        need = len({p // PS for p in self.held(c)})
+        if need > self.free_pages():
+            self.refused(CapacityError, self.pool.restore, snap)
+            return
+        t = self.pool.restore(snap)
+        for w in "kv":
+            c.codes[w][:, :n] = m.codes[w][:, :n]
+            if m.scales:
+                c.scales[w][:, :n] = m.scales[w][:, :n]
+        c.ids, c.extra, c.keyed = m.ids[:n], m.extra, False    # a restore carries no ids
+        self.model[t] = c
+
+    @precondition(lambda self: any(m.length for m in self.model.values()))
+    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1))
+    def attend(self, layer, seed):
+        """The pending positions of a layer attended before their advance: bit for bit a
+        KVCache holding every position, under the same window."""
+        seqs = [s for s, m in sorted(self.model.items()) if m.pending[layer]]
+        if not seqs:
+            return
+        counts = [self.model[s].pending[layer] for s in seqs]
+        q = np.random.default_rng(seed).standard_normal((sum(counts), H, D)).astype(np.float32)
+        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs, counts=counts)   # the pool's window
+        at = 0
+        for s, t in zip(seqs, counts):
+            m = self.model[s]
+            n = m.length + t
+            parts = {f"{w}_codes": m.codes[w][:, :n].copy() for w in "kv"}
+            if m.scales:
+                parts.update({f"{w}_scales": m.scales[w][:, :n].copy() for w in "kv"})
+            cache = KVCache(self.spec)
+            cache.restore(Snapshot(self.spec, n, **parts))
+            want = kvcore.decode_attention(q[at:at + t], cache, layer, window=self.WINDOW,
+                                           sink_tokens=self.SINKS)
+            assert out[at:at + t].tobytes() == want.tobytes()
+            at += t
+
+    @invariant()
+    def pages_add_up(self):
+        t, idx = self.pool._table, self.pool._table.prefix
+        holders = [0] * P
+        for seq in t.seqs.values():
+            for g in seq.pages:
+                if g >= 0:
+                    holders[g] += 1
+        assert t.refs == holders
+        st_ = self.pool.stats
+        assert st_.free + st_.cached + st_.in_use == P
+        assert st_.in_use == sum(1 for h in holders if h) == self.pool.num_used_pages
+        cached = list(idx.lru) if idx is not None else []
+        assert not set(t.free) & set(cached) and len(set(t.free)) == len(t.free)
+        assert sorted(t.free + cached) == [g for g in range(P) if holders[g] == 0]
+        assert sorted(t.seqs) == sorted(self.model)
+
+    @invariant()
+    def holds_what_the_window_needs(self):
+        bound = -(-(self.WINDOW + PS - 1) // PS) + 1 + self.sink_end // PS
+        for s, m in self.model.items():
+            n = m.length
+            assert self.pool.first_held(s) == m.start
+            held = self.held(m)
+            needed = set(range(min(self.SINKS, n))) | set(range(max(0, n - self.WINDOW + 1), n))
+            assert needed <= set(held)
+            spans = self.pool.held(s)
+            assert [p for a, b in spans for p in range(a, b)] == held
+            table = self.pool.page_table(s).tolist()
+            end = max([n + p for p in m.pending] + [n])
+            pages = {p // PS for p in held} | {p // PS for p in range(n, end)}
+            assert len(table) >= -(-end // PS)
+            assert [i for i, g in enumerate(table) if g >= 0] == sorted(pages)
+            if not any(m.pending):
+                assert len(pages) <= bound
+
+    @invariant()
+    def reads_back_what_was_written(self):
+        pool = self.pool
+        for s, m in self.model.items():
+            assert pool.length(s) == m.length
+            held = self.held(m)
+            for layer in range(L):
+                assert pool.pending(s, layer) == m.pending[layer]
+                at = held + list(range(m.length, m.length + m.pending[layer]))
+                kc, vc, ks, vs = pool._gather(s, layer, pending=True)
+                assert kc.tobytes() == m.codes["k"][layer, at].tobytes()
+                assert vc.tobytes() == m.codes["v"][layer, at].tobytes()
+                if m.scales:
+                    assert ks.tobytes() == m.scales["k"][layer, at].tobytes()
+                    assert vs.tobytes() == m.scales["v"][layer, at].tobytes()
+
+
+class WindowMachine(WindowRules, PoolMachine):
+    """PoolMachine over a pool with a window of 3 (no sink positions)."""
+
+    WINDOW, SINKS = 3, 0
+
+    def __init__(self):
+        super().__init__()
+        self.pool = self.make_pool()
+
+
+class WindowPrefixMachine(WindowRules, PrefixMachine):
+    """PrefixMachine over a pool with a window of 2 and 1 sink position: windowed
+    sequences register their pages before the window releases them, matches keep only
+    the window's pages, and the cache never lies (a released page stays its key's)."""
+
+    WINDOW, SINKS = 2, 1
+
+    def __init__(self):
+        super().__init__()
+        self.pool = self.make_pool(prefix_cache=True)
+
+
 def test_one_batch_into_a_page_two_sequences_share():
     """The example that found a leak (shrunk by hand): sequences 0 and 3 share page 0
     after a fork and truncates into it, and one append_batch writes to both. Each took a
@@ -687,3 +913,6 @@ for _fmt in FORMATS:
 for _fmt in ("int8", "bf16"):
     globals()[f"TestStorePrefixPool_{_fmt}"] = _machine_test(_fmt, StorePrefixMachine,
                                                              max(1, EXAMPLES // 2))
+# one format each (the window changes no byte a format stores): within the CI budget
+TestWindowPool_f32 = _machine_test("f32", WindowMachine)
+TestWindowPrefixPool_q8_0 = _machine_test("q8_0", WindowPrefixMachine)

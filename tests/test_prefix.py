@@ -52,7 +52,7 @@ def expect(pool, s, tokens, extra=None):
 def check_counts(pool):
     st = pool.stats
     assert st.free + st.cached + st.in_use == pool.num_pages
-    held = {g for s in pool.sequences for g in pool.page_table(s).tolist()}
+    held = {g for s in pool.sequences for g in pool.page_table(s).tolist() if g >= 0}
     assert st.in_use == len(held) == pool.num_used_pages
     assert st.cached == pool.num_cached_pages and st.free == pool.num_free_pages
 
@@ -344,3 +344,144 @@ def test_extras_of_mixed_kinds_or_lone_surrogates_refused():
         assert (pool.stats, pool.sequences) == before, match
     s, n = pool.match_prefix(list(range(9)), {"a": "x"})
     assert n == 8
+
+
+# -- sliding windows ---------------------------------------------------------------------
+
+def window_pool(pages=10, window=5, sinks=0, **kw):
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=64, num_heads=4,
+                  format="f16")
+    return KVPool(spec, num_pages=pages, page_size=PS, prefix_cache=True, window=window,
+                  sink_tokens=sinks, **kw)
+
+
+def expect_held(pool, s, tokens, extra=None):
+    """s holds, at the positions it still holds, exactly the K/V of tokens (f16 storage);
+    every page of a held position is a held page."""
+    kv = kv_of(tokens, extra).astype(np.float16).astype(np.float32)
+    at = np.concatenate([np.arange(a, b) for a, b in pool.held(s)])
+    table = pool.page_table(s)
+    assert (table[at // PS] >= 0).all()
+    for layer in range(L):
+        assert np.array_equal(pool.dequantize(s, layer, "k"), kv[at])
+        assert np.array_equal(pool.dequantize(s, layer, "v"), -kv[at])
+
+
+def cache_never_lies(pool, prompts):
+    """Every registered page holds exactly the K/V of the prefix its key names (one of
+    prompts, no extras), whether a sequence holds it or the window released it."""
+    names = {}
+    for tokens in prompts:
+        for i, key in enumerate(prefix_keys(tokens, PS)):
+            names[key] = tokens[:(i + 1) * PS]
+    for g, e in pool._table.prefix.entries.items():
+        kv = kv_of(names[e.key])[-PS:].astype(np.float16)
+        for layer in range(L):
+            k = pool._store.gather(layer, np.arange(g * PS, (g + 1) * PS))[0]
+            assert k.tobytes() == kv.tobytes()
+
+
+def test_window_prefix_cache_serves_only_whole_pages_of_their_key():
+    """A windowed sequence registers each page as it fills, before the window releases
+    it: a released registered page is cached (its bytes are still its key's K/V), an
+    unregistered one free. A match walks the chain from page 0 as ever (a page whose
+    parents were evicted is never reached) and the new sequence keeps only what its
+    window needs; no page it holds lacks a position, no cached page holds another key's
+    K/V, and free + cached + in_use = P throughout."""
+    pool = window_pool(pages=10, window=5)
+    a_tokens = list(range(100, 130))
+    a, n = prefill(pool, a_tokens)
+    assert n == 0 and pool.first_held(a) == 24 and pool.held(a) == [(24, 30)]
+    st = pool.stats
+    assert (st.cached, st.in_use, st.free) == (6, 2, 2)    # 7 full pages registered, 1 held
+    check_counts(pool)
+    expect_held(pool, a, a_tokens)
+    # a second request for the same prompt: every full page from the cache, the early
+    # ones released again at once
+    b, n = prefill(pool, a_tokens + [7])
+    assert n == 28 and pool.held(b) == [(24, 31)] and pool.stats.hits == 7
+    expect_held(pool, b, a_tokens + [7])
+    check_counts(pool)
+    cache_never_lies(pool, [a_tokens, a_tokens + [7]])
+    # other prompts take the free pages, then evict cached ones (leaves first)
+    c_tokens = list(range(500, 521))
+    c, n = prefill(pool, c_tokens)
+    assert n == 0 and pool.stats.evictions > 0
+    check_counts(pool)
+    cache_never_lies(pool, [a_tokens, c_tokens])
+    for s in (a, b, c):
+        pool.free(s)
+    check_counts(pool)
+    # the chain is cut where a page was evicted: the match stops there, and what it
+    # serves is the K/V of those very tokens
+    index = pool._table.prefix
+    keys = prefix_keys(a_tokens, PS)
+    cached = 0
+    while cached < len(keys) and keys[cached] in index.by_key:
+        cached += 1
+    assert cached < len(keys) and any(k in index.by_key for k in keys[cached:])
+    d, n = prefill(pool, a_tokens + [8])
+    assert n == cached * PS
+    expect_held(pool, d, a_tokens + [8])
+    cache_never_lies(pool, [a_tokens, c_tokens, a_tokens + [8]])
+    check_counts(pool)
+
+
+def test_window_sink_pages_stay_and_truncate_unregisters_what_it_cuts():
+    pool = window_pool(pages=12, window=3, sinks=2)
+    tokens = list(range(40, 64))
+    s, _ = prefill(pool, tokens)
+    assert pool.held(s) == [(0, 4), (20, 24)]
+    t, n = prefill(pool, tokens[:22])                  # sink page and the window's pages
+    assert n == 20 and pool.held(t) == [(0, 4), (20, 22)]
+    expect_held(pool, t, tokens[:22])
+    keys = prefix_keys(tokens, PS)
+    index = pool._table.prefix
+    assert all(k in index.by_key for k in keys)
+    with pytest.raises(StateError, match="only to n >= 22"):
+        pool.truncate(s, 21)
+    assert all(k in index.by_key for k in keys)
+    pool.truncate(s, 22)                               # cuts page 5: it leaves the cache
+    assert keys[5] not in index.by_key and all(k in index.by_key for k in keys[:5])
+    check_counts(pool)
+
+
+def test_window_pool_and_the_chunk_store(tmp_path):
+    """A windowed pool takes store= (lookups: the loaded chunks are committed, then the
+    window releases what it does not need) but no store_writer (chunks start at 0); a
+    store refuses a windowed sequence's snapshot, changing nothing."""
+    from kvcore import SnapshotError, SpecError
+    from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=64, num_heads=4,
+                  format="f16")
+    store = KVStore(DirectoryBackend(tmp_path, fsync=False), model="m", spec=spec,
+                    chunk_tokens=2 * PS, page_size=PS)
+    tokens = list(range(300, 327))
+    plain = KVPool(spec, num_pages=16, page_size=PS, prefix_cache=True)
+    p, _ = prefill(plain, tokens)
+    assert store.save(plain.snapshot(p), tokens) == 3
+    with pytest.raises(SpecError, match="store_writer= needs a pool without a window"):
+        with StoreWriter(store) as writer:
+            window_pool(store=store, store_writer=writer)
+    pool = window_pool(pages=10, window=5, store=store)
+    s, n = pool.match_prefix(tokens)
+    assert n == 24 and pool.stats.store_hits == 6 and pool.held(s) == [(20, 24)]
+    expect_held(pool, s, tokens[:24])
+    check_counts(pool)
+    result = store.load_into(pool, tokens)
+    assert result.positions == 24 and pool.held(result.seq) == [(20, 24)]
+    expect_held(pool, result.seq, tokens[:24])
+    for layer in range(L):
+        k, v = kv_of(tokens[:27])[24:], -kv_of(tokens[:27])[24:]
+        pool.append(k, v, seq=s, layer=layer)
+    pool.advance(s, tokens=tokens[24:27])
+    snap = pool.snapshot(s)
+    assert snap.start == 20
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(SnapshotError, match=r"a store saves chunks from position 0, and the "
+                                            r"snapshot holds positions \[0, 0\) and \[20, 27\)"):
+        store.save(snap, tokens)
+    with StoreWriter(store) as writer:
+        with pytest.raises(SnapshotError, match="a store saves chunks from position 0"):
+            writer.submit(snap, tokens)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -351,7 +351,7 @@ def edit_tensor(name, key, value):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (edit_meta(file_version="3"), r"file version 3 is newer than this kvcore reads \(up to 2\)"),
+    (edit_meta(file_version="4"), r"file version 4 is newer than this kvcore reads \(up to 3\)"),
     (edit_meta(file_version="0"), "unknown file version 0"),
     (edit_meta(format="int4"), "metadata format: unknown format 'int4'"),
     (edit_meta(format="f16"), r"metadata keys differ from a file of format f16: missing \[\], "
@@ -542,3 +542,161 @@ def test_prefix_reuse_is_bit_identical(fmt, through_file, rng, tmp_path):
     for layer in range(spec.num_layers):
         for which in "kv":
             assert np.array_equal(reused.dequantize(layer, which), whole.dequantize(layer, which))
+
+
+# ---------------------------------------------------------------- windowed sequences
+
+def windowed(rng, fmt="int8", n=23, window=6, sinks=2, ps=4, pages=12, capacity=40):
+    """A windowed KVPool and a sequence of n positions decoded one step at a time."""
+    spec = small_spec(fmt, capacity=capacity)
+    pool = kvcore.KVPool(spec, num_pages=pages, page_size=ps, window=window, sink_tokens=sinks)
+    s = pool.new_sequence()
+    for _ in range(n):
+        for layer in range(spec.num_layers):
+            k, v = (rng.standard_normal((1, 2, 32)).astype(np.float32) for _ in range(2))
+            pool.append(k, v, seq=s, layer=layer)
+        pool.advance(s)
+    return pool, s
+
+
+def assert_pool_holds(pool, s, other, t):
+    """Sequences s of pool and t of other hold the same positions, byte for byte."""
+    assert pool.length(s) == other.length(t) and pool.held(s) == other.held(t)
+    for layer in range(pool.spec.num_layers):
+        for x, y in zip(pool._gather(s, layer), other._gather(t, layer)):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
+def test_windowed_snapshot_holds_what_the_sequence_holds(fmt, rng, tmp_path):
+    """A windowed sequence's snapshot holds positions [0, sink_end) and [start, length),
+    says so (file version 3, start and sink_end in the metadata), and restores into a
+    windowed pool as a sequence holding the same positions, byte for byte (so its
+    attention is the same); a snapshot of all positions is still a version 2 file."""
+    pool, s = windowed(rng, fmt)
+    snap = pool.snapshot(s)
+    assert (snap.length, snap.start, snap.sink_end, snap.held) == (23, 16, 4, 11)
+    assert snap.k_codes.shape == (3, 11, 2, 32)
+    rows = pool._gather(s, 1)
+    assert snap.k_codes[1].tobytes() == rows[0].tobytes()
+    path = tmp_path / "w.safetensors"
+    snap.save(path)
+    meta = read_file(path)[0]["__metadata__"]
+    assert (meta["file_version"], meta["start"], meta["sink_end"]) == ("3", "16", "4")
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.get_tensor("k_codes").shape == (3, 11, 2, 32)
+    loaded = load_snapshot(path)
+    assert (loaded.start, loaded.sink_end) == (16, 4)
+    assert_same_snapshot(loaded, snap)
+    for source in (snap, loaded):
+        t = pool.restore(source)
+        assert_pool_holds(pool, s, pool, t)
+        assert pool.page_table(t).tolist()[1:4] == [-1, -1, -1]
+        pool.free(t)
+    # into an existing sequence, and into another pool of the same window
+    u = pool.new_sequence()
+    assert pool.restore(snap, seq=u) == u
+    assert_pool_holds(pool, s, pool, u)
+    other = kvcore.KVPool(pool.spec, num_pages=3, page_size=4, window=6, sink_tokens=2)
+    assert_pool_holds(pool, s, other, other.restore(snap))
+    assert other.num_free_pages == 0             # 1 sink page + 2 of the window
+    # a snapshot of every position is still a version 2 file
+    pool.truncate(s, 21)
+    with pytest.raises(kvcore.StateError, match="only to n >= 21"):
+        pool.snapshot(s, 20)
+    full = pool.snapshot(s, 3)                   # within the sink page: all of [0, 3)
+    assert (full.start, full.sink_end, full.length) == (0, 0, 3)
+    full.save(path)
+    assert "start" not in read_file(path)[0]["__metadata__"]
+    assert read_file(path)[0]["__metadata__"]["file_version"] == "2"
+
+
+def test_windowed_snapshot_restores_only_where_the_window_is_held(rng):
+    """A snapshot with start > 0 is refused (SnapshotError, nothing changed) by a
+    KVCache, a pool without a window, a pool whose window or sink positions need
+    positions it lacks, or whose pages its positions do not fall on; a snapshot of all
+    positions restores into a windowed pool, which keeps only what its window needs."""
+    pool, s = windowed(rng, "f16", n=30, window=5, sinks=0, pages=10)
+    snap = pool.snapshot(s)
+    assert (snap.start, snap.sink_end) == (24, 0)
+    cache = KVCache(pool.spec)
+    before = cache._storage.tobytes()
+    with pytest.raises(SnapshotError, match=r"holds positions \[0, 0\) and \[24, 30\) of a "
+                                            r"windowed KVPool's sequence.*only a KVPool with a "
+                                            r"window"):
+        cache.restore(snap)
+    assert cache._storage.tobytes() == before and cache.length == 0
+    for kw, match in ((dict(), "only a KVPool with a window"),
+                      (dict(window=8), r"this pool's window 8 needs positions from 23"),
+                      (dict(window=5, sink_tokens=1), r"keeps its sink pages, positions \[0, 4\)"),
+                      (dict(window=5, page_size=16), "does not start a page of this pool")):
+        kw.setdefault("page_size", 4)
+        other = kvcore.KVPool(pool.spec, num_pages=6, **kw)
+        with pytest.raises(SnapshotError, match=match):
+            other.restore(snap)
+        assert other.num_free_pages == 6 and not other.sequences
+    # a smaller window needs a subset: it holds fewer pages
+    small = kvcore.KVPool(pool.spec, num_pages=6, page_size=4, window=2)
+    t = small.restore(snap)
+    assert small.held(t) == [(28, 30)] and small.num_free_pages == 5
+    assert small.dequantize(t, 0, "k").tobytes() == pool.dequantize(s, 0, "k")[4:].tobytes()
+    # another page size where the positions fall on its pages
+    wide = kvcore.KVPool(pool.spec, num_pages=6, page_size=8, window=3)
+    t = wide.restore(snap)
+    assert wide.held(t) == [(24, 30)]
+    assert wide.dequantize(t, 2, "v").tobytes() == pool.dequantize(s, 2, "v").tobytes()
+    # a snapshot of every position: the pool keeps the window's pages only (6 pages of 4
+    # could not hold 30 positions)
+    full = filled_cache("f16", rng, n=30, capacity=40).snapshot()
+    tight = kvcore.KVPool(pool.spec, num_pages=3, page_size=4, window=5, sink_tokens=2)
+    t = tight.restore(full)
+    assert tight.held(t) == [(0, 4), (24, 30)] and tight.num_free_pages == 0
+    for layer in range(3):
+        k = kvcore.dequantize(full.k_codes[layer], None, "f16")
+        assert tight.dequantize(t, layer, "k").tobytes() == \
+            np.concatenate([k[:4], k[24:]]).tobytes()
+    assert tight.snapshot(t).held == 10
+    # requantized, the snapshot keeps what it holds
+    q = kvcore.KVPool(small_spec("int8", capacity=40), num_pages=4, page_size=4, window=5)
+    t = q.restore(snap, requantize=True)
+    assert q.held(t) == [(24, 30)] and q.snapshot(t).start == 24
+
+
+def test_snapshot_start_and_sink_end_are_checked(rng):
+    snap = random_snapshot("f16", rng, length=5)
+    parts = {name: getattr(snap, name) for name in PARTS}
+    with pytest.raises(DTypeError, match="invalid type of start: expected int, got float"):
+        Snapshot(snap.spec, 9, **parts, start=4.0)
+    for start, sink_end in ((4, 4), (10, 0), (3, 5), (0, 2)):
+        with pytest.raises(SnapshotError, match=f"start {start} and sink_end {sink_end} out of "
+                                                f"range: expected 0 <= sink_end < start <= "
+                                                f"length 9, or both 0"):
+            Snapshot(snap.spec, 9, **parts, start=start, sink_end=sink_end)
+    with pytest.raises(SnapshotError, match=r"snapshot k_codes: expected \[3, 6, 2, 32\] float16, "
+                                            r"got \[3, 5, 2, 32\]"):
+        Snapshot(snap.spec, 9, **parts, start=3)       # holds 9 - 3 = 6 positions, not 5
+    s = Snapshot(snap.spec, 9, **parts, start=5, sink_end=1)
+    assert (s.start, s.sink_end, s.held, s.length) == (5, 1, 5, 9)
+
+
+@pytest.mark.parametrize("start, sink_end, match", [
+    ("14", "4", r"metadata start 14 and sink_end 4 out of range"),
+    ("2", "4", r"metadata start 2 and sink_end 4 out of range"),
+    ("x", "4", r"metadata start must be a non-negative decimal integer")])
+def test_version_3_metadata_is_checked(rng, tmp_path, start, sink_end, match):
+    pool, s = windowed(rng, "int8", n=13, window=3, sinks=1)
+    path = tmp_path / "w.safetensors"
+    pool.snapshot(s).save(path)
+    header, data = read_file(path)
+    assert (header["__metadata__"]["start"], header["__metadata__"]["sink_end"]) == ("8", "4")
+    header["__metadata__"].update(start=start, sink_end=sink_end)
+    write_file(path, header, data)
+    with pytest.raises(SnapshotError, match=match):
+        load_snapshot(path)
+    header["__metadata__"]["file_version"] = "2"          # version 2 has no start
+    header["__metadata__"].update(start="4", sink_end="4")
+    write_file(path, header, data)
+    with pytest.raises(SnapshotError, match=r"unexpected \['sink_end', 'start'\]"):
+        load_snapshot(path)

@@ -1,6 +1,7 @@
 """Decode attention throughput against peers measured in the same run.
 
     python tools/bench_attention.py [--contexts 1024 4096 16384] [--threads 1 2]
+    python tools/bench_attention.py --variants-only [--variant-formats f16 int8]
 
 One new token (batch 1), Hq = 32 query heads, Hkv = 8 kv heads, D = 128. Every timed call
 reads K/V that are not in the caches: each implementation cycles through enough copies
@@ -29,6 +30,10 @@ than torch at the same thread count).
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
 - torch: `scaled_dot_product_attention` float32, [1, Hkv, n, D] K/V, enable_gqa=True.
+- variants (docs/variants.md): what soft-capping (softcap=50) and sink logits cost a
+  decode call at 4096 positions, and a sliding window of 4096 at 32768 positions, each
+  against the plain call at 4096 in the same rounds (goal: at most 1.10x). The windowed
+  caches are cycled so that the bytes the window reads pass twice the last-level cache.
 """
 from __future__ import annotations
 
@@ -191,7 +196,13 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--variant-formats", nargs="+", default=["f16", "int8"],
+                        help="formats of the variants section")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="run only the variants section")
     args = parser.parse_args(argv)
+    if args.variants_only:
+        return {"variants": variants(args.variant_formats, args.threads)}
     try:
         import torch
     except ImportError:
@@ -287,7 +298,76 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                       f"at >= 90% of {what}; lowest {low} {share[low]:.0%}, highest {high} "
                       f"{share[high]:.0%}")
     return {"times": results, "probe": probe, "fma": fma, "in_cache_ns": in_cache,
-            "copy_GBps": copy}
+            "copy_GBps": copy, "variants": variants(args.variant_formats, args.threads)}
+
+
+VARIANT_N, VARIANT_W, VARIANT_LONG = 4096, 4096, 32768
+
+
+def variants(formats: Sequence[str], threads_list: Sequence[int],
+             rounds: int = 15) -> dict[tuple[str, int], dict[str, float]]:
+    """The variants' cost: seconds of one decode call (Hq = 32, Hkv = 8, D = 128, one new
+    token) per format and thread count: plain, softcap=50 and sinks at VARIANT_N
+    positions, window=VARIANT_W at VARIANT_LONG positions. Each round times every kind in
+    turn (the order reversed every other round), a kind's time being its fastest call over
+    one pass of its copies (each past the last-level cache); the figures are the medians
+    over the rounds of those times and of each kind's time over the plain call's in the
+    same round, which a change of the machine's load between rounds does not skew.
+    Prints the table; returns {(format, threads): {kind: seconds, kind + " x": ratio}}."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((HQ, D), dtype=np.float32)
+    out = np.empty_like(q)
+    sinks = rng.standard_normal(HQ, dtype=np.float32)
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    for fmt in formats:
+        k = rng.standard_normal((VARIANT_LONG, HKV, D), dtype=np.float32)
+        v = rng.standard_normal((VARIANT_LONG, HKV, D), dtype=np.float32)
+        short = _cache(fmt, k[-VARIANT_N:], v[-VARIANT_N:])
+        shorts = [short] + [_cache(fmt, k[-VARIANT_N:], v[-VARIANT_N:])
+                            for _ in range(_copies(short.spec.memory_bytes) - 1)]
+        window_bytes = short.spec.memory_bytes * VARIANT_W // VARIANT_N
+        longs = [_cache(fmt, k, v) for _ in range(_copies(window_bytes))]
+        kinds: dict[str, list[Callable[[], object]]] = {
+            "plain": [lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in shorts],
+            "softcap": [lambda c=c: kvcore.decode_attention(q, c, 0, out=out, softcap=50.0)
+                        for c in shorts],
+            "sinks": [lambda c=c: kvcore.decode_attention(q, c, 0, out=out, sinks=sinks)
+                      for c in shorts],
+            "window": [lambda c=c: kvcore.decode_attention(q, c, 0, out=out, window=VARIANT_W)
+                       for c in longs],
+        }
+        for threads in threads_list:
+            kvcore.set_num_threads(threads)
+            times: dict[str, list[float]] = {name: [] for name in kinds}
+            for calls in kinds.values():
+                calls[0]()
+            for r in range(rounds):
+                order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]
+                for name in order:
+                    best = math.inf
+                    for fn in kinds[name]:
+                        t0 = time.perf_counter()
+                        fn()
+                        best = min(best, time.perf_counter() - t0)
+                    times[name].append(best)
+            res = {name: float(np.median(t)) for name, t in times.items()}
+            res.update({f"{name} x": float(np.median(np.array(t) / np.array(times["plain"])))
+                        for name, t in times.items()})
+            results[(fmt, threads)] = res
+        del shorts, longs, kinds
+    kvcore.set_num_threads(0)
+    rows = []
+    for (fmt, threads), t in results.items():
+        rows.append([fmt, threads, t["plain"] * 1e6] + [
+            x for kind in ("softcap", "sinks", "window")
+            for x in (t[kind] * 1e6, f"{t[kind + ' x']:.3f}")])
+    print_table(f"Variants: decode, 1 new token, Hq={HQ}, Hkv={HKV}, D={D}, K/V past the "
+                f"last-level cache; softcap=50 and sinks at {VARIANT_N} positions, "
+                f"window={VARIANT_W} at {VARIANT_LONG}, each over plain at {VARIANT_N} "
+                f"(goal <= 1.10)",
+                ["format", "threads", f"plain us @{VARIANT_N}", "softcap us", "x plain",
+                 "sinks us", "x plain", f"window us @{VARIANT_LONG}", "x plain"], rows)
+    return results
 
 
 if __name__ == "__main__":

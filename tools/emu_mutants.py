@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTENTION_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "-k", "attention"]
 POOL_TESTS = ["tests/test_gpu_pool.py", "tests/test_gpu_pool_graph.py"]
 APPEND_TESTS = ["tests/test_gpu_cache.py", "tests/test_emu_kernels.py", "-k", "append or cache or f16"]
+VARIANT_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "tests/test_gpu_pool.py",
+                 "tests/test_gpu_graph.py", "-k", "variant or window or sink"]
 
 # name: (file, original text, mutated text, what it models, tests to run)
 MUTANTS = {
@@ -52,6 +54,31 @@ MUTANTS = {
         "l_run[h] = l_run[h] + psum;",
         "the running softmax sum is not rescaled when the running max moves",
         ATTENTION_TESTS),
+    "window-off-by-one": (
+        "attention.cuh",
+        "    int lo = window > 0 && n > window ? n - window : 0;",
+        "    int lo = window > 0 && n > window ? n - window + 1 : 0;",
+        "the sliding window leaves out its oldest position",
+        VARIANT_TESTS),
+    "sink-logit-every-split": (
+        "attention.cuh",
+        "            if (sinks != nullptr && split == 0) {  // the sink joins the denominator once",
+        "            if (sinks != nullptr) {  // the sink joins the denominator once",
+        "every split adds the sink logit to its denominator (the merge counts it nsplit times)",
+        VARIANT_TESTS),
+    "softcap-ignored": (
+        "attention.cuh",
+        "                        s[i] = cap > 0.0f ? cap * tanhf(v / cap) : v;",
+        "                        s[i] = v;",
+        "soft-capping is not applied",
+        VARIANT_TESTS),
+    "sink-tile-reads-the-gap": (
+        "attention.cuh",
+        "        return min(T, (v0 < w[0] ? w[2] : end) - v0);",
+        "        return min(T, end - v0);",
+        "the tile of the sink positions also takes the rows after them (positions outside the "
+        "window, whose pages a windowed pool may have released)",
+        VARIANT_TESTS),
     "int8-truncates": (
         "common.cuh",
         "int q = __float2int_rn(__fdiv_rn(x, s));",

@@ -22,18 +22,27 @@
    through its paged storage.
 4. `apply_rope(q, cache, k=...)` rotates q (and k) in place at each slot's position
    lengths[m] + offset, read on the device; angles in float64 (cuda/rope.cu).
+5. Variants (docs/variants.md): window, sink_tokens, sinks, softcap, checked once by
+   `check_variants` (plan construction; the pool's decode_attention before it launches)
+   and passed to the same kernels as run-time arguments (0 / null: off), never as other
+   instances. A window caps the splits at what the query sees (W + S positions).
 """
 from __future__ import annotations
 
 import ctypes
 import math
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .._validate import check_index
-from ..errors import DTypeError, FormatError, ShapeError, StateError
+from ..attention import _check_variants as _cpu_check_variants
+from ..errors import DTypeError, FormatError, RangeError, ShapeError, StateError
 from . import driver, kernels
 from .memory import DeviceArray, DeviceBuffer, as_device_array
+
+if TYPE_CHECKING:
+    from typing import Any
 
 HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0: % 32 too)
 _FIXED_HEAD_DIMS = (64, 128, 256)         # compiled for exactly that D; others: the _dx instance
@@ -45,6 +54,109 @@ MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
 _INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _ROPE_STYLES = {"norm": 0, "neox": 1}
 _LOG2E = 1.4426950408889634
+_INT32_MAX = 2**31 - 1
+
+
+class Variants(NamedTuple):
+    """The attention variants of docs/variants.md, checked (`check_variants`): window W and
+    sink_tokens S ints (0: off; held to the int32 range, which changes nothing: no row
+    holds more positions), softcap c a float (0.0: off), sinks None, a host float32 [Hq]
+    array or a DeviceArray float32 [Hq] (natural-log sink logits)."""
+    window: int = 0
+    sink_tokens: int = 0
+    softcap: float = 0.0
+    sinks: "Any" = None
+
+    @property
+    def visible(self) -> int | None:
+        """The most positions a query sees (W + S), None without a window."""
+        return min(self.window + self.sink_tokens, _INT32_MAX) if self.window else None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.window or self.softcap or self.sinks is not None)
+
+    def launch_args(self, sinks_ptr: int) -> list:
+        """The kernel's variant arguments: window, sink_tokens, softcap2 = c log2(e)
+        (float32, the kernel's base-2 scores), sinks (device address, 0: none)."""
+        return [(self.window, ctypes.c_int), (self.sink_tokens, ctypes.c_int),
+                (float(np.float32(self.softcap * _LOG2E)), ctypes.c_float), (sinks_ptr, None)]
+
+    def describe(self) -> str:
+        parts = [f"window={self.window}"] if self.window else []
+        if self.sink_tokens:
+            parts.append(f"sink_tokens={self.sink_tokens}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.sinks is not None:
+            parts.append("sinks=[...]")
+        return ", ".join(parts)
+
+
+NO_VARIANTS = Variants()
+
+
+def check_variants(spec, *, window=None, sink_tokens=0, sinks=None, softcap=None,
+                   causal: bool = True, stream=None, ctx=None) -> Variants:
+    """The variants checked as the CPU decode_attention checks them (its own helper,
+    kvcore.attention._check_variants: one rule, one message form; nothing is changed or
+    launched when one is refused): window None or an int >= 1, causal only; sink_tokens
+    an int >= 0, only with a window; softcap None or a finite float32 > 0; sinks None, a
+    host array float32 [Hq] (float16 / bfloat16 converted, exactly) of finite values,
+    copied, or a device array float32 [Hq], C-contiguous, used in place (read by every
+    launch; its values are not checked on the device, as q's are not). DTypeError for a
+    type or dtype, RangeError for a value or a combination refused, ShapeError for a
+    shape, NonFiniteError for a non-finite sink."""
+    device_sinks = sinks is not None and _on_device(sinks)
+    var = _cpu_check_variants(spec, causal, window, sink_tokens,
+                              None if device_sinks else sinks, softcap)
+    if device_sinks:
+        sinks = _check_device_sinks(sinks, spec.num_heads, stream, ctx)
+    else:
+        sinks = var.sinks
+    with np.errstate(over="ignore"):
+        capped = np.float32(var.softcap * _LOG2E)
+    if not math.isfinite(capped):
+        raise RangeError(f"softcap must be a finite float32 > 0 whose product with log2(e) "
+                         f"is finite too (the GPU kernel's base-2 scores), got {softcap!r}")
+    return Variants(min(var.window, _INT32_MAX), min(var.sink_tokens, _INT32_MAX),
+                    var.softcap, sinks)
+
+
+def _on_device(x) -> bool:
+    """Whether x is a device array (kvcore's, CUDA array interface, or DLPack on CUDA)."""
+    if isinstance(x, (DeviceArray, DeviceBuffer)):
+        return True
+    if isinstance(x, np.ndarray):
+        return False
+    try:
+        if getattr(x, "__cuda_array_interface__", None) is not None:
+            return True
+    except (TypeError, RuntimeError):
+        return True   # torch: a CUDA tensor it cannot export that way (bfloat16, grad)
+    try:
+        return hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) in (2, 13)
+    except Exception:
+        return False
+
+
+def _check_device_sinks(sinks, hq: int, stream, ctx) -> DeviceArray:
+    """The DeviceArray of device sinks: float32 [hq], C-contiguous, 4-byte aligned."""
+    a = as_device_array(sinks, "sinks", stream=stream, ctx=ctx)
+    if a.dtype != np.float32:
+        raise DTypeError(f"invalid dtype of sinks: expected float32 for a device array (a host "
+                         f"array of float16 or bfloat16 is converted), got {a.dtype}")
+    _check_array("sinks", a, (hq,))
+    if a.ptr % 4:
+        raise ShapeError(f"invalid address of sinks: 0x{a.ptr:x} is not 4-byte aligned")
+    return a
+
+
+def splits_bound(max_length: int | None, variants: Variants) -> int | None:
+    """The bound of the positions any query sees, for choose_splits: max_length, W + S
+    with a window, the smaller of both; None when neither bounds them."""
+    bounds = [b for b in (max_length, variants.visible) if b is not None]
+    return min(bounds) if bounds else None
 
 
 def heads_per_block(group: int) -> int:
@@ -133,6 +245,13 @@ class AttentionPlan(driver.DeviceOwner):
     plan is used, which only caps the number of splits (the default plans from the
     device and the batch alone); scale: the softmax scale (default 1/sqrt(head_dim));
     num_splits: force the number of splits (tests, tuning).
+    Variants (docs/variants.md; every run of the plan applies them): window (an int >= 1:
+    the query, at the slot's last position, sees its last `window` positions), sink_tokens
+    (the first S positions stay visible beside the window), sinks (float32 [Hq] sink
+    logits: a host array, copied to the device by the plan, or a device array float32
+    [Hq], read in place by every run: rewrite it between runs or graph replays),
+    softcap (scores become c tanh(s / c)); see check_variants. A window caps the splits
+    at W + S positions.
     The plan owns its workspace; `free()` releases it (also when garbage-collected).
     Not copyable nor picklable (DeviceCopyError): make another plan.
     """
@@ -142,11 +261,17 @@ class AttentionPlan(driver.DeviceOwner):
              "move that with cache.snapshot(slot) and restore())")
 
     def __init__(self, cache, *, q_dtype: str = "float16", max_length: int | None = None,
-                 scale: float | None = None, num_splits: int | None = None):
+                 scale: float | None = None, num_splits: int | None = None,
+                 window: int | None = None, sink_tokens: int = 0, sinks=None,
+                 softcap: float | None = None):
         spec = cache.spec
+        self._ws = self._sinks_buf = None
         check_head_dim(spec.head_dim, "GPU decode attention")
         if q_dtype not in _INPUT_DTYPES:
             raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
+        self.variants = check_variants(spec, window=window, sink_tokens=sink_tokens,
+                                       sinks=sinks, softcap=softcap, stream=cache.stream,
+                                       ctx=cache.ctx)
         self.cache = cache
         self.ctx = cache.ctx
         self.generation = cache.generation
@@ -167,16 +292,27 @@ class AttentionPlan(driver.DeviceOwner):
         self.blocks = M * Hkv * (self.group // self.gb)
         bound = None if max_length is None else max(1, check_index("max_length", max_length, spec.capacity + 1))
         if num_splits is None:
-            self.num_splits = choose_splits(self.blocks, self.resident, bound)
+            self.num_splits = choose_splits(self.blocks, self.resident,
+                                            splits_bound(bound, self.variants))
         else:
             self.num_splits = check_index("num_splits", num_splits, MAX_SPLITS + 1)
             if self.num_splits == 0:
                 raise ShapeError("invalid num_splits: expected 1 <= num_splits <= 256, got 0")
-        self._ws = None
         self._ws_o = self._ws_lse = 0
+        sinks = self.variants.sinks
+        if isinstance(sinks, np.ndarray):          # the plan's own copy on the device
+            self._sinks_buf = DeviceBuffer.from_numpy(sinks, ctx=ctx)
+            self._sinks_ptr = self._sinks_buf.ptr
+        else:                                      # the caller's device array (kept alive)
+            self._sinks_ptr = 0 if sinks is None else sinks.ptr
         if self.num_splits > 1:
             n_o = M * Hq * self.num_splits * D
-            self._ws = DeviceBuffer.alloc(4 * (n_o + M * Hq * self.num_splits), ctx=ctx)
+            try:
+                self._ws = DeviceBuffer.alloc(4 * (n_o + M * Hq * self.num_splits), ctx=ctx)
+            except BaseException:
+                if self._sinks_buf is not None:
+                    self._sinks_buf.free()
+                raise
             self._ws_o = self._ws.ptr
             self._ws_lse = self._ws.ptr + 4 * n_o
 
@@ -219,7 +355,8 @@ class AttentionPlan(driver.DeviceOwner):
             (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int)]
         launch_split(self._fn, self._fn_merge, storage, self.shape, s.num_kv_heads, self.group,
                      self.gb, self.num_splits, q.ptr, _INPUT_DTYPES[self.q_dtype], self.scale,
-                     out.ptr, lse_ptr, self._ws_o, self._ws_lse, st)
+                     out.ptr, lse_ptr, self._ws_o, self._ws_lse, st,
+                     self.variants.launch_args(self._sinks_ptr))
         c.launched_on(st)
 
     @property
@@ -229,25 +366,29 @@ class AttentionPlan(driver.DeviceOwner):
     def free(self) -> None:
         """Releases the workspace (idempotent); the plan cannot run afterwards, nor a
         DecodeGraph that captured it replay."""
-        if self._ws is not None:
-            self._ws.free()
+        for buf in (self._ws, self._sinks_buf):
+            if buf is not None:
+                buf.free()
         self.generation = -1
 
     def __repr__(self):
+        v = self.variants.describe()
         return (f"AttentionPlan(shape={list(self.shape)}, q_dtype={self.q_dtype}, "
-                f"heads_per_block={self.gb}, num_splits={self.num_splits})")
+                f"heads_per_block={self.gb}, num_splits={self.num_splits}"
+                + (f", {v}" if v else "") + ")")
 
 
 def launch_split(fn, fn_merge, storage: list, shape: tuple[int, int, int], hkv: int, group: int,
                  gb: int, nsplit: int, q_ptr: int, q_dtype: int, scale: float, out_ptr: int,
-                 lse_ptr: int, ws_o: int, ws_lse: int, stream) -> None:
+                 lse_ptr: int, ws_o: int, ws_lse: int, stream, variant_args: list) -> None:
     """Launches the split kernel `fn` over R = shape[0] query rows, with its storage's
-    arguments first (cuda/attention.cuh), then the merge when nsplit > 1."""
+    arguments first (cuda/attention.cuh) and the variants' last (Variants.launch_args),
+    then the merge when nsplit > 1."""
     R, Hq, D = shape
     driver.launch(fn, (nsplit, hkv * (group // gb), R), (THREADS, 1, 1), storage + [
         (D, ctypes.c_int), (q_ptr, None), (q_dtype, ctypes.c_int), (Hq, ctypes.c_int),
         (group, ctypes.c_int), (scale * _LOG2E, ctypes.c_float),
-        (out_ptr, None), (lse_ptr, None), (ws_o, None), (ws_lse, None),
+        (out_ptr, None), (lse_ptr, None), (ws_o, None), (ws_lse, None), *variant_args,
     ], stream=stream)
     if nsplit > 1:
         driver.launch(fn_merge, (R * Hq, 1, 1), (D, 1, 1), [
@@ -257,24 +398,29 @@ def launch_split(fn, fn_merge, storage: list, shape: tuple[int, int, int], hkv: 
 
 
 def decode_attention(q, cache, layer: int, out=None, *, pending: int = 0, scale: float | None = None,
-                     stream=None, return_lse: bool = False):
+                     stream=None, return_lse: bool = False, window: int | None = None,
+                     sink_tokens: int = 0, sinks=None, softcap: float | None = None):
     """One-off decode attention (plans, allocates `out` when None, runs, keeps no plan).
     Not capturable (it allocates): inside graphs use an AttentionPlan. Returns out, a
     DeviceArray float32 [M, Hq, D] when allocated here; with return_lse, (out, lse): lse a
     new DeviceArray float32 [M, Hq], each row's natural-log log-sum-exp of its scaled
-    scores (-inf for an empty slot), as the CPU decode_attention(..., return_lse=True)."""
+    (capped) scores and its sink (-inf for an empty slot without sinks), as the CPU
+    decode_attention(..., return_lse=True). window, sink_tokens, sinks, softcap: the
+    variants of docs/variants.md, as AttentionPlan takes them (the query of slot m is its
+    last position, lengths[m] + pending - 1)."""
+    variants = dict(window=window, sink_tokens=sink_tokens, sinks=sinks, softcap=softcap)
     with cache.ctx:
-        return _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse)
+        return _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse, variants)
 
 
-def _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse):
+def _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse, variants):
     st = cache.stream if stream is None else stream
     qa = as_device_array(q, "q", stream=st, ctx=cache.ctx)
     name = qa.dtype.name
     if name not in _INPUT_DTYPES:
         raise DTypeError(f"invalid dtype of q: expected float32, float16 or bfloat16, got {qa.dtype}")
     driver.refuse_while_capturing("decode_attention (it plans and allocates)", st)
-    plan = AttentionPlan(cache, q_dtype=name, scale=scale)
+    plan = AttentionPlan(cache, q_dtype=name, scale=scale, **variants)
     if out is None:
         buf = DeviceBuffer.alloc(4 * int(np.prod(plan.shape)), ctx=cache.ctx)
         out = buf.view(plan.shape, np.float32)

@@ -40,7 +40,7 @@ from .._guard import CallGuard
 from .._validate import check_index
 from ..errors import DTypeError, SpecError, StateError
 from . import driver, kernels
-from .attention import AttentionPlan, _rope_launch, apply_rope
+from .attention import AttentionPlan, _rope_launch, apply_rope, check_variants
 from .driver import Stream
 from .memory import DeviceArray, DeviceBuffer
 from .pool import GpuKVPool
@@ -66,9 +66,10 @@ class _CacheSteps:
     """The storage part of a DecodeGraph over a GpuKVCache: slot m is row m; attention
     through an AttentionPlan (pending=1); advance on the device; runs on its own stream."""
 
-    def __init__(self, cache, dtype: str, scale, max_length):
+    def __init__(self, cache, dtype: str, scale, max_length, variants: dict):
         self.store, self.rows, self.q_dtype = cache, cache.slots, dtype
-        self.plan = AttentionPlan(cache, q_dtype=dtype, scale=scale, max_length=max_length)
+        self.plan = AttentionPlan(cache, q_dtype=dtype, scale=scale, max_length=max_length,
+                                  **variants)
         self._active = DeviceBuffer.from_numpy(np.ones(cache.slots, np.int32), ctx=cache.ctx)
         self.stream, self.owns_stream = Stream.create(cache.ctx), True
         self.generation = cache.generation
@@ -114,13 +115,23 @@ class _PoolSteps:
     step begun by `pool.begin_step` (one position each); runs on the pool's stream, which begin_step synchronises before it
     rewrites the tables; the advance is the host's `pool.advance()`."""
 
-    def __init__(self, pool, dtype, scale, max_length):
+    def __init__(self, pool, dtype, scale, max_length, variants: dict):
         if max_length is not None:
             raise SpecError("max_length applies to a GpuKVCache's AttentionPlan; a GpuKVPool's "
                             "decode reads each row's length on the device")
         self.store, self.rows, self.q_dtype = pool, pool.max_batch, dtype
         self.plan = None
         self._scale = scale
+        # checked now (nothing captured when refused); host sinks copied to a buffer of the
+        # graph's own, so that the captured decode reads device memory
+        v = check_variants(pool.spec, **variants, stream=pool.stream, ctx=pool.ctx)
+        self._sinks_buf = None
+        sinks = v.sinks
+        if isinstance(sinks, np.ndarray):
+            self._sinks_buf = DeviceBuffer.from_numpy(sinks, ctx=pool.ctx)
+            sinks = self._sinks_buf.view(sinks.shape, np.float32)
+        self._variants = dict(window=v.window or None, sink_tokens=v.sink_tokens,
+                              softcap=v.softcap or None, sinks=sinks)
         self.stream, self.owns_stream = pool.stream, False
         self.generation = pool.generation
 
@@ -140,7 +151,7 @@ class _PoolSteps:
 
     def attend(self, q, out, layer: int, stream) -> None:
         type(self.store).decode_attention.__wrapped__(self.store, q, out, layer, scale=self._scale,
-                                                      stream=stream)
+                                                      stream=stream, **self._variants)
 
     def advance(self, stream) -> None:
         """Nothing on the device: the step's lengths are the host's (begin_step)."""
@@ -163,7 +174,9 @@ class _PoolSteps:
         """The pool's own stream: its synchronising calls wait for it."""
 
     def release(self) -> None:
-        """Nothing of the graph's own (the stream is the pool's)."""
+        """The graph's copy of host sinks (the stream is the pool's)."""
+        if self._sinks_buf is not None:
+            self._sinks_buf.free()
 
 
 class DecodeGraph(driver.DeviceOwner):
@@ -173,7 +186,11 @@ class DecodeGraph(driver.DeviceOwner):
 
     dtype: dtype of the q/k/v buffers ("float32", "float16", "bfloat16"); rope: apply RoPE
     (theta, style, rotary_dim as in apply_rope) before the append; scale: softmax scale (default 1/sqrt(head_dim)); max_length: as in
-    AttentionPlan (cache only). Over a cache the graph runs on its own stream unless
+    AttentionPlan (cache only). window, sink_tokens, sinks, softcap: the attention
+    variants of docs/variants.md, applied to every layer's attention (checked here: a
+    refused one captures nothing); sinks float32 [Hq], a host array (copied to the device
+    once) or a device array (read in place by every replay: rewrite it between replays).
+    Over a cache the graph runs on its own stream unless
     `stream` is given to replay/step_eager; over a pool on the pool's stream.
 
     Not copyable nor picklable (DeviceCopyError): capture another over the storage.
@@ -185,18 +202,20 @@ class DecodeGraph(driver.DeviceOwner):
 
     def __init__(self, storage, *, dtype: str = "float16", rope: bool = True, theta: float = 10000.0,
                  style: str = "neox", rotary_dim: int | None = None, scale: float | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, window: int | None = None, sink_tokens: int = 0,
+                 sinks=None, softcap: float | None = None):
         if dtype not in _DTYPES:
             raise DTypeError(f"invalid dtype: expected float32, float16 or bfloat16, got {dtype!r}")
         self.ctx = storage.ctx
         self._guard = CallGuard("DecodeGraph")
         with self.ctx:
             driver.refuse_while_capturing("DecodeGraph()", storage.stream)
+            variants = dict(window=window, sink_tokens=sink_tokens, sinks=sinks, softcap=softcap)
             if isinstance(storage, GpuKVPool):
                 storage._alive()
-                self._steps = _PoolSteps(storage, dtype, scale, max_length)
+                self._steps = _PoolSteps(storage, dtype, scale, max_length, variants)
             else:
-                self._steps = _CacheSteps(storage, dtype, scale, max_length)
+                self._steps = _CacheSteps(storage, dtype, scale, max_length, variants)
             with self._steps.guard("DecodeGraph()"):
                 self._build(storage, dtype, rope, theta, style, rotary_dim)
 

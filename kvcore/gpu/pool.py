@@ -28,7 +28,9 @@
 5. Decode attention: the split kernel of the GpuKVCache (cuda/attention.cuh) reading the
    pages through the block tables (its paged storage), for every new token of the step
    (causal), splits fixed at construction from the device and max_batch (workspace
-   allocated once), so `decode_attention` only launches.
+   allocated once), so `decode_attention` only launches. The variants (docs/variants.md:
+   window, sink_tokens, sinks, softcap) are run-time arguments of the same kernel; a
+   window takes fewer splits (W + S positions at most), within the same workspace.
 """
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ from ..pool import _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
-from .attention import (MAX_GRID_Z, check_head_dim, check_lse, choose_splits,
-                        launch_split, split_kernel, _INPUT_DTYPES)
+from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
+                        launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
 from .driver import Context, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
@@ -153,6 +155,7 @@ class GpuKVPool(driver.DeviceOwner):
         self.stream = Stream.create(self.ctx)
         self.generation = 0
         self._ws: DeviceBuffer | None = None
+        self._sinks: dict[bytes, DeviceBuffer] = {}   # host sinks uploaded, by content
         try:
             self._data = DeviceBuffer.alloc(data_bytes, ctx=self.ctx)
             self._meta = DeviceBuffer.zeros(meta_bytes, ctx=self.ctx)
@@ -200,6 +203,10 @@ class GpuKVPool(driver.DeviceOwner):
         self._fn_merge = kernels.function("attention", "kv_attn_merge", self.ctx)
         blocks = self.max_batch * s.num_kv_heads * (s.group_size // self._gb)
         self.num_splits = choose_splits(blocks, resident, self.max_pages_per_seq * self.page_size)
+        # splits of a windowed decode (fewer: W + S positions at most), by bound
+        most = self.num_splits
+        self._window_splits = functools.lru_cache(maxsize=64)(
+            lambda bound: min(most, choose_splits(blocks, resident, bound)))
 
     def _ws_bytes(self) -> int:
         """Bytes of the split workspace: o [rows][Hq][splits][D] and lse [rows][Hq][splits]."""
@@ -246,8 +253,10 @@ class GpuKVPool(driver.DeviceOwner):
 
     @property
     def memory_bytes(self) -> int:
-        """Device bytes allocated (data, metadata and the decode's split workspace)."""
-        return self._data.nbytes + self._meta.nbytes + (0 if self._ws is None else self._ws.nbytes)
+        """Device bytes allocated (data, metadata, the decode's split workspace and the
+        copies of host sinks given to decode_attention)."""
+        return (self._data.nbytes + self._meta.nbytes + (0 if self._ws is None else self._ws.nbytes)
+                + sum(b.nbytes for b in self._sinks.values()))
 
     # ------------------------------------------------------------------ device views
 
@@ -498,7 +507,8 @@ class GpuKVPool(driver.DeviceOwner):
     @_one_call
     @driver.in_context
     def decode_attention(self, q, out, layer: int, *, lse=None, causal: bool = True,
-                         scale: float | None = None, stream=None) -> None:
+                         scale: float | None = None, stream=None, window: int | None = None,
+                         sink_tokens: int = 0, sinks=None, softcap: float | None = None) -> None:
         """Attention of the step's new tokens over `layer` of their sequences, read through
         the block tables in the storage's format. Input row r (as append's: sequence b's
         tokens are rows [q_offsets[b], q_offsets[b + 1]), in begin_step's order) is token
@@ -511,7 +521,14 @@ class GpuKVPool(driver.DeviceOwner):
         lse: None or float32 [R, Hq], the natural log-sum-exp of each row's scaled scores
         (-inf for a row that sees nothing). scale: default 1/sqrt(D). FormatError for a
         head_dim the kernel does not take (kvcore.gpu.attention.HEAD_DIMS); StateError
-        outside a step, as append."""
+        outside a step, as append.
+        Variants (docs/variants.md, kvcore.gpu.attention.check_variants): window W (causal
+        only: token t at position p sees p - W < j <= p; pages wholly outside what a row
+        sees are never read, and may be -1 in the block tables), sink_tokens S (positions
+        [0, S) stay visible beside the window), softcap c, sinks float32 [Hq]: a device
+        array (read in place) or a host array, uploaded once per distinct content and kept
+        until free() (a host array not seen before is refused while capturing: pass a
+        device array to a graph). Refused input launches nothing."""
         self._alive()
         if self._decode_error is not None:
             raise self._decode_error
@@ -538,8 +555,13 @@ class GpuKVPool(driver.DeviceOwner):
                              f"16-byte aligned, got {oa.dtype} {list(oa.shape)} strides "
                              f"{list(oa.strides)} at 0x{oa.ptr:x}")
         lse_ptr = check_lse(lse, R, s.num_heads, st, self.ctx)
+        v = check_variants(s, window=window, sink_tokens=sink_tokens, sinks=sinks,
+                           softcap=softcap, causal=causal, stream=st, ctx=self.ctx)
         if n is None:
             self._refuse_outside_step("decode_attention", st)
+        sinks_ptr = self._sinks_ptr(v.sinks, st)
+        bound = splits_bound(None, v)
+        nsplit = self.num_splits if bound is None else self._window_splits(bound)
         n_rows = self.num_pages * self.page_size
         base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] for r in REGIONS]
         if not s.fmt.quantized:
@@ -553,12 +575,34 @@ class GpuKVPool(driver.DeviceOwner):
                    (self.max_batch, ctypes.c_int), (self.page_size, ctypes.c_int),
                    (s.num_kv_heads, ctypes.c_int), (int(bool(causal)), ctypes.c_int)]
         ws_o = ws_lse = 0
-        if self._ws is not None:
+        if nsplit > 1:
             ws_o = self._ws.ptr
-            ws_lse = ws_o + 4 * R * s.num_heads * self.num_splits * s.head_dim
+            ws_lse = ws_o + 4 * R * s.num_heads * nsplit * s.head_dim
         launch_split(self._fn_decode, self._fn_merge, storage, qa.shape, s.num_kv_heads,
-                     s.group_size, self._gb, self.num_splits, qa.ptr, _INPUT_DTYPES[qa.dtype.name],
-                     scale, oa.ptr, lse_ptr, ws_o, ws_lse, st)
+                     s.group_size, self._gb, nsplit, qa.ptr, _INPUT_DTYPES[qa.dtype.name],
+                     scale, oa.ptr, lse_ptr, ws_o, ws_lse, st, v.launch_args(sinks_ptr))
+
+    def _sinks_ptr(self, sinks, stream) -> int:
+        """Device address of checked sinks: a device array's own, or the pool's copy of a
+        host array (uploaded at its first use, synchronously: complete before any later
+        launch reads it; never rewritten, so a launch still queued reads what it was given)."""
+        if sinks is None:
+            return 0
+        if not isinstance(sinks, np.ndarray):
+            return sinks.ptr
+        key = sinks.tobytes()
+        buf = self._sinks.get(key)
+        if buf is None:
+            if driver.is_capturing(stream):
+                raise StateError("GpuKVPool.decode_attention: host sinks are copied to the device "
+                                 "at their first use, which a capture cannot hold: pass a device "
+                                 "array (DecodeGraph does), or call once eagerly first; nothing "
+                                 "was launched")
+            if len(self._sinks) >= 1024:
+                raise StateError("GpuKVPool.decode_attention: 1024 distinct host sinks arrays were "
+                                 "uploaded already: pass device arrays")
+            buf = self._sinks[key] = DeviceBuffer.from_numpy(sinks, ctx=self.ctx)
+        return buf.ptr
 
     @_one_call
     @driver.in_context
@@ -735,6 +779,9 @@ class GpuKVPool(driver.DeviceOwner):
         self._data.free()
         if self._ws is not None:
             self._ws.free()
+        for buf in self._sinks.values():
+            buf.free()
+        self._sinks.clear()
         self.stream.destroy()
         self.generation += 1
 

@@ -143,6 +143,7 @@ class KVStore:
         if not isinstance(snapshot, Snapshot):
             raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
                              f"got {type(snapshot).__name__}")
+        _check_from_zero(snapshot)
         have, want = snapshot.spec, self.spec
         for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(have, name) != getattr(want, name):
@@ -270,6 +271,17 @@ class KVStore:
             seq = target.restore(result.snapshot)
             result.seq = seq if isinstance(seq, int) else None
         return result
+
+
+def _check_from_zero(snapshot: Snapshot) -> None:
+    """SnapshotError for a snapshot of a windowed pool's sequence (start > 0): chunks are
+    positions from 0, and it no longer holds them."""
+    if snapshot.start:
+        raise SnapshotError(f"a store saves chunks from position 0, and the snapshot holds "
+                            f"positions [0, {snapshot.sink_end}) and [{snapshot.start}, "
+                            f"{snapshot.length}) only (a windowed KVPool's sequence): save it "
+                            f"before its window released a page, or from a pool without a "
+                            f"window")
 
 
 class _Staging:
@@ -531,6 +543,7 @@ class StoreWriter:
         if not isinstance(snapshot, Snapshot):
             raise DTypeError(f"invalid type of snapshot: expected Snapshot, "
                              f"got {type(snapshot).__name__}")
+        _check_from_zero(snapshot)
         ids = token_array(tokens)  # bad arguments raise here, in the caller's thread
         encode_extra(extra)
         with self._cond:
