@@ -7,10 +7,13 @@
   off     gpu tests skip
 
 The choice is made once, at session start; the device is asked about then, never at import.
+A device run never emulates: `emu`-marked tests (of the emulator itself) skip there, and a
+test that switched kvcore to the emulator stops the run.
 Under the emulator, every gpu test must leave nothing live that it created (device memory,
 streams, events, graphs), checked after its teardown; `device`-marked tests need third-party
 CUDA arrays (torch, CuPy) and a real device, and skip under the emulator.
 """
+import faulthandler
 import functools
 import gc
 import os
@@ -32,6 +35,34 @@ def pytest_addoption(parser):
                           "(auto: a device when usable, else the emulator)")
     parser.addoption("--gpu-seed", type=int, default=0,
                      help="seed of the emulator's thread shuffling (use_emulator(seed=...))")
+    parser.addoption("--test-timeout", type=int, default=0,
+                     help="fail a test (setup, call and teardown) running past this many seconds, "
+                          "by SIGALRM; every thread's stack is dumped 5 s later if it is stuck in C "
+                          "(pytest-timeout is not on the GPU image); 0: no limit")
+
+
+class PerTestTimeout(Exception):
+    """A test ran past --test-timeout."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    limit = item.config.getoption("--test-timeout")
+    if not limit:
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise PerTestTimeout(f"{item.nodeid} ran past --test-timeout={limit} s")
+    previous = signal.signal(signal.SIGALRM, alarm)
+    faulthandler.dump_traceback_later(limit + 5)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
 
 
 @functools.cache
@@ -68,9 +99,16 @@ def _mode(option: str) -> tuple[str, str | None]:
 _CHILDREN = pytest.StashKey[dict]()
 
 
+def _emulator_test_in_device_run(item) -> bool:
+    """An `emu`-marked test (of the emulator itself) in a device run: it skips."""
+    return item.get_closest_marker("emu") is not None and _mode(item.config.getoption("--gpu"))[0] == "device"
+
+
 def _runnable(item) -> bool:
     """False when a skipif mark, or the gpu mode, will skip the item."""
     if any(m.args and m.args[0] for m in item.iter_markers("skipif")):
+        return False
+    if _emulator_test_in_device_run(item):
         return False
     return item.get_closest_marker("gpu") is None or _mode(item.config.getoption("--gpu"))[1] is None
 
@@ -144,6 +182,8 @@ def _start_emulator(config) -> None:
 
 
 def pytest_runtest_setup(item):
+    if _emulator_test_in_device_run(item):
+        pytest.skip("tests the CPU emulator: not part of a device run")
     if item.get_closest_marker("gpu") is None:
         return
     mode, reason = _mode(item.config.getoption("--gpu"))
@@ -170,6 +210,11 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     result = yield
+    if item.get_closest_marker("gpu") is not None and _mode(item.config.getoption("--gpu")) == ("device", None):
+        from kvcore import gpu
+        if gpu.using_emulator():
+            pytest.exit(f"{item.nodeid} switched kvcore to the emulator in a device run: "
+                        f"stopped, since every later result would be emulated", returncode=3)
     serial = item.stash.get(_LEAK_MARK, None)
     if serial is None:
         return result

@@ -21,13 +21,23 @@ def test_bench_gpu_smoke_sizes_run(capsys):
     paged = text[text.index("### paged"):]
     lines = [line for line in paged.splitlines() if line.startswith("| ") and "---" not in line]
     header, rows = lines[0], [r.strip("| ").split(" | ") for r in lines[1:]]
-    assert "decode / copy" in header and "decode / SDPA" in header
+    assert "paged / contiguous" in header and "decode / copy" in header and "decode / SDPA" in header
     assert len(rows) == 7 * 2 * 2                      # formats x batches x contexts
     assert {r[0] for r in rows} == set(bench_gpu.PAGED_FORMATS)
-    for r in rows:
-        assert float(r[3]) > 0 and float(r[7]) > 0     # decode time, decode / copy
+    for r in rows:   # decode time, paged / contiguous, decode / copy
+        assert float(r[3]) > 0 and float(r[6]) > 0 and float(r[9]) > 0
     if gpu.using_emulator():
         assert "EMULATOR: times are CPU times" in paged
-        assert all(r[8] == r[9] == "n/a" for r in rows)
+        assert all(r[10] == r[11] == "n/a" for r in rows)
     assert "### append" in text
     assert bench_gpu.main(["--smoke", "attention"]) == 2     # no smoke size there
+
+
+def test_bench_gpu_size_options(capsys):
+    import bench_gpu
+    assert bench_gpu.main(["--smoke", "paged", "--batches", "2", "--contexts", "7",
+                           "--formats", "int8,q8_0", "--repeat", "1"]) == 0
+    rows = [r.strip("| ").split(" | ") for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ") and "---" not in r][1:]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("int8", "2", "7"), ("q8_0", "2", "7")]
+    assert bench_gpu.main(["paged", "--formats", "f17"]) == 2

@@ -21,7 +21,7 @@ from kvcore.gpu import kernels as gpu_kernels
 from kvcore.gpu._emu import driver as emu
 from kvcore.gpu._emu import ptx
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.emu]
 
 R = emu.CUresult
 MODES = emu.CUstreamCaptureMode
@@ -300,6 +300,30 @@ def test_async_copies_touch_host_memory_when_they_run(machine):
     ok(d.cuMemFree(p))
 
 
+def test_a_3d_copy_pitch_past_the_devices_largest_is_refused(machine):
+    """cuMemcpy3D takes pitches up to CU_DEVICE_ATTRIBUTE_MAX_PITCH (2^31 - 1 bytes):
+    a larger one is CUDA_ERROR_INVALID_VALUE naming it, and nothing is copied."""
+    d = machine()
+    assert ok(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, 0)) == 2**31 - 1
+    p = int(ok(d.cuMemAlloc(64)))
+    write(p, np.zeros(64, np.uint8))
+    host = np.full(64, 7, np.uint8)
+    for pitch, code in ((2**31, R.CUDA_ERROR_INVALID_VALUE), (32, R.CUDA_SUCCESS)):
+        c = d.CUDA_MEMCPY3D()
+        c.srcMemoryType, c.srcHost = d.CUmemorytype.CU_MEMORYTYPE_HOST, host.ctypes.data
+        c.srcPitch, c.srcHeight = 32, 1
+        c.dstMemoryType, c.dstDevice = d.CUmemorytype.CU_MEMORYTYPE_DEVICE, d.CUdeviceptr(p)
+        c.dstPitch, c.dstHeight = pitch, 1
+        c.WidthInBytes, c.Height, c.Depth = 16, 1, 1
+        if code == R.CUDA_SUCCESS:
+            ok(d.cuMemcpy3D(c))
+        else:
+            fails(d.cuMemcpy3D(c), code, "passes the device's largest pitch 2147483647")
+            assert read(p, 64).tolist() == [0] * 64
+    assert read(p, 64).tolist() == [7] * 16 + [0] * 48
+    ok(d.cuMemFree(p))
+
+
 def test_event_timing_and_queries(machine):
     d = machine()
     s = ok(d.cuStreamCreate(0))
@@ -573,6 +597,46 @@ def test_launch_checks_against_the_entry(machine):
           R.CUDA_ERROR_INVALID_HANDLE, "loaded in device 0's context")
     ok(d.cuModuleUnload(mod))
     fails(d.cuModuleGetFunction(mod, b"kv_advance"), R.CUDA_ERROR_INVALID_HANDLE)
+
+
+def test_launch_parameters_take_what_the_real_bindings_take(machine):
+    # cuda-python 12.6-13.x: a raw pointer is (int, c_void_p); type None only for a binding
+    # object (CUdeviceptr); kernelParams a tuple of two tuples; extra an int (0)
+    d = machine()
+    mod = ok(d.cuModuleLoadData(_image("kv_append")))
+    fn = ok(d.cuModuleGetFunction(mod, b"kv_advance"))
+    meta = int(ok(d.cuMemAlloc(64)))
+    ok(d.cuMemsetD8(meta, 0, 64))
+    c_int, ptr = ctypes.c_int, ctypes.c_void_p
+    values, types = (meta, meta + 16, 0, 4, 8, -1, 1), (ptr, ptr, ptr, c_int, c_int, c_int, c_int)
+
+    def launch(params, extra=0):
+        return d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, 0, params, extra)
+
+    with pytest.raises(TypeError, match="CUDA Binding structure with getPtr"):
+        launch((values, (None,) + types[1:]))                  # (int, None)
+    with pytest.raises(TypeError, match="kernelParams' is not a valid type"):
+        launch((list(values), list(types)))
+    with pytest.raises(TypeError, match="different length"):
+        launch((values, types[:6]))
+    with pytest.raises(TypeError, match="Unsupported type"):
+        launch((values, types[:3] + (ctypes.c_char_p,) + types[4:]))
+    with pytest.raises(TypeError, match="extra"):
+        launch((values, types), extra=None)
+    ok(launch(((d.CUdeviceptr(meta), ctypes.c_void_p(meta + 16)) + values[2:],
+               (None, ptr) + types[2:])))
+    ok(d.cuCtxSynchronize())
+    assert read(meta, 4, np.int32).tolist() == [1, 1, 1, 1]
+    ok(d.cuMemFree(meta))
+
+
+def test_kvcore_launches_in_the_real_bindings_form(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu.driver, "call", lambda name, *args: calls.append((name, args)))
+    gpu.driver.launch("fn", (1, 2, 3), (32, 1, 1), [(0x1000, None), (7, ctypes.c_int)], stream=0)
+    (name, args), = calls
+    assert name == "cuLaunchKernel" and args[:8] == ("fn", 1, 2, 3, 32, 1, 1, 0)
+    assert args[9] == ((0x1000, 7), (ctypes.c_void_p, ctypes.c_int)) and args[10] == 0
 
 
 def test_a_kernel_fault_is_sticky_and_named(machine, monkeypatch):

@@ -422,6 +422,37 @@ def test_offload_and_bring_back_bit_identical(gpu, rng, fmt):
     gp.free()
 
 
+def test_page_copies_pitch_is_one_page_however_large_the_pool(gpu, rng, monkeypatch):
+    """Every page copy (copy-on-write, offload, bring_back) is one cuMemcpy3DAsync whose
+    pitch on each side is one page of the region (the page is its y, the layer its z), so
+    a pool whose layer region passes 2^31 - 1 bytes (the driver's largest pitch) copies
+    as a small one does."""
+    from kvcore.gpu import driver
+    seen = []
+    real = driver.call
+
+    def spy(name, *args):
+        if name == "cuMemcpy3DAsync":
+            p = args[0]
+            seen.append((int(p.srcPitch), int(p.dstPitch), int(p.WidthInBytes), int(p.Height),
+                         int(p.Depth)))
+        return real(name, *args)
+
+    monkeypatch.setattr(driver, "call", spy)
+    gp, cp = pools(gpu, "q8_0")
+    a = gp.new_sequence()
+    cp.new_sequence()
+    step(gpu, gp, cp, [a], [PS + 1], rng, np.float32, [])
+    gp.fork(a)                                     # the partial page is copied
+    host = KVPool(spec("q8_0"), 10, PS)
+    gp.bring_back(host, gp.offload(a, host))
+    assert len(seen) >= 3 * 4                      # (fork, offload, bring_back) x 4 regions
+    rows = {gp._row[r] * PS for r in gp._regions()}
+    for src_pitch, dst_pitch, width, height, depth in seen:
+        assert src_pitch == dst_pitch == width and width in rows and (height, depth) == (1, L)
+    gp.free()
+
+
 # ------------------------------------------------------------------ paged decode attention
 
 def reference64(q, k, v, scale):

@@ -1,15 +1,19 @@
 """RoPE as models use it: kvcore.rope_frequencies against transformers' own
 ROPE_INIT_FUNCTIONS for every scaling type, and apply_rope with a model's table and
-attention factor against a float64 rotation at positions up to 128k."""
+attention factor against a float64 rotation at positions up to 128k. Without torch and
+transformers (the GPU image has no transformers) the module skips."""
 import math
 
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import kvcore
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+import kvcore  # noqa: E402
 
 HEAD_DIM = 128
 MPE = 131072

@@ -4,9 +4,11 @@ markdown tables with the peer measured in the same run.
 
     python3 tools/bench_gpu.py                  # every section
     python3 tools/bench_gpu.py append           # only some sections
+    python3 tools/bench_gpu.py paged --batches 1,32 --contexts 4096 --formats f16,int8 --repeat 10
 
     python3 tools/bench_gpu.py --emulate --smoke paged   # tiny sizes on the emulator (a
                                                         # check that it runs: CPU times)
+    python3 tools/bench_gpu.py --help
 
 Sections live in SECTIONS (name -> function(smoke) printing its table); add one per kernel
 family.
@@ -16,9 +18,11 @@ family.
           also the step launched eagerly from Python.
   paged:  GpuKVPool.decode_attention (one query token per sequence, Hq 32, Hkv 8, D 128,
           pages of 16 in a shuffled physical order, q and out float32), batch 1/8/32/128 x
-          context 1024/4096/16384 per format, replayed as a CUDA graph, against a graph of
-          one cuMemcpyDtoDAsync of the same bytes (the K and V codes and scales the decode
-          reads) and torch scaled_dot_product_attention (fp16, enable_gqa, contiguous
+          context 1024/4096/16384 per format (--batches, --contexts, --formats), replayed
+          as a CUDA graph, against the same decode over a contiguous GpuKVCache
+          (AttentionPlan.run: paged / contiguous), a graph of one cuMemcpyDtoDAsync of the
+          same bytes (the K and V codes and scales the decode reads) and torch
+          scaled_dot_product_attention (fp16, enable_gqa, contiguous
           [B, Hkv, N, D] K/V: the dense peer) on the same shapes; L2 flushed (a 256 MiB
           memset) before every timed launch. Needs torch with CUDA for the SDPA column
           (else "n/a"). The copy reads and writes the bytes, the decode only reads them:
@@ -28,8 +32,10 @@ family.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -41,6 +47,7 @@ from _benchlib import print_table  # noqa: E402
 from kvcore import KVSpec  # noqa: E402
 from kvcore import gpu  # noqa: E402
 from kvcore.gpu import driver  # noqa: E402
+from kvcore.gpu.attention import AttentionPlan  # noqa: E402
 
 
 def time_ms(fn, stream: gpu.Stream, *, repeat: int = 20, warmup: int = 3,
@@ -87,11 +94,11 @@ def capture(fn, stream: gpu.Stream):
     return replay, destroy
 
 
-def bench_append(smoke: bool = False) -> None:
-    L, M, H, D, steps = (2, 4, 2, 64, 2) if smoke else (32, 64, 8, 128, 8)
+def bench_append(opts) -> None:
+    L, M, H, D, steps = (2, 4, 2, 64, 2) if opts.smoke else (32, 64, 8, 128, 8)
     rng = np.random.default_rng(0)
     rows = []
-    for fmt in ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"):
+    for fmt in opts.formats:
         spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=steps, format=fmt)
         cache = gpu.GpuKVCache(spec, M)
         x = (rng.standard_normal((L, 2, M, H, D)) * 3).astype(np.float16)
@@ -184,11 +191,32 @@ def _torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def bench_paged(smoke: bool = False) -> None:
-    if smoke:
+def _contiguous(spec, B: int, N: int, q, out, rng, stream):
+    """A GpuKVCache of B slots holding N random positions each and an AttentionPlan over it:
+    (cache, plan, run) with run() the decode of q into out on `stream`."""
+    f = spec.fmt
+    cache = gpu.GpuKVCache(spec, B, stream=stream)
+    block = (1, spec.num_kv_heads, min(N, 64), spec.head_dim)
+    _fill(cache.keys(0), _random_codes(rng, f, block), stream)
+    _fill(cache.values(0), _random_codes(rng, f, block), stream)
+    if f.quantized:
+        for view in (cache.key_scales(0), cache.value_scales(0)):
+            _fill(view, rng.uniform(0.001, 0.01, block[:3] + (f.scales_per_row(spec.head_dim),))
+                  .astype(f.scale_dtype), stream)
+    lengths = np.full(B, N, np.int32)
+    cache.lengths.copy_from_numpy(lengths, stream=stream)
+    stream.synchronize()
+    plan = AttentionPlan(cache, q_dtype="float32")
+    return cache, plan, lambda: plan.run(q, out, 0, stream=stream)
+
+
+def bench_paged(opts) -> None:
+    if opts.smoke:
         HQ, HKV, D, PS, batches, contexts, repeat = 4, 2, 64, 4, (1, 3), (5, 12), 2
     else:
         HQ, HKV, D, PS, batches, contexts, repeat = 32, 8, 128, 16, (1, 8, 32, 128), (1024, 4096, 16384), 20
+    batches, contexts, repeat = opts.batches or batches, opts.contexts or contexts, opts.repeat or repeat
+    smoke = opts.smoke
     torch = _torch_cuda()
     rng = np.random.default_rng(0)
     ctx = gpu.Context.get()
@@ -197,8 +225,8 @@ def bench_paged(smoke: bool = False) -> None:
     for B in batches:
         for N in contexts:
             pages_per_seq = -(-N // PS)
-            if 2.5 * 2 * B * N * HKV * D * 4 > 0.7 * ctx.mem_get_info()[0]:
-                continue   # the f32 pool, its copy peer and torch's fp16 K/V must fit
+            if 2.5 * 2 * B * N * HKV * D * 2 > 0.7 * ctx.mem_get_info()[0]:
+                continue   # torch's fp16 K/V must fit
             t_sdpa = None
             if torch is not None:
                 st = torch.cuda.current_stream()
@@ -209,10 +237,12 @@ def bench_paged(smoke: bool = False) -> None:
                                  before=lambda: flush.fill(0, stream=st))
                 del k, v, qt
                 torch.cuda.empty_cache()    # give its K/V back before the pools allocate
-            for name in PAGED_FORMATS:
+            for name in opts.formats:
                 spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * PS,
                               num_heads=HQ, format=name)
                 f = spec.fmt
+                if 3.3 * 2 * B * pages_per_seq * PS * HKV * f.row_bytes(D) > 0.8 * ctx.mem_get_info()[0]:
+                    continue   # the pool, the contiguous cache and the copy's destination must fit
                 pool = gpu.GpuKVPool(spec, B * pages_per_seq, PS, max_batch=B,
                                      max_pages_per_seq=pages_per_seq, max_tokens=N - 1)
                 pool._table.free[:] = rng.permutation(pool.num_pages).tolist()  # scattered pages
@@ -240,38 +270,44 @@ def bench_paged(smoke: bool = False) -> None:
                         driver.call("cuMemcpyDtoDAsync", driver.cuda().CUdeviceptr(dst.ptr),
                                     driver.cuda().CUdeviceptr(src), n, st.handle)
 
+                cache, plan, contiguous = _contiguous(spec, B, N, q, out, rng, pool.stream)
                 g_dec, free_dec = capture(lambda: pool.decode_attention(q, out, 0), pool.stream)
+                g_con, free_con = capture(contiguous, pool.stream)
                 g_cpy, free_cpy = capture(copy, pool.stream)
                 flush_pool = lambda: flush.fill(0, stream=pool.stream)  # noqa: E731
                 t_dec = time_ms(g_dec, pool.stream, repeat=repeat, before=flush_pool)
+                t_con = time_ms(g_con, pool.stream, repeat=repeat, before=flush_pool)
                 t_cpy = time_ms(g_cpy, pool.stream, repeat=repeat, before=flush_pool)
                 pool.advance()
                 if not np.isfinite(out.to_numpy()).all():
-                    raise RuntimeError(f"paged decode of {name} gave a non-finite output")
-                free_dec(), free_cpy()
+                    raise RuntimeError(f"decode of {name} gave a non-finite output")
+                free_dec(), free_con(), free_cpy()
                 dst.free(), qo.free()
-                pool.free()
+                plan.free(), cache.free(), pool.free()
                 sdpa_cols = ["n/a", "n/a"] if t_sdpa is None else [t_sdpa * 1e3, t_dec / t_sdpa]
                 rows.append([name, B, N, t_dec * 1e3, kv_bytes / (t_dec * 1e-3) / 1e9,
+                             t_con * 1e3, t_dec / t_con,
                              t_cpy * 1e3, 2 * kv_bytes / (t_cpy * 1e-3) / 1e9, t_dec / t_cpy,
                              *sdpa_cols])
+                print(f"paged row: {rows[-1]}", flush=True)   # kept if the run is cut short
     flush.free()
     where = ("EMULATOR: times are CPU times of the emulated kernels, not device figures"
              if gpu.using_emulator() else ctx.name)
     print_table(f"paged: GpuKVPool.decode_attention, one query token per sequence, Hq={HQ}, "
                 f"Hkv={HKV}, D={D}, pages of {PS} ({where}; graph replays, L2 flushed; copy = "
-                f"graph of one DtoD copy of the K/V bytes the decode reads; SDPA = torch fp16 "
-                f"enable_gqa on dense K/V)",
-                ["format", "batch", "context", "decode us", "decode GB/s (read)", "copy us",
-                 "copy GB/s (r+w)", "decode / copy", "SDPA us", "decode / SDPA"], rows)
+                f"graph of one DtoD copy of the K/V bytes the decode reads; contiguous = the same "
+                f"decode over a GpuKVCache; SDPA = torch fp16 enable_gqa on dense K/V)",
+                ["format", "batch", "context", "decode us", "decode GB/s (read)", "contiguous us",
+                 "paged / contiguous", "copy us", "copy GB/s (r+w)", "decode / copy", "SDPA us",
+                 "decode / SDPA"], rows)
 
 
-def _attention(smoke: bool = False) -> None:
+def _attention(opts) -> None:
     import bench_gpu_attention
     bench_gpu_attention.bench_attention()
 
 
-def _step(smoke: bool = False) -> None:
+def _step(opts) -> None:
     import bench_gpu_attention
     bench_gpu_attention.bench_step()
 
@@ -280,26 +316,43 @@ SECTIONS = {"append": bench_append, "paged": bench_paged, "attention": _attentio
 SMOKE = ("append", "paged")     # the sections with a --smoke size (no torch needed)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def main(argv: list[str]) -> int:
-    flags = [a for a in argv if a.startswith("--")]
-    names = [a for a in argv if not a.startswith("--")] or (list(SMOKE) if "--smoke" in flags
-                                                             else list(SECTIONS))
-    unknown = [n for n in names if n not in SECTIONS]
-    bad = [f for f in flags if f not in ("--smoke", "--emulate")]
-    if unknown or bad:
-        print(f"unknown sections {unknown} or flags {bad}: expected some of {list(SECTIONS)} "
-              f"and --smoke, --emulate", file=sys.stderr)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Sections: " + __doc__.split("add one per kernel\nfamily.")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sections", nargs="*", metavar="SECTION",
+                    help=f"some of {', '.join(SECTIONS)} (default: all; with --smoke: {', '.join(SMOKE)})")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: a check that it runs (no torch)")
+    ap.add_argument("--emulate", action="store_true", help="on the CPU emulator (CPU times, not device figures)")
+    ap.add_argument("--batches", type=_ints, help="paged: batch sizes, e.g. 1,32,128")
+    ap.add_argument("--contexts", type=_ints, help="paged: positions per sequence, e.g. 4096,16384")
+    ap.add_argument("--formats", type=lambda t: tuple(x for x in t.split(",") if x), default=PAGED_FORMATS,
+                    help="append, paged: formats (default: all seven)")
+    ap.add_argument("--repeat", type=int, help="paged: timed replays per measurement (default 20)")
+    opts = ap.parse_args(argv)
+    names = opts.sections or (list(SMOKE) if opts.smoke else list(SECTIONS))
+    unknown = [n for n in names if n not in SECTIONS] + [f for f in opts.formats if f not in PAGED_FORMATS]
+    if unknown:
+        print(f"unknown sections or formats {unknown}: expected some of {list(SECTIONS)}, "
+              f"{list(PAGED_FORMATS)}", file=sys.stderr)
         return 2
-    if "--smoke" in flags and set(names) - set(SMOKE):
+    if opts.smoke and set(names) - set(SMOKE):
         print(f"--smoke runs only {list(SMOKE)}", file=sys.stderr)
         return 2
-    if "--emulate" in flags and not gpu.using_emulator():
+    if opts.emulate and not gpu.using_emulator():
         gpu.use_emulator()
     if not gpu.is_available():
         print("no usable CUDA device", file=sys.stderr)
         return 1
+    t0 = time.perf_counter()
     for n in names:
-        SECTIONS[n]("--smoke" in flags)
+        SECTIONS[n](opts)
+    where = "EMULATOR: CPU times" if gpu.using_emulator() else gpu.Context.get().name
+    print(f"bench_gpu: {', '.join(names)} in {time.perf_counter() - t0:.0f} s ({where})")
     return 0
 
 

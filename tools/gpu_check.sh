@@ -1,51 +1,27 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one go, on a machine with an NVIDIA device:
-#   build the extensions in place, pytest -m gpu, tools/bench_gpu.py, compute-sanitizer
-#   memcheck (and racecheck with --racecheck) over the gpu tests, a summary last.
+# Everything a device must prove, in one command that ends inside its budget: build,
+# JIT warm-up, pytest -m gpu --gpu=device, every format's kernels against the CPU,
+# compute-sanitizer, the benchmark; a summary table last. The stages are in
+# tools/gpu_check.py (read its docstring; docs/gpu.md "On a GPU machine").
 #
-#   tools/gpu_check.sh [--racecheck] [OUTPUT_DIR [PYTEST_ARGS...]]
+#   tools/gpu_check.sh [--budget SECONDS] [--emulate] [--only STAGE,...] [OUTPUT_DIR] [-- PYTEST_ARGS...]
 #
-# OUTPUT_DIR (default: a new temp dir) receives one log per stage; PYTEST_ARGS (test
-# files, -k ...) narrow the tests both pytest runs take (default: every gpu test).
-# Every stage runs even when an earlier one fails; the exit status is non-zero when any
-# failed.
+# --budget: seconds for everything (default 480: give the machine's command 540).
+# --emulate: the dry run on the CPU emulator (tiny sizes, no device figures).
+# --only: the stages to run (a rerun of what failed, with the time left).
+# OUTPUT_DIR (default: a new temp dir) receives at most 8 files, summary.txt last.
+# PYTEST_ARGS replace the pytest stage's test files (default: the gpu test files; paths
+# relative to the checkout).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-
-RACECHECK=0
-if [[ "${1:-}" == "--racecheck" ]]; then RACECHECK=1; shift; fi
-OUT="${1:-$(mktemp -d)}"
-shift || true
-TESTS=("$@")
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-declare -a SUMMARY
-FAILED=0
-
-stage() {  # stage NAME COMMAND...: runs it, tees its log, records pass/fail and the time
-    local name="$1"; shift
-    local t0=$SECONDS
-    echo "=== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
-    local line
-    line="$(grep -E '(passed|failed|error|ERROR SUMMARY)' "$OUT/$name.log" | tail -1)"
-    SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
-    [[ $rc -eq 0 ]] || FAILED=1
-}
-
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.log"
-stage build python3 setup.py build_ext --inplace -q
-stage gpu-tests python3 -m pytest -m gpu --gpu=device -x -q -p no:cacheprovider "${TESTS[@]}"
-stage bench python3 tools/bench_gpu.py
-stage memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-    python3 -m pytest -m gpu --gpu=device -q -p no:cacheprovider "${TESTS[@]}"
-if [[ $RACECHECK -eq 1 ]]; then
-    stage racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -m gpu --gpu=device -q -p no:cacheprovider "${TESTS[@]}"
-fi
-
-echo
-echo "=== summary (logs in $OUT)"
-printf '%s\n' "${SUMMARY[@]}"
-exit $FAILED
+ARGS=()
+while (( $# )); do
+    case "$1" in
+        --) ARGS+=("$@"); break ;;
+        --budget|--only) ARGS+=("$1" "${2:?$1 needs a value}"); shift ;;
+        -*) ARGS+=("$1") ;;
+        *) ARGS+=(--out "$(realpath -m "$1")") ;;
+    esac
+    shift
+done
+cd "$(dirname "$0")/.." || exit 2
+exec "${PYTHON:-python3}" tools/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}

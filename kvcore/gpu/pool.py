@@ -329,33 +329,37 @@ class GpuKVPool(driver.DeviceOwner):
     def _copy_page(self, region: str, page: int, *, dst_page: int | None = None,
                    host: np.ndarray | None = None, index: int = 0, to_host: bool = False) -> None:
         """One page of `region`, every layer, in one cuMemcpy3DAsync: to page dst_page, or
-        between the device and page `index` of host [L][k * page_size][Hkv][W] (C order)."""
+        between the device and page `index` of host [L][k * page_size][Hkv][W] (C order).
+        Each side is pages of page_bytes (the pitch: rows of one page, y = the page) in
+        slices of a layer (z = the layer), so no pitch passes the driver's limit
+        (2^31 - 1 bytes) however large the pool."""
         drv = driver.cuda()
         L, ps = self.spec.num_layers, self.page_size
         page_bytes = ps * self._row[region]
-        layer_bytes = self.num_pages * page_bytes
-        base = self._data.ptr + self.offsets[region]
         p = drv.CUDA_MEMCPY3D()
 
-        def device_side(side, g):
-            setattr(p, side + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
-            setattr(p, side + "Device", drv.CUdeviceptr(base + g * page_bytes))
-            setattr(p, side + "Pitch", layer_bytes)
-            setattr(p, side + "Height", L)
+        def side(name, kind, address, g, pages):
+            setattr(p, name + "MemoryType", kind)
+            if kind == drv.CUmemorytype.CU_MEMORYTYPE_HOST:
+                setattr(p, name + "Host", address)
+            else:
+                setattr(p, name + "Device", drv.CUdeviceptr(address))
+            setattr(p, name + "Pitch", page_bytes)
+            setattr(p, name + "Height", pages)   # a layer: pages pages of page_bytes
+            setattr(p, name + "Y", g)
 
+        device = (drv.CUmemorytype.CU_MEMORYTYPE_DEVICE, self._data.ptr + self.offsets[region])
         if host is None:
-            device_side("src", page)
-            device_side("dst", dst_page)
+            side("src", *device, page, self.num_pages)
+            side("dst", *device, dst_page, self.num_pages)
         else:
             h, d = ("dst", "src") if to_host else ("src", "dst")
-            setattr(p, h + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_HOST)
-            setattr(p, h + "Host", host.ctypes.data + index * page_bytes)
-            setattr(p, h + "Pitch", host.nbytes // L)
-            setattr(p, h + "Height", L)
-            device_side(d, page)
+            side(h, drv.CUmemorytype.CU_MEMORYTYPE_HOST, host.ctypes.data, index,
+                 host.nbytes // L // page_bytes)
+            side(d, *device, page, self.num_pages)
         p.WidthInBytes = page_bytes
-        p.Height = L
-        p.Depth = 1
+        p.Height = 1
+        p.Depth = L
         driver.call("cuMemcpy3DAsync", p, self.stream.handle)
 
     def _copy_pages(self, copies) -> None:

@@ -126,7 +126,8 @@ CUdevice_attribute = _enum("CUdevice_attribute", {
     "CU_DEVICE_ATTRIBUTE_" + k: v for k, v in dict(
         MAX_THREADS_PER_BLOCK=1, MAX_BLOCK_DIM_X=2, MAX_BLOCK_DIM_Y=3, MAX_BLOCK_DIM_Z=4,
         MAX_GRID_DIM_X=5, MAX_GRID_DIM_Y=6, MAX_GRID_DIM_Z=7, MAX_SHARED_MEMORY_PER_BLOCK=8,
-        TOTAL_CONSTANT_MEMORY=9, WARP_SIZE=10, MAX_REGISTERS_PER_BLOCK=12, CLOCK_RATE=13,
+        TOTAL_CONSTANT_MEMORY=9, WARP_SIZE=10, MAX_PITCH=11, MAX_REGISTERS_PER_BLOCK=12,
+        CLOCK_RATE=13,
         MULTIPROCESSOR_COUNT=16, INTEGRATED=18, CONCURRENT_KERNELS=31, PCI_BUS_ID=33,
         PCI_DEVICE_ID=34, MEMORY_CLOCK_RATE=36, GLOBAL_MEMORY_BUS_WIDTH=37, L2_CACHE_SIZE=38,
         MAX_THREADS_PER_MULTIPROCESSOR=39, ASYNC_ENGINE_COUNT=40, UNIFIED_ADDRESSING=41,
@@ -152,6 +153,7 @@ CUevent_flags = _enum("CUevent_flags", {"CU_EVENT_DEFAULT": 0, "CU_EVENT_BLOCKIN
                                         "CU_EVENT_DISABLE_TIMING": 2, "CU_EVENT_INTERPROCESS": 4})
 CUfunction_attribute = _enum("CUfunction_attribute", {
     "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK": 0, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES": 1,
+    "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES": 3, "CU_FUNC_ATTRIBUTE_NUM_REGS": 4,   # (not emulated)
     "CU_FUNC_ATTRIBUTE_PTX_VERSION": 5, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES": 8})
 CUjit_option = _enum("CUjit_option", {
     "CU_JIT_" + k: v for k, v in dict(
@@ -445,11 +447,13 @@ COMPUTE_CAPABILITY = (9, 0)
 SHARED_PER_BLOCK = 48 * 1024
 SHARED_PER_BLOCK_OPTIN = 227 * 1024
 SHARED_PER_SM = 228 * 1024
+MAX_PITCH = 2**31 - 1          # bytes: the largest pitch of a 2D/3D copy (sm_90 devices)
 _ATTRIBUTES = {
     "MAX_THREADS_PER_BLOCK": 1024, "MAX_BLOCK_DIM_X": 1024, "MAX_BLOCK_DIM_Y": 1024,
     "MAX_BLOCK_DIM_Z": 64, "MAX_GRID_DIM_X": 2**31 - 1, "MAX_GRID_DIM_Y": 65535,
     "MAX_GRID_DIM_Z": 65535, "MAX_SHARED_MEMORY_PER_BLOCK": SHARED_PER_BLOCK,
-    "TOTAL_CONSTANT_MEMORY": 65536, "WARP_SIZE": 32, "MAX_REGISTERS_PER_BLOCK": 65536,
+    "TOTAL_CONSTANT_MEMORY": 65536, "WARP_SIZE": 32, "MAX_PITCH": MAX_PITCH,
+    "MAX_REGISTERS_PER_BLOCK": 65536,
     "CLOCK_RATE": 1980000, "MULTIPROCESSOR_COUNT": SM_COUNT, "INTEGRATED": 0,
     "CONCURRENT_KERNELS": 1, "PCI_DEVICE_ID": 0, "MEMORY_CLOCK_RATE": 2619000,
     "GLOBAL_MEMORY_BUS_WIDTH": 5120, "L2_CACHE_SIZE": 50 * 1024 * 1024,
@@ -1201,6 +1205,10 @@ def _memcpy3d(emu, p, stream, sync: bool):
             base, dev = _host_address(getattr(p, side + "Host"), f"{name} {side}Host"), False
         else:
             _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: {side}MemoryType {mt} is not emulated")
+        if pitch > MAX_PITCH:
+            _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
+                  f"{name}: {side}Pitch {pitch} passes the device's largest pitch {MAX_PITCH} "
+                  f"(CU_DEVICE_ATTRIBUTE_MAX_PITCH)")
         if pitch < x + w or (depth > 1 and height < y + h):
             _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
                   f"{name}: {side}Pitch {pitch} / {side}Height {height} do not hold rows of "
@@ -1708,13 +1716,38 @@ def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, func, blockSize, dynamicSMe
 
 # ============================================================================ launches
 
+_SCALAR_CTYPES = (ctypes.c_bool, ctypes.c_char, ctypes.c_wchar, ctypes.c_byte, ctypes.c_ubyte,
+                  ctypes.c_short, ctypes.c_ushort, ctypes.c_int, ctypes.c_uint, ctypes.c_long,
+                  ctypes.c_ulong, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_size_t,
+                  ctypes.c_float, ctypes.c_double)
+
+
 def _param_bytes(values, types) -> list[bytes]:
+    """The bytes of each (value, ctype) kernel parameter, with cuda-python's rules
+    (12.6-13.x `_HelperKernelParams`): type None only for a binding object (`getPtr`:
+    a CUdeviceptr) or an enum; c_void_p for an int, a c_void_p or a binding object; a
+    scalar ctype for what it converts; anything else is a TypeError, as there."""
     out = []
     for v, t in zip(values, types):
-        if t is None:  # a cuda-python handle passed by its address value
-            out.append(bytes(ctypes.c_uint64(int(v))))
+        if t is None:
+            if not (callable(getattr(v, "getPtr", None)) or isinstance(v, enum.Enum)):
+                raise TypeError(f"Provided argument is of type {type(v)} but expected Type "
+                                f"{ctypes.Structure}, {ctypes.c_void_p} or CUDA Binding structure "
+                                f"with getPtr() attribute")
+            out.append(bytes(ctypes.c_uint64(int(v))) if not isinstance(v, enum.Enum)
+                       else bytes(ctypes.c_int(v.value)))
+        elif t is ctypes.c_void_p:
+            if isinstance(v, (int, ctypes.c_void_p)):
+                out.append(bytes(ctypes.c_uint64((v.value or 0) if isinstance(v, ctypes.c_void_p) else v)))
+            elif callable(getattr(v, "getPtr", None)):
+                out.append(bytes(ctypes.c_uint64(int(v))))
+            else:
+                raise TypeError(f"Provided argument is of type {type(v)} but expected Type {int}, "
+                                f"{ctypes.c_void_p} or CUDA Binding structure with getPtr() attribute")
+        elif t in _SCALAR_CTYPES:
+            out.append(bytes(v if isinstance(v, t) else t(v)))
         else:
-            out.append(bytes(t(v)))
+            raise TypeError(f"Unsupported type: {t!r}")
     return out
 
 
@@ -1762,16 +1795,21 @@ def cuLaunchKernel(emu, f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, b
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
               f"{label}: {shmem} bytes of dynamic shared memory, at most {fn.max_dynamic_shared} "
               f"without cuFuncSetAttribute")
-    if extra not in (None, 0):
+    if not isinstance(extra, int):  # the bindings' `void_ptr extra`: None is a TypeError
+        raise TypeError(f"an integer is required for `extra`, got {type(extra).__name__}")
+    if extra:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{label}: `extra` is not emulated")
-    if kernelParams in (None, 0):
+    if kernelParams is None or kernelParams == 0:
         values, types = (), ()
-    elif isinstance(kernelParams, tuple) and len(kernelParams) == 2:
-        values, types = tuple(kernelParams[0]), tuple(kernelParams[1])
-    else:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-              f"{label}: the emulator takes kernelParams as (values, ctypes types)")
-    if len(values) != len(types) or len(values) != len(fn.params):
+    elif (isinstance(kernelParams, tuple) and len(kernelParams) == 2
+          and isinstance(kernelParams[0], tuple) and isinstance(kernelParams[1], tuple)):
+        values, types = kernelParams
+        if len(values) != len(types):
+            raise TypeError("Argument 'kernelParams' has tuples with different length")
+    else:  # lists included, as the bindings refuse them
+        raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], "
+                        "tuple[Any, ...]] or PyObject implimenting Buffer Protocol or Int")
+    if len(values) != len(fn.params):
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
               f"{label}: {len(values)} parameters given, the .entry takes {len(fn.params)}")
     raw = _param_bytes(values, types)
