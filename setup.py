@@ -112,8 +112,9 @@ extensions = [_extension(path) for path in SOURCES]
 
 
 # What ships under kvcore/_cuda/: the PTX the driver loads, and the CUDA sources with the
-# emulator's headers (cuda/emu/), from which kvcore.gpu.use_emulator() builds the CPU kernels.
-CUDA_DATA = ["*.ptx", "*.cu", "*.cuh", "emu/*"]
+# emulator's headers (cuda/emu/), from which kvcore.gpu.use_emulator() builds the CPU kernels,
+# and resources.json (ptxas' registers and shared memory per kernel, for the emulator).
+CUDA_DATA = ["*.ptx", "*.cu", "*.cuh", "resources.json", "emu/*"]
 
 
 class BuildPyWithPTX(build_py):

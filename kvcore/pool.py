@@ -38,8 +38,9 @@ from ._prefix_keys import ROOT, chain_key, encode_extra, token_array
 from ._storage import LayerArrays, Storage
 from ._validate import (AnyArray, OutArray, check_index, check_int32, check_ndarray, check_out,
                         check_seq_id, check_seq_ids, is_array)
-from .errors import (CapacityError, DTypeError, OutOfRangeError, RangeError, ShapeError,
-                     SnapshotError, SpecError, StateError, StoreError)
+from ._window import WindowViews, check_window, restore_need, snapshot_index, snapshot_span
+from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
+                     StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
 from .spec import KVSpec
 
@@ -71,7 +72,7 @@ class PoolStats:
     last_store_fault: str | None = None
 
 
-class KVPool:
+class KVPool(WindowViews):
     """Pages of K/V storage shared by many sequences, in any format of kvcore.FORMATS.
 
     `spec.capacity` is the most positions one sequence may hold; the pool holds
@@ -112,7 +113,7 @@ class KVPool:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
-        win, sinks = _window(window, sink_tokens)
+        win, sinks = check_window(window, sink_tokens)
         if win is not None and store_writer is not None:
             raise SpecError(f"store_writer= needs a pool without a window: a store saves chunks "
                             f"from position 0, and window={win} releases the pages a query no "
@@ -373,54 +374,6 @@ class KVPool:
         return self._ps
 
     @property
-    def window(self) -> int | None:
-        """W of a sliding-window pool (the query at p sees p - W < j <= p), None: none."""
-        return self._table.window
-
-    @property
-    def sink_tokens(self) -> int:
-        """S: the first S positions stay visible beside the window (0 without a window)."""
-        return self._table.sink_tokens
-
-    def first_held(self, seq: int) -> int:
-        """The first position of seq past its sink pages that it still holds: 0 until a
-        window released a page, then a multiple of page_size; seq holds [first_held,
-        length) and, with sink_tokens, its sink pages' positions [0, ceil(S / page_size)
-        * page_size) (`held`)."""
-        return self._table.get(seq).start
-
-    def held(self, seq: int) -> list[tuple[int, int]]:
-        """The committed positions seq holds, as [start, stop) ranges in position order:
-        [(0, length)] (none when empty), or once a window released pages, [(0, sink end),
-        (first_held, length)] (the first absent without sink positions). dequantize and
-        snapshots hold these positions, in this order."""
-        return self._table.held(self._table.get(seq))
-
-    def _attention_window(self, window: object, sink_tokens: object) -> tuple[Any, Any]:
-        """(decode_attention) The window and sink positions a call on this pool applies:
-        the caller's, unchanged, on a pool without a window; on a windowed pool the pool's
-        when window is None (sink_tokens None or 0 then take the pool's too), else the
-        caller's when they see no position the pool released (window <= W, sink_tokens
-        <= S): RangeError otherwise. Values that are not ints are passed on unchanged, for
-        decode_attention's own checks."""
-        W, S = self._table.window, self._table.sink_tokens
-        if W is None:
-            return window, sink_tokens
-        if window is None:
-            window = W
-            if sink_tokens is None or (sink_tokens.__class__ is int and sink_tokens == 0):
-                return W, S
-        if sink_tokens is None:
-            sink_tokens = 0
-        for name, value, most in (("window", window, W), ("sink_tokens", sink_tokens, S)):
-            if isinstance(value, (int, np.integer)) and not isinstance(value, bool) \
-                    and value > most:
-                raise RangeError(f"decode_attention on a pool of window {W} and sink_tokens "
-                                 f"{S} takes {name} <= {most}, got {value}: the pool released "
-                                 f"the positions it would see")
-        return window, sink_tokens
-
-    @property
     def num_pages(self) -> int:
         return self._table.num_pages
 
@@ -605,19 +558,7 @@ class KVPool:
                 rows = np.array(table.rows(seq, 0, length), np.int64)
                 return snapshot_parts(self._spec, length, n,
                                       lambda layer, count: self._store.gather(layer, rows[:count]))
-            if n is None:
-                n = length
-            elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-                raise DTypeError(f"invalid type of n: expected int or None, got "
-                                 f"{type(n).__name__}")
-            if not 0 <= n <= length:
-                raise OutOfRangeError(f"snapshot of {n} positions out of range: expected "
-                                      f"0 <= n <= length {length}")
-            n = int(n)
-            table.check_cut(seq, s, n, "snapshot")
-            spans = table.held(s, n)
-            start, sink_end = (spans[-1][0], spans[0][1] if len(spans) > 1 else 0) \
-                if spans and spans[-1][0] else (0, 0)
+            n, start, sink_end = snapshot_span(table, seq, n)
             rows = np.array(table.held_rows(seq, n), np.int64)
             return snapshot_parts(self._spec, n, n,
                                   lambda layer, count: self._store.gather(layer, rows),
@@ -638,16 +579,7 @@ class KVPool:
             table = self._table
             snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize,
                                          windowed=table.window is not None), self._storage)
-            start = self._restored_start(snap)
-            own = 0 if seq is None else sum(g >= 0 and table.refs[g] == 1
-                                            for g in table.get(seq).pages)
-            need = self.pages_for(snap.length)
-            if start:
-                need -= start // self._ps - table.sink_pages
-            if need > table.available() + own:
-                raise CapacityError(f"pool out of pages: restoring {snap.length} positions "
-                                    f"needs {need} pages, {table._short()}"
-                                    + (f" and sequence {seq} alone holds {own}" if own else ""))
+            start = restore_need(table, snap, seq)
             if seq is None:
                 seq = table.new()
             else:
@@ -655,7 +587,7 @@ class KVPool:
             restored = table.get(seq)
             restored.ids, restored.keys = None, []   # no token ids: never registered
             rows = np.array(table.place(seq, snap.length, start), np.int64)
-            at = _snapshot_index(snap, table.held(restored))
+            at = snapshot_index(snap, table.held(restored))
             for layer in range(self._num_layers):
                 for name, arr in zip(("k_codes", "v_codes", "k_scales", "v_scales"),
                                      self._store.layer_arrays(layer)):
@@ -663,35 +595,6 @@ class KVPool:
                         part = getattr(snap, name)[layer]
                         arr[rows] = part if at is None else part[at]
             return seq
-
-    def _restored_start(self, snap: Snapshot) -> int:
-        """(restore, a checked snapshot) The first held position past the sink pages of
-        the sequence restoring snap makes: 0 (all of [0, length)) without a window or
-        when the window needs every page; else the window's first page at snap.length
-        (as an advance to that length leaves it), or the snapshot's own start when later.
-        SnapshotError when snap lacks a position the pool's window or sink positions need
-        at its length, or its held positions do not fall on this pool's pages."""
-        table, ps, n = self._table, self._ps, snap.length
-        if table.window is None:
-            return 0
-        cut = (n - table.window + 1) // ps
-        start = cut * ps if cut > table.sink_pages else 0
-        if not snap.start:
-            return start
-        sinks = table.sink_pages * ps
-        where = (f"the snapshot holds positions [0, {snap.sink_end}) and [{snap.start}, {n})")
-        if n - table.window + 1 < snap.start:
-            raise SnapshotError(f"{where}, but this pool's window {table.window} needs "
-                                f"positions from {max(0, n - table.window + 1)} at length {n}")
-        if snap.sink_end < sinks:
-            raise SnapshotError(f"{where}, but this pool keeps its sink pages, positions "
-                                f"[0, {sinks}) (sink_tokens {table.sink_tokens}, page_size "
-                                f"{ps})")
-        start = max(start, snap.start)
-        if start % ps:
-            raise SnapshotError(f"{where}: its first held position {snap.start} does not "
-                                f"start a page of this pool (page_size {ps})")
-        return start
 
     # -- the chunk store (docs/store.md) ---------------------------------------------
 
@@ -911,36 +814,6 @@ def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
     if writer is not None and not (isinstance(writer, StoreWriter) and writer.store is store):
         raise SpecError("store_writer must be a kvcore.store.StoreWriter of the same store")
     return store, writer
-
-
-def _window(window: object, sink_tokens: object) -> tuple[int | None, int]:
-    """(window, sink_tokens) of a KVPool, checked (SpecError): window None or an int >= 1,
-    sink_tokens an int >= 0, and > 0 only with a window."""
-    if window is not None and (isinstance(window, bool)
-                               or not isinstance(window, (int, np.integer)) or window < 1):
-        raise SpecError(f"window must be None or an int >= 1 (positions a query sees, its "
-                        f"own included), got {window!r}")
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, (int, np.integer)) \
-            or sink_tokens < 0:
-        raise SpecError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-    if sink_tokens and window is None:
-        raise SpecError(f"sink_tokens={sink_tokens} needs a window (window=W): without one "
-                        f"every position stays visible")
-    return (None if window is None else int(window)), int(sink_tokens)
-
-
-def _snapshot_index(snap: Snapshot, spans: list[tuple[int, int]]) -> np.ndarray | None:
-    """The indices into a snapshot's position axis of the positions in spans (each held
-    by the snapshot), in order; None when they are all of its positions, in order."""
-    if not snap.start:
-        at = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else _EMPTY_ROWS
-    else:
-        at = np.concatenate([np.arange(a, b) if a < snap.sink_end
-                             else np.arange(a, b) - snap.start + snap.sink_end
-                             for a, b in spans]) if spans else _EMPTY_ROWS
-    if at.size == snap.k_codes.shape[1] and (at.size == 0 or (at[0] == 0 and at[-1] == at.size - 1)):
-        return None
-    return at
 
 
 def _counts(counts: object, n: int) -> list[int]:

@@ -9,6 +9,8 @@ Each test starts a fresh emulated machine (`machine(...)`) and restores the sess
 import ctypes
 import dataclasses
 import gc
+import json
+import os
 import threading
 
 import numpy as np
@@ -116,7 +118,7 @@ def test_driver_version_and_device_properties(machine):
     assert ok(d.cuDriverGetVersion()) == 12020
     dev = ok(d.cuDeviceGet(0))
     A = d.CUdevice_attribute
-    assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)) == 16
+    assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)) == 132
     assert (ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)),
             ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))) == (9, 0)
     assert ok(d.cuDeviceTotalMem(dev)) == 1 << 20
@@ -560,6 +562,30 @@ def test_module_load_refuses_newer_ptx_and_foreign_images(machine):
     d = machine()
     edited = _image("rope").rstrip(b"\0") + b"\n// edited\n"
     fails(d.cuModuleLoadData(edited), R.CUDA_ERROR_INVALID_IMAGE)
+
+
+def test_occupancy_from_ptxas_registers_and_shared_memory(machine):
+    """The emulated function attributes and occupancy are a device's: the registers and
+    static shared memory ptxas gives each kernel on sm_90 (cuda/resources.json, checked
+    against ptxas by tools/build_ptx.py --check), registers allocated per warp in units of
+    256 (64K per SM), 228 KB of shared memory per SM with 1 KB per block reserved."""
+    d = machine()
+    F = d.CUfunction_attribute
+    with open(os.path.join(os.path.dirname(gpu_kernels.ptx_path("rope")), "resources.json")) as f:
+        table = json.load(f)["modules"]
+    for module, kernel in (("attention_q8_0", "kv_attn_q8_0_d128_g8"), ("attention_f32", "kv_pattn_f32_d64_g1"),
+                           ("rope", "kv_rope"), ("attention", "kv_attn_merge")):
+        regs, smem = table[module][kernel]
+        fn = ok(d.cuModuleGetFunction(ok(d.cuModuleLoadData(_image(module))), kernel.encode()))
+        assert ok(d.cuFuncGetAttribute(F.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)) == regs
+        assert ok(d.cuFuncGetAttribute(F.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn)) == smem
+        for threads in (128, 256):
+            by_regs = 65536 // (-(-regs * 32 // 256) * 256) // (threads // 32)
+            by_smem = (228 * 1024) // (smem + 1024) if smem else 32
+            got = ok(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, 0))
+            assert got == min(32, 64 // (threads // 32), by_regs, by_smem), (kernel, threads)
+    fn = ok(d.cuModuleGetFunction(ok(d.cuModuleLoadData(_image("attention_q8_0"))), b"kv_attn_q8_0_d128_g8"))
+    assert ok(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, 128, 0)) == 2   # 216 registers
 
 
 def test_launch_checks_against_the_entry(machine):

@@ -9,7 +9,8 @@ import pytest
 
 from kvcore import decode_attention as kvcore_attention
 from kvcore import (FORMATS, CapacityError, DTypeError, FormatError, KVPool, KVSpec,
-                    NonFiniteError, OutOfRangeError, ShapeError, StateError, quantize)
+                    NonFiniteError, OutOfRangeError, RangeError, ShapeError, SnapshotError,
+                    StateError, quantize)
 
 pytestmark = pytest.mark.gpu
 
@@ -539,6 +540,63 @@ def test_decode_attention_equals_cpu_pool(gpu, rng, fmt, group, head_dim, ps, ma
     gp.advance(), cp.advance(live)
     assert gp.length(new) == 1 and gp.length(empty) == 0 and gp.length(long_) == max_pages * ps
     buf.free()
+    gp.free()
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0"])
+def test_a_windowed_pool_releases_pages_as_the_cpu_pool_does(gpu, rng, fmt):
+    """GpuKVPool(window=, sink_tokens=) keeps the CPU KVPool's bookkeeping (the same
+    PageTable): step after step (prefill chunks, a fork) both hold the same pages, -1
+    where the window released one, and the same free list; decode_attention takes the
+    pool's window (a larger one is refused) and equals the CPU pool's; snapshots hold
+    the same positions, bit for bit; a windowed sequence goes to a windowed CPU pool and
+    back, or restores into a new sequence, with the pages its window needs only."""
+    W, S = 6, 2
+    gp = gpu.GpuKVPool(spec(fmt), 24, PS, max_batch=4, max_pages_per_seq=16, max_tokens=7,
+                       window=W, sink_tokens=S)
+    cp = KVPool(spec(fmt), 24, PS, window=W, sink_tokens=S)
+    assert (gp.window, gp.sink_tokens) == (W, S)
+    a, b = gp.new_sequence(), gp.new_sequence()
+    assert [cp.new_sequence(), cp.new_sequence()] == [a, b]
+    keep, c = [], None
+    for counts in ([7, 3], [1, 1], [5, 1], [1, 1], [1, 6], [1, 1], [2, 1]):
+        seqs = [a, b] if c is None else [a, b, c]
+        counts = counts + [1] * (len(seqs) - 2)
+        q = rng.standard_normal((sum(counts), H, D)).astype(np.float32)
+        gp.begin_step(seqs, counts)
+        for layer in range(L):
+            k, v = inputs(rng, sum(counts), np.float32), inputs(rng, sum(counts), np.float32)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            gp.append(layer, keep[-2], keep[-1])
+            cp.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
+            out = dev(gpu, np.zeros_like(q))
+            gp.decode_attention(dev(gpu, q), out, layer)
+            want = kvcore_attention(q, cp, layer, seqs=seqs, counts=counts)
+            np.testing.assert_allclose(out.to_numpy(), want, rtol=2e-5, atol=2e-5)
+        assert gp.advance() == counts
+        cp.advance(seqs)
+        for x in seqs:
+            assert gp.page_table(x).tolist() == cp.page_table(x).tolist()
+            assert gp.first_held(x) == cp.first_held(x) and gp.held(x) == cp.held(x)
+        assert gp._table.free == cp._table.free and gp._table.refs == cp._table.refs
+        if c is None and cp.first_held(a):
+            c = gp.fork(a)
+            assert cp.fork(a) == c
+    assert cp.first_held(a) > 0 and -1 in gp.page_table(a).tolist()
+    gp.begin_step([a], [0])
+    with pytest.raises(RangeError, match=f"takes window <= {W}"):
+        gp.decode_attention(dev(gpu, q[:1]), dev(gpu, np.zeros_like(q[:1])), 0, window=W + 1)
+    assert gp.advance() == [0]
+    same_snapshot(gp.snapshot(a), cp.snapshot(a))
+    assert gp.snapshot(a).start == cp.snapshot(a).start > 0
+    host = KVPool(spec(fmt), 24, PS, window=W, sink_tokens=S)
+    h = gp.offload(a, host)
+    assert host.held(h) == cp.held(a)
+    back = gp.bring_back(host, h)
+    assert gp.held(back) == cp.held(a)
+    same_snapshot(gp.snapshot(back), cp.snapshot(a))
+    with pytest.raises(SnapshotError, match="window"):
+        gpu.GpuKVPool(spec(fmt), 24, PS, max_batch=1, max_pages_per_seq=16).restore(cp.snapshot(a))
     gp.free()
 
 

@@ -21,12 +21,18 @@ CUDA 13 driver loads. The kernels need no more than ISA 7.0 (.target sm_80, cp.a
 the `.version` line is rewritten to PTX_ISA, which every driver from CUDA 11.0 on loads
 (R535 = CUDA 12.2 reads up to 8.2); ptxas then assembles each shipped file for sm_80 and
 sm_90, which proves that no instruction needs a newer ISA.
+
+Resources: cuda/resources.json records, for every kernel, the registers and static shared
+memory ptxas assigns it on sm_90 (from the same -v report); the emulated driver answers
+cuFuncGetAttribute and the occupancy query from it, so the emulator picks the split counts
+a device picks. A build rewrites it; --check fails when it differs from ptxas' report.
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -42,6 +48,8 @@ NVCC_FLAGS = ["-ptx", "-arch=compute_80", "-O3", "-std=c++17",
 PTX_ISA = "7.0"           # the .version every shipped module declares (see above)
 VERSION_LINE = re.compile(rb"^\.version \d+\.\d+$", re.M)
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+RESOURCES = os.path.join(CUDA_DIR, "resources.json")
+ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_90'(.*?)(?=Compiling entry|\Z)", re.S)
 
 
 def sources() -> list[str]:
@@ -87,6 +95,36 @@ def ptxas_report(ptx: str) -> tuple[str, bool]:
     return reports[-1], spills
 
 
+def resources(report: str) -> dict[str, list[int]]:
+    """{kernel: [registers, static shared bytes]} from an sm_90 ptxas -v report."""
+    out = {}
+    for name, body in ENTRY.findall(report):
+        regs = re.search(r"Used (\d+) registers", body)
+        smem = re.search(r"(\d+) bytes smem", body)
+        out[name] = [int(regs.group(1)) if regs else 0, int(smem.group(1)) if smem else 0]
+    return dict(sorted(out.items()))
+
+
+def _recorded() -> dict[str, dict[str, list[int]]]:
+    """cuda/resources.json's modules ({} when absent)."""
+    if not os.path.exists(RESOURCES):
+        return {}
+    with open(RESOURCES) as f:
+        return json.load(f)["modules"]
+
+
+def write_resources() -> None:
+    """cuda/resources.json from ptxas -v (sm_90) of every shipped PTX."""
+    names = [os.path.splitext(os.path.basename(s))[0] for s in _largest_first(sources())]
+    reports = _parallel(lambda n: ptxas_report(os.path.join(CUDA_DIR, n + ".ptx"))[0], names)
+    modules = {n: resources(r) for n, r in sorted(zip(names, reports))}
+    text = json.dumps({"arch": "sm_90", "ptxas": _tool_versions().strip().splitlines()[-1],
+                       "kernel": "[registers, static shared bytes]", "modules": modules}, indent=1)
+    with open(RESOURCES, "w") as f:   # one line per kernel
+        f.write(re.sub(r"\[\s+(\d+),\s+(\d+)\s+\]", r"[\1, \2]", text) + "\n")
+    print(f"wrote {os.path.relpath(RESOURCES, ROOT)}")
+
+
 def _largest_first(paths: list[str]) -> list[str]:
     """Sources with the most kernels take longest; starting them first keeps every core
     busy to the end (the attention modules include attention.cuh)."""
@@ -105,6 +143,7 @@ def _parallel(fn, items):
 def build() -> None:
     for out in _parallel(lambda src: compile_ptx(src, CUDA_DIR), _largest_first(sources())):
         print(f"built {os.path.relpath(out, ROOT)}")
+    write_resources()
 
 
 def _check_one(src: str, tmp: str) -> tuple[str, list[str]]:
@@ -124,7 +163,11 @@ def _check_one(src: str, tmp: str) -> tuple[str, list[str]]:
     regs = re.findall(r"Used (\d+) registers", report)
     line = (f"cuda/{name}: up to date; ptxas sm_90 registers: "
             + ", ".join(f"{k} {r}" for k, r in zip(kernels, regs)))
-    return line, [f"cuda/{name} spills registers on sm_80 or sm_90:\n{report}"] if spills else []
+    failed = [f"cuda/{name} spills registers on sm_80 or sm_90:\n{report}"] if spills else []
+    if _recorded().get(os.path.splitext(name)[0]) != resources(report):
+        failed.append(f"cuda/resources.json does not hold ptxas' registers and shared memory "
+                      f"of cuda/{name}: run python3 tools/build_ptx.py")
+    return line, failed
 
 
 def _tool_versions() -> str:
@@ -135,7 +178,7 @@ def _tool_versions() -> str:
 def _pass_record(src: str, versions: str) -> str:
     """The file that records a passed check of src: named by a hash of every input."""
     h = hashlib.sha256(versions.encode() + repr((NVCC_FLAGS, PTX_ISA)).encode())
-    for path in sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu*"))) + [
+    for path in sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu*"))) + [RESOURCES,
             src, os.path.join(CUDA_DIR, os.path.splitext(os.path.basename(src))[0] + ".ptx")]:
         h.update(os.path.basename(path).encode())
         if os.path.exists(path):

@@ -46,6 +46,8 @@ from .._pages import PageTable
 from .._quant import input_limit
 from .._storage import zeroed_pages
 from .._validate import check_index, check_seq_ids
+from .._window import (WindowViews, check_window, positions, restore_need, snapshot_index,
+                       snapshot_span)
 from ..errors import (CapacityError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
 from ..pool import _counts
@@ -91,13 +93,19 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
-class GpuKVPool(driver.DeviceOwner):
+class GpuKVPool(WindowViews, driver.DeviceOwner):
     """num_pages pages of page_size positions of `spec` in device memory, shared by many
     sequences (int ids, as KVPool's); see the module docstring for the layout.
 
     max_batch, max_pages_per_seq and max_tokens (new positions per step, all sequences
     together up to max_batch * max_tokens) fix the metadata buffers, whose addresses never
     change: a graph captured over `append` replays after the tables changed.
+
+    window=W, sink_tokens=S: a sliding-window pool, as KVPool's (the same PageTable): each
+    advance releases the pages no later query sees (-1 in the block tables), so a
+    sequence holds about W + page_size positions plus its sink pages; decode_attention
+    applies the window unless given a smaller one. The block tables still index pages by
+    position: max_pages_per_seq bounds a sequence's length, not its memory.
 
     Not copyable nor picklable (DeviceCopyError): move a sequence with snapshot() and
     restore(), or offload() it into a CPU KVPool.
@@ -109,7 +117,8 @@ class GpuKVPool(driver.DeviceOwner):
              "of it in another GpuKVPool; pool.offload(seq, host_pool) copies it into a CPU KVPool")
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
-                 max_pages_per_seq: int, max_tokens: int = 1, device: int = 0):
+                 max_pages_per_seq: int, max_tokens: int = 1, window: int | None = None,
+                 sink_tokens: int = 0, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
         P, ps = _positive("num_pages", num_pages), _positive("page_size", page_size)
@@ -118,7 +127,8 @@ class GpuKVPool(driver.DeviceOwner):
         self.max_tokens = _positive("max_tokens", max_tokens)
         self.spec, self.page_size = spec, ps
         self._guard = CallGuard("GpuKVPool")   # one call at a time (docs/design.md, Threads)
-        self._table = PageTable(P, ps, spec.num_layers, spec.capacity)
+        win, sinks = check_window(window, sink_tokens)
+        self._table = PageTable(P, ps, spec.num_layers, spec.capacity, None, win, sinks)
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
         # region -> (row bytes, bytes of one layer, offset)
         rows = P * ps
@@ -248,7 +258,8 @@ class GpuKVPool(driver.DeviceOwner):
         return self._table.get(seq).length
 
     def page_table(self, seq: int) -> np.ndarray:
-        """The page ids seq holds, in position order: int32 (a copy)."""
+        """The page ids seq holds, in position order: int32 (a copy); -1 for a page a
+        window released."""
         return np.array(self._table.get(seq).pages, np.int32)
 
     @property
@@ -528,7 +539,8 @@ class GpuKVPool(driver.DeviceOwner):
         outside a step, as append.
         Variants (docs/variants.md, kvcore.gpu.attention.check_variants): window W (causal
         only: token t at position p sees p - W < j <= p; pages wholly outside what a row
-        sees are never read, and may be -1 in the block tables), sink_tokens S (positions
+        sees are never read, and may be -1 in the block tables; a windowed pool's own
+        window and sink_tokens when none are given), sink_tokens S (positions
         [0, S) stay visible beside the window), softcap c, sinks float32 [Hq]: a device
         array (read in place) or a host array, uploaded once per distinct content and kept
         until free() (a host array not seen before is refused while capturing: pass a
@@ -559,6 +571,7 @@ class GpuKVPool(driver.DeviceOwner):
                              f"16-byte aligned, got {oa.dtype} {list(oa.shape)} strides "
                              f"{list(oa.strides)} at 0x{oa.ptr:x}")
         lse_ptr = check_lse(lse, R, s.num_heads, st, self.ctx)
+        window, sink_tokens = self._attention_window(window, sink_tokens)
         v = check_variants(s, window=window, sink_tokens=sink_tokens, sinks=sinks,
                            softcap=softcap, causal=causal, stream=st, ctx=self.ctx)
         if n is None:
@@ -675,6 +688,7 @@ class GpuKVPool(driver.DeviceOwner):
             self._unmap_slots()
         for s, c in zip(seqs, counts):
             self._table.get(s).length += c
+            self._table.slide(self._table.get(s))   # a window keeps only the pages it sees
         return counts
 
     def _unmap_slots(self) -> None:
@@ -699,7 +713,8 @@ class GpuKVPool(driver.DeviceOwner):
             host = np.empty((s.num_layers, len(pages) * self.page_size, s.num_kv_heads, width),
                             f.code_dtype if codes else f.scale_dtype)
             for i, g in enumerate(pages):
-                self._copy_page(region, g, host=host, index=i, to_host=True)
+                if g >= 0:                  # -1: released by the window
+                    self._copy_page(region, g, host=host, index=i, to_host=True)
             out[region] = host
         self.stream.synchronize()
         return out
@@ -711,10 +726,17 @@ class GpuKVPool(driver.DeviceOwner):
         kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
         self._idle("snapshot")
         self.stream.synchronize()
-        length = self.length(seq)
+        table = self._table
+        if not table.get(seq).start:
+            parts = self._gather(seq)
+            return snapshot_parts(self.spec, self.length(seq), n, lambda layer, count: tuple(
+                None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
+        n, start, sink_end = snapshot_span(table, seq, n)
+        at = positions(table.held(table.get(seq), n))
         parts = self._gather(seq)
-        return snapshot_parts(self.spec, length, n, lambda layer, count: tuple(
-            None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
+        return snapshot_parts(self.spec, n, n, lambda layer, count: tuple(
+            None if parts[r] is None else parts[r][layer, at] for r in REGIONS),
+            start=start, sink_end=sink_end)
 
     @_one_call
     @driver.in_context
@@ -724,31 +746,30 @@ class GpuKVPool(driver.DeviceOwner):
         pages it replaces; returns its id. Checked as KVPool.restore (SnapshotError,
         StateError, CapacityError with the numbers); a refused call changes nothing."""
         self._idle("restore")
-        snap = fit_snapshot(self.spec, snapshot, requantize=requantize)
         table = self._table
-        own = 0 if seq is None else sum(table.refs[g] == 1 for g in table.get(seq).pages)
-        need = -(-snap.length // self.page_size)
-        if need > len(table.free) + own:
-            raise CapacityError(f"pool out of pages: restoring {snap.length} positions needs "
-                                f"{need} pages, {len(table.free)} of {table.num_pages} are free"
-                                + (f" and sequence {seq} alone holds {own}" if own else ""))
+        snap = fit_snapshot(self.spec, snapshot, requantize=requantize,
+                            windowed=table.window is not None)
+        start = restore_need(table, snap, seq)
         self.stream.synchronize()
         if seq is None:
             seq = table.new()
         else:
             table.truncate(seq, 0)
-        table.commit_write(table.plan_write(None, [seq], [snap.length]))
-        pages = table.get(seq).pages
+        table.place(seq, snap.length, start)
+        restored = table.get(seq)
+        at = positions(table.held(restored))      # the positions it holds, in order
+        index = snapshot_index(snap, table.held(restored))
         hosts = []
         for region in self._regions():
             part = getattr(snap, region)
-            host = np.zeros((part.shape[0], len(pages) * self.page_size) + part.shape[2:], part.dtype)
-            host[:, :snap.length] = part
+            host = np.zeros((part.shape[0], len(restored.pages) * self.page_size) + part.shape[2:],
+                            part.dtype)
+            host[:, at] = part if index is None else part[:, index]
             hosts.append(host)                    # alive until the stream has copied it
-            for i, g in enumerate(pages):
-                self._copy_page(region, g, host=host, index=i)
+            for i, g in enumerate(restored.pages):
+                if g >= 0:
+                    self._copy_page(region, g, host=host, index=i)
         self.stream.synchronize()
-        table.get(seq).length = snap.length
         return seq
 
     @driver.in_context

@@ -19,7 +19,7 @@ def use_emulator(*, devices: int = 1, seed: int = 0, memory_bytes: int = 2 << 30
     checks against the PTX, bounds-checked copies). Slow and exact; for machines without a
     GPU, as numba's CUDA simulator.
 
-    devices: emulated GPUs (each sm_90, 16 SMs); memory_bytes: memory of each (cuMemAlloc
+    devices: emulated GPUs (each sm_90, 132 SMs); memory_bytes: memory of each (cuMemAlloc
     past it is CUDA_ERROR_OUT_OF_MEMORY); driver_version: what cuDriverGetVersion answers
     (13000 = CUDA 13.0; it decides which PTX ISA loads); seed: the seed of the order in which
     kernel threads run between barriers (advanced per launch); asan: run the kernels built

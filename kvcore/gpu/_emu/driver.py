@@ -36,6 +36,7 @@ import ctypes
 import enum
 import hashlib
 import itertools
+import json
 import os
 import random
 import sys
@@ -390,6 +391,8 @@ class _Module(_Resource):
         super().__init__(emu, ctx)
         self.name, self.info, self.impl = name, info, impl
         self.functions: dict[str, _Function] = {}
+        # kernel -> (registers, static shared bytes) as ptxas assigns them on sm_90
+        self.resources: dict[str, tuple[int, int]] = _resources().get(name, {})
 
 
 class _Function(_Resource):
@@ -439,10 +442,10 @@ class Config:
     asan: bool = False
 
 
-# A small sm_90 part: the kernels must be right whatever the SM count, and the split decode
-# kernel sizes its grid from it (a few waves of resident blocks, most of them exiting at once
-# on short contexts), which a CPU runs block by block: 16 SMs still give several splits.
-SM_COUNT = 16
+# An H100 (sm_90, 132 SMs). The split decode kernel sizes its grid from the resident
+# blocks (SMs x the occupancy, from ptxas' registers and shared memory: resources.json),
+# so the emulator launches the grids, and takes the split counts, that a device does.
+SM_COUNT = 132
 COMPUTE_CAPABILITY = (9, 0)
 SHARED_PER_BLOCK = 48 * 1024
 SHARED_PER_BLOCK_OPTIN = 227 * 1024
@@ -1663,10 +1666,31 @@ def cuModuleGetFunction(emu, hmod, name):
     return CUfunction(f.handle)
 
 
+def _resources() -> dict[str, dict[str, tuple[int, int]]]:
+    """module -> kernel -> (registers, static shared bytes): the shipped resources.json
+    (tools/build_ptx.py writes it from ptxas -v for sm_90)."""
+    if not _resources_cache:
+        from .. import kernels as gpu_kernels
+        for d in (gpu_kernels._PKG_DIR, gpu_kernels._REPO_DIR):
+            path = os.path.join(d, "resources.json")
+            if os.path.exists(path):
+                with open(path) as fh:
+                    modules = json.load(fh)["modules"]
+                _resources_cache.update({m: {k: (int(r), int(b)) for k, (r, b) in ks.items()}
+                                         for m, ks in modules.items()})
+                break
+    return _resources_cache
+
+
+_resources_cache: dict[str, dict[str, tuple[int, int]]] = {}
+
+
+def _registers(f: _Function) -> int:
+    return f.module.resources.get(f.name, (0, 0))[0]
+
+
 def _static_shared(f: _Function) -> int:
-    get = getattr(f.module.impl, "static_shared_bytes", None)
-    value = get(f.name) if get is not None else None
-    return int(value or 0)
+    return f.module.resources.get(f.name, (0, 0))[1]
 
 
 @_api(1)
@@ -1678,6 +1702,8 @@ def cuFuncGetAttribute(emu, attrib, hfunc):
         return 1024
     if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
         return _static_shared(f)
+    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS:
+        return _registers(f)
     if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
         return f.max_dynamic_shared
     if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_PTX_VERSION and f.module.info is not None:
@@ -1700,7 +1726,9 @@ def cuFuncSetAttribute(emu, hfunc, attrib, value):
 
 @_api(1)
 def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, func, blockSize, dynamicSMemSize):
-    """Blocks per SM from the thread and shared-memory limits (registers are not modelled)."""
+    """Blocks per SM from the thread, register and shared-memory limits of sm_90, with the
+    registers and static shared memory ptxas gives the kernel (resources.json): registers
+    are allocated per warp in units of 256, 64K per SM."""
     emu.current()
     f = emu.lookup(func, (_Function,), "function")
     threads = _int(blockSize, "blockSize")
@@ -1708,6 +1736,10 @@ def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, func, blockSize, dynamicSMe
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"block size {threads}")
     warps = -(-threads // 32)
     blocks = min(32, 64 // warps)
+    regs = _registers(f)
+    if regs:
+        per_warp = -(-regs * 32 // 256) * 256
+        blocks = min(blocks, 65536 // per_warp // warps)
     shared = _static_shared(f) + _int(dynamicSMemSize, "dynamicSMemSize")
     if shared:
         blocks = min(blocks, SHARED_PER_SM // (shared + 1024))
