@@ -2,6 +2,8 @@
 
 Public API; everything else lives behind a leading underscore.
 """
+from . import _omp_env
+_omp_env.short_spin()   # before the OpenMP runtime loads (kvcore/_omp_env.py)
 try:
     from . import _cpu as _cpu
 except ImportError:   # a source tree whose extensions were never compiled
@@ -11,6 +13,8 @@ except ImportError:   # a source tree whose extensions were never compiled
         "Install it with pip (it compiles the Cython kernels: a C compiler with OpenMP is "
         "needed), or in a checkout run: pip install -e .") from None
 _cpu.check()   # before any kernel module: an ImportError, not an illegal instruction
+from . import _parallel   # loads the OpenMP runtime, which reads its wait policy
+_omp_env.restore()
 from .errors import (CapacityError, ChunkError, CudaError, DeviceCopyError, DTypeError,
                      FormatError, GpuUnavailableError, KVCacheError, NonFiniteError,
                      OutOfRangeError, RangeError, ShapeError, SnapshotError, SpecError,

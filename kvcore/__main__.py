@@ -10,6 +10,7 @@ import numpy as np
 
 import kvcore
 
+from . import _omp_env
 from ._cache import build_info
 from ._demo import print_table
 
@@ -22,7 +23,8 @@ def info() -> None:
           f"OpenMP {'on' if kvcore.openmp_enabled() else 'off (serial kernels)'}, "
           f"ISA targeted: {' '.join(b['isa']) or 'baseline'}")
     print(f"threads: {kvcore.max_threads()} (of {os.cpu_count()} CPUs; "
-          "kvcore.set_num_threads to change)")
+          "kvcore.set_num_threads to change; fewer run while other processes keep the "
+          f"CPUs busy); OpenMP workers wait: {_omp_env.WAIT}")
     ml = importlib.util.find_spec("ml_dtypes") is not None
     print(f"ml_dtypes: {'installed (bf16/fp8 views)' if ml else 'not installed (raw uint views)'}")
     rows = []

@@ -20,7 +20,10 @@
    stored. The next tile's codes (its runs of consecutive rows) are prefetched a few
    lines at a time between the current tile's score blocks, so the prefetches overlap
    the arithmetic; a split's first tile is prefetched in one burst. The (job, split)
-   items of a call share the threads (`_run`).
+   items of a call share the threads (`_run`). The splits follow num_threads(); a call of
+   fewer than 4 items per thread runs them on run_threads() (fewer while other processes
+   keep the cores busy: one thread then runs several splits, the same bits), since one
+   parked thread would hold up the call; more items are taken as threads come free.
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
    dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
@@ -59,7 +62,7 @@ from cython.parallel cimport prange, threadid
 
 cimport numpy as cnp
 
-from kvcore._parallel cimport num_threads, threads_for
+from kvcore._parallel cimport num_threads, run_threads, threads_for
 
 cnp.import_array()
 
@@ -1311,10 +1314,10 @@ cdef void _seq_job(kv_job* J, int T, int64_t n, int threads, int64_t window,
 cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) except -1:
     """Runs the jobs (fields set but q, o, last, w): one workspace, every job's q checked
     (_BAD_Q, nothing written, when a scaled q holds a non-finite value), then every work
-    item on up to `threads` threads: a split of a split-wise job (merged once all its
-    splits are done), a block of KV_ROWS rows of a row-wise job (merged by the item). The
-    results go to out when every value of every job is finite (else _OVERFLOW, nothing
-    written but lse); returns _OK."""
+    item on up to `threads` threads (run_threads' when the items are few): a split of a
+    split-wise job (merged once all its splits are done), a block of KV_ROWS rows of a
+    row-wise job (merged by the item). The results go to out when every value of every
+    job is finite (else _OVERFLOW, nothing written but lse); returns _OK."""
     cdef size_t total = 0, scratch = 0
     cdef int b, it, sp, r0, nitems = 0, bad = 0, nt, status = _OK
     cdef bint one_split_each = nj == 1
@@ -1331,6 +1334,8 @@ cdef int _run(kv_job* jobs, int nj, float scale, bint causal, int threads) excep
             total += jobs[b].nsplit * kv_split_floats(&jobs[b])
             nitems += jobs[b].nsplit
     nt = min(threads, nitems)
+    if nitems < 4 * threads:   # a few items each: a parked thread would hold up the call
+        nt = min(nt, run_threads(threads))
     total += max(nt, 1) * scratch
     cdef int* items = <int*>malloc(3 * max(nitems, 1) * sizeof(int))   # (job, split or -1, r0)
     if items == NULL or posix_memalign(&buf, 64, (total if total else 1) * sizeof(float)):

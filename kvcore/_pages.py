@@ -20,6 +20,12 @@ entries in the page list become -1. A sequence then holds positions [0, sink_pag
 page_size) (its sink pages, `sink_pages` = ceil(S / page_size)) and [start, length), with
 start a multiple of page_size (start 0: all of [0, length)). Every position at or past
 start is held, so writes never meet a -1 entry.
+
+The table keeps the block tables of the last list of sequences attended (`batch`: page
+lists padded with -1, committed lengths, pending per layer, as numpy arrays), so that a
+decode step's attention calls build none. A write or advance of exactly that list updates
+it in place; any other change of a sequence's pages, length, start or pending (or of the
+set of sequences) drops it (`_drop`), and the next `batch` call builds it again.
 """
 from __future__ import annotations
 
@@ -68,6 +74,31 @@ class WritePlan:
     changes: list[tuple[Seq, list[int] | None, int]] = field(default_factory=list)
     take: int = 0
     evict: list[int] = field(default_factory=list)   # cached pages among those it takes
+    ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+class Batch:
+    """The block tables of one list of sequences (`ids`, each once), as the attention
+    kernel reads them: pages int32 [B, M] (each page list, -1 past its end and for a page
+    a window released; M >= 1 the longest list), npages int64 [B] (page list lengths),
+    lengths int64 [B] (committed), pending int64 [num_layers, B], starts int64 [B] (first
+    held positions: `Seq.start`), ones int64 [B] (1s: one query each). Kept by PageTable
+    (`batch`); valid while it is the table's."""
+
+    __slots__ = ("ids", "pages", "npages", "lengths", "pending", "starts", "ones")
+
+    def __init__(self, ids: list[int], seqs: list[Seq], num_layers: int):
+        B = len(seqs)
+        self.ids = ids
+        self.npages = np.array([len(q.pages) for q in seqs], np.int64)
+        self.pages = np.full((B, max(int(self.npages.max(initial=0)), 1)), -1, np.int32)
+        for b, q in enumerate(seqs):
+            self.pages[b, :len(q.pages)] = q.pages
+        self.lengths = np.array([q.length for q in seqs], np.int64)
+        self.pending = np.array([q.pending for q in seqs], np.int64).reshape(B, num_layers).T.copy()
+        self.starts = np.array([q.start for q in seqs], np.int64)
+        self.ones = np.ones(B, np.int64)
 
 
 class _Taker:
@@ -114,6 +145,28 @@ class PageTable:
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
         self.prefix = prefix                  # None: no prefix cache
+        self._batch: Batch | None = None      # the last list attended (module comment)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies (deepcopy, pickle) leave the cached batch behind: it is built again."""
+        return {**self.__dict__, "_batch": None}
+
+    def _drop(self) -> None:
+        """Forgets the cached batch: a sequence's pages, length, start or pending changed
+        otherwise than `commit_write` and `advance` follow."""
+        self._batch = None
+
+    def batch(self, ids: list[int]) -> Batch:
+        """The block tables of sequences ids (ints, each once: the caller checked), kept
+        from the last call while nothing dropped them; StateError for an unknown id."""
+        b = self._batch
+        if b is None or b.ids != ids:
+            b = self._batch = Batch(list(ids), [self.get(s) for s in ids], self.num_layers)
+        return b
+
+    def cached(self, ids: list[int]) -> bool:
+        """Whether batch(ids) is kept from an earlier call (so checked before)."""
+        return self._batch is not None and self._batch.ids == ids
 
     def available(self) -> int:
         """Pages a write may take: free ones, then cached ones (evicted)."""
@@ -148,6 +201,7 @@ class PageTable:
         seq = self.get(s)
         self._release(seq.pages)
         del self.seqs[s]
+        self._drop()
 
     def truncate(self, s: int, n: int) -> None:
         """Keeps the first n committed positions, drops every pending one, and releases
@@ -160,6 +214,7 @@ class PageTable:
             raise OutOfRangeError(f"truncate of sequence {s} to {n} out of range: expected "
                                   f"0 <= n <= length {seq.length}")
         self.check_cut(s, seq, n, "truncate")
+        self._drop()
         if seq.start and n <= self.sink_pages * self.page_size:
             seq.start = 0                 # within the sink pages: all of [0, n) is held
         keep = -(-n // self.page_size)
@@ -220,6 +275,7 @@ class PageTable:
         pages[first:cut] = [-1] * (cut - first)
         seq.start = cut * ps
         self._release(gone)
+        self._drop()
 
     def place(self, s: int, n: int, start: int) -> list[int]:
         """(restore) Gives sequence s, empty, n committed positions that hold [0,
@@ -245,6 +301,7 @@ class PageTable:
             self._index.evict(pick.evicted[:taken - pick.nfree])
         seq.pages, seq.length, seq.start = pages, n, start
         seq.pending = [0] * self.num_layers
+        self._drop()
         return [pages[p // ps] * ps + p % ps for a, b in self.held(seq) for p in range(a, b)]
 
     def fork(self, s: int) -> tuple[int, tuple[int, int] | None]:
@@ -336,6 +393,12 @@ class PageTable:
                                  f"positions in every layer: {_count_groups(p)}")
         if tokens is not None or self.prefix is not None:
             self._check_tokens(ids, seqs, tokens)
+        kept = self._batch
+        if kept is not None and kept.ids == ids:     # a decode step's advance
+            kept.lengths += kept.pending[0]
+            kept.pending[:] = 0
+        else:
+            self._drop()
         out = []
         for b, seq in enumerate(seqs):
             t = seq.pending[0]
@@ -393,7 +456,7 @@ class PageTable:
         CapacityError (a sequence past `capacity`, or too few free pages for the call)."""
         ps, refs, table = self.page_size, self.refs, self.seqs
         pick: _Taker | None = None   # made when a page is needed
-        plan = WritePlan(layer, [], [])
+        plan = WritePlan(layer, [], [], ids=ids, counts=counts)
         rows, changes = plan.rows, plan.changes
         try:
             repeated = len(set(ids)) != len(ids)
@@ -479,8 +542,10 @@ class PageTable:
         """Applies a plan made by plan_write with no change to the table since."""
         refs = self.refs
         layer = plan.layer
+        paged = False
         for seq, new, t in plan.changes:
             if new is not None:
+                paged = True
                 old = seq.pages
                 for i, g in enumerate(new):
                     if i >= len(old):
@@ -492,6 +557,11 @@ class PageTable:
                 seq.pages = new
             if layer is not None:
                 seq.pending[layer] += t
+        kept = self._batch
+        if kept is not None and layer is not None and not paged and kept.ids == plan.ids:
+            kept.pending[layer] += plan.counts       # a decode step's write
+        else:
+            self._drop()
         if plan.take:
             del self.free[len(self.free) - (plan.take - len(plan.evict)):]
             if plan.evict:

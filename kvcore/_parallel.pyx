@@ -13,18 +13,73 @@
    Processes started by 'spawn' or 'forkserver' are fresh and use every thread.
 4. Thread counts are capped at MAX_THREADS (4 x the CPUs): past it OpenMP only
    oversubscribes the cores, and far past it (1e5) the runtime fails to start its threads.
+5. Contention: `num_threads()` fixes how a call's work is cut (decode attention's splits,
+   hence its bits); `run_threads(n)` is how many threads run those pieces now: at most n,
+   at most the `limit` in force (the transformers integration: torch's threads), and at
+   most the CPUs that other runnable threads leave idle (/proc/loadavg's running count,
+   minus the caller's own thread, read at most every READ_INTERVAL_NS), at least 1. A
+   thread that the scheduler parks behind a busy process would hold up every split of a
+   static schedule; running its pieces on the threads that have a core costs no result
+   bit. kvcore's idle workers spin only briefly, then sleep (kvcore/_omp_env.py), so they
+   seldom count. Decode attention asks this only for a call of few items per thread
+   (`_attention._run`): with many, the threads take them as they come free.
 """
+import contextlib
 import os
+from typing import Iterator
 
 import numpy as np
+
+from libc.stdint cimport int64_t
 
 from .errors import DTypeError, RangeError, StateError
 
 IF KVCORE_OPENMP:
     cimport openmp
 
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <fcntl.h>
+    #include <time.h>
+    #include <unistd.h>
+    /* Runnable threads of the system: /proc/loadavg's 4th field ("0.50 0.40 0.30 3/120
+       4567": 3); -1 when unknown. */
+    static int kv_running_threads(void) {
+        char buf[128];
+        int fields = 0, running = 0;
+        ssize_t i = 0, got;
+        int fd = open("/proc/loadavg", O_RDONLY);
+        if (fd < 0) return -1;
+        got = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        for (; i < got && fields < 3; i++) fields += buf[i] == ' ';
+        for (; i < got && buf[i] >= '0' && buf[i] <= '9'; i++)
+            running = 10 * running + buf[i] - '0';
+        return running > 0 ? running : -1;
+    }
+    static long long kv_now_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+        return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    }
+    #else
+    static int kv_running_threads(void) { return -1; }
+    static long long kv_now_ns(void) { return 0; }
+    #endif
+    """
+    int kv_running_threads() nogil
+    long long kv_now_ns() nogil
+
 cdef int _threads = 0   # 0: OpenMP's default (OMP_NUM_THREADS or all cores)
 cdef bint _forked = False   # this process is a fork child: one thread (3.)
+cdef int _limit = 0         # run_threads' cap (`limit`); 0: none
+cdef bint _adaptive = True  # run_threads leaves out the CPUs other threads keep busy (5.)
+cdef int _cpus = os.cpu_count() or 1
+cdef int _idle = _cpus      # CPUs idle at the last read of /proc/loadavg
+cdef int64_t _read_at = -(1 << 62)   # its time (kv_now_ns), ns
+READ_INTERVAL_NS = 20_000_000
+cdef int64_t _interval = READ_INTERVAL_NS
 
 PARALLEL_MIN_VALUES = 1 << 16
 cdef Py_ssize_t _parallel_min = PARALLEL_MIN_VALUES
@@ -87,4 +142,69 @@ cdef int num_threads() noexcept nogil:
 
 
 cdef int threads_for(Py_ssize_t values) noexcept nogil:
-    return num_threads() if values >= _parallel_min else 1
+    return run_threads(num_threads()) if values >= _parallel_min else 1
+
+
+cdef int run_threads(int n) noexcept nogil:
+    cdef int idle
+    if n <= 1:
+        return 1
+    if _limit > 0 and n > _limit:
+        n = _limit
+    if _adaptive:
+        idle = _idle_cpus()
+        if n > idle:
+            n = idle
+    return n
+
+
+cdef int _idle_cpus() noexcept nogil:
+    """CPUs not taken by other runnable threads: the CPUs minus the system's runnable
+    threads, the caller's not counted; at least 1. Read at most every _interval ns; all
+    CPUs where the count is unknown (no /proc/loadavg: not Linux)."""
+    global _idle, _read_at
+    cdef int64_t now = kv_now_ns()
+    cdef int running
+    if now - _read_at < _interval:
+        return _idle
+    _read_at = now
+    running = kv_running_threads()
+    if running > 0:
+        _idle = max(1, min(_cpus, _cpus - (running - 1)))
+    return _idle
+
+
+@contextlib.contextmanager
+def limit(n: int) -> Iterator[None]:
+    """Within the block, kernels run on at most n threads (n >= 1; their work is cut as
+    before, so results keep their bits): the transformers integration keeps kvcore within
+    torch's threads. Not for concurrent use from several threads."""
+    global _limit
+    before = _limit
+    _limit = max(1, int(n))
+    try:
+        yield
+    finally:
+        _limit = before
+
+
+def set_adaptive(on: bool) -> bool:
+    """Whether run_threads leaves out the CPUs other threads keep busy (default True);
+    returns the previous setting (benchmarks compare both)."""
+    global _adaptive, _read_at
+    before = bool(_adaptive)
+    _adaptive = bool(on)
+    _read_at = -(1 << 62)
+    return before
+
+
+def idle_cpus() -> int:
+    """The CPUs run_threads sees idle now (read afresh)."""
+    global _read_at
+    _read_at = -(1 << 62)
+    return _idle_cpus()
+
+
+def running(n: int) -> int:
+    """run_threads(n): the threads a kernel cut for n threads runs on now."""
+    return run_threads(n)

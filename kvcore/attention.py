@@ -9,6 +9,7 @@ from typing import Any, Literal, NamedTuple, Sequence, cast, overload
 import numpy as np
 
 from . import _attention
+from ._pages import Batch
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
                         check_seq_ids, check_shape, float_input_dtypes, is_array)
@@ -210,55 +211,48 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
         raise StateError("decode_attention on a KVPool needs seqs: the sequence ids")
     seqs = check_seq_ids("seqs", seqs)
     B = len(seqs)
-    if len(set(seqs)) != B:
+    table = pool._table
+    known = table.cached(seqs)          # checked by an earlier call: distinct, known ids
+    if not known and len(set(seqs)) != B:
         raise StateError(f"decode_attention names a sequence twice: {seqs}")
     q = check_ndarray("q", q)
     check_dtype("q", q, [np.float32])
     if counts is None:
         check_shape("q", q, [B, _query_heads(spec), spec.head_dim])
-        count_list = [1] * B
+        count_list = None
     else:
         count_list = _counts(counts, B)
         check_shape("q", q, [sum(count_list), _query_heads(spec), spec.head_dim])
-    table = pool._table
-    lengths = []
-    for s, t in zip(seqs, count_list):
-        seq = table.get(s)
-        n = seq.length + seq.pending[layer]
-        if t and n == 0:
-            raise StateError(f"decode_attention on an empty sequence: sequence {s} holds 0 "
-                             f"positions in layer {layer}")
-        if causal and t > n:
-            raise StateError(f"causal attention of T={t} new tokens needs at least {t} "
-                             f"positions, sequence {s} holds {n} in layer {layer}")
-        _check_rows(t, spec)
-        lengths.append(n)
-    width = max([pool.pages_for(n) for n in lengths] + [1])
-    tables = np.full((B, width), -1, np.int32)   # -1: a page the kernel never reads
+    if not known:
+        _check_sequences(pool, seqs, count_list, layer, causal, var)
+    batch = table.batch(seqs)
+    lengths = batch.lengths + batch.pending[layer]
+    c = batch.ones if count_list is None else np.array(count_list, np.int64)
+    # the first position past the sink positions that a sequence's rows see (its kernel
+    # lo; n for a sequence without queries: none); None without a window (all 0)
+    lo = (np.where(c > 0, np.maximum(lengths - c + 1 - var.window, 0), lengths)
+          if var.window else None)
+    if known:   # the checks of _check_sequences, on arrays; it raises the first error
+        bad = (c > 0) & (lengths == 0)
+        if causal:
+            bad |= c > lengths
+        if lo is not None:
+            bad |= lo < batch.starts
+        if bad.any() or count_list and max(count_list) * spec.group_size > _attention.ROWS_MAX:
+            _check_sequences(pool, seqs, count_list, layer, causal, var)
     ps = pool.page_size
-    for b, s in enumerate(seqs):
-        pages = table.seqs[s].pages
-        end = pool.pages_for(lengths[b])
-        # the pages holding positions some row sees: [0, min(S, lo)) and [lo, n) (a
-        # window's past is never read: a windowed pool may have released those pages)
-        lo = var.window_start(lengths[b], count_list[b]) if count_list[b] else lengths[b]
-        first = lo // ps
-        tables[b, first:end] = pages[first:end]
-        sink_end = pool.pages_for(min(var.sink_tokens, lo))
-        tables[b, :sink_end] = pages[:sink_end]
+    tables = _tables(batch, lengths, c, count_list is None, lo, var.sink_tokens, ps)
     scale = _check_scale(scale, spec.head_dim)
     arr = _out(out, q, pool._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
-    status = _attention.attend_paged(q, *arrays, spec.fmt.id, pool.page_size, tables,
-                                     np.array(lengths, np.int64),
-                                     np.array(count_list, np.int64), scale, bool(causal),
-                                     arr, lse, **var.kwargs)
+    status = _attention.attend_paged(q, *arrays, spec.fmt.id, ps, tables, lengths, c, scale,
+                                     bool(causal), arr, lse, **var.kwargs)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
-        for b, (s, t, n) in enumerate(zip(seqs, count_list, lengths)):
+        for b, (s, t, n) in enumerate(zip(seqs, c.tolist(), lengths.tolist())):
             if t and _attention.attend_paged(
                     q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
                     np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
@@ -271,6 +265,48 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
             at += t
         raise AssertionError("the batch overflowed, but no sequence alone does")
     return _result(arr if out is None else out, lse)
+
+
+def _check_sequences(pool: KVPool, seqs: list[int], counts: list[int] | None, layer: int,
+                     causal: bool, var: _Variants) -> None:
+    """StateError for the first sequence that is unknown, empty (with queries), holds
+    fewer positions than its causal queries or whose rows' window starts before the
+    positions it holds (first_held: a windowed sequence is attended with its step's
+    tokens pending); RangeError past the kernel's row count."""
+    for s, t in zip(seqs, counts or [1] * len(seqs)):
+        seq = pool._table.get(s)
+        n = seq.length + seq.pending[layer]
+        if t and n == 0:
+            raise StateError(f"decode_attention on an empty sequence: sequence {s} holds 0 "
+                             f"positions in layer {layer}")
+        if causal and t > n:
+            raise StateError(f"causal attention of T={t} new tokens needs at least {t} "
+                             f"positions, sequence {s} holds {n} in layer {layer}")
+        if t and var.window_start(n, t) < seq.start:
+            raise StateError(f"decode_attention of sequence {s}: its {t} new token(s) over "
+                             f"{n} positions in layer {layer} see positions from "
+                             f"{var.window_start(n, t)} (window {var.window}), but the window "
+                             f"released those before {seq.start} (first_held): attend a "
+                             f"step's tokens before its advance")
+        _check_rows(t, pool.spec)
+
+
+def _tables(batch: Batch, lengths: np.ndarray, counts: np.ndarray, one_each: bool,
+            lo: np.ndarray | None, sink_tokens: int, ps: int) -> np.ndarray:
+    """The block tables of a call, int32 [B, M]: sequence b's pages that hold positions
+    its rows see ([0, min(S, lo)) and [lo, n), lo None: 0 for every sequence with
+    queries), -1 elsewhere (a windowed pool may have released those pages). The table's
+    own array when that is all of every page list (a decode step without a window)."""
+    end = -(-lengths // ps)
+    if lo is None:
+        if one_each and (end == batch.npages).all():
+            return batch.pages
+        lo = np.where(counts > 0, 0, lengths)
+    cols = np.arange(batch.pages.shape[1])
+    keep = (cols >= (lo // ps)[:, None]) & (cols < end[:, None])
+    if sink_tokens:
+        keep |= cols < (-(-np.minimum(sink_tokens, lo) // ps))[:, None]
+    return np.where(keep, batch.pages, np.int32(-1))
 
 
 def _result(out: object, lse: np.ndarray | None) -> Any:

@@ -706,6 +706,7 @@ class KVPool(WindowViews):
                     break
                 table.commit_write(plan)
                 seq.length = end + c - skip   # the next chunk's rows follow these
+                table._drop()                 # (a length set here, not by the table)
                 self._put_rows(np.array(plan.rows, np.int64), parts, skip)
                 end = seq.length
         except BaseException:

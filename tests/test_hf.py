@@ -544,3 +544,28 @@ def test_import_kvcore_does_not_import_transformers():
     code = "import sys, kvcore; print('transformers' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_kvcore_kernels_run_within_torchs_threads(monkeypatch):
+    """Inside the model's forward kvcore's kernels run on at most torch.get_num_threads()
+    threads (they share torch's OpenMP workers, never add threads beside them); the
+    tokens are those of eager."""
+    model = _model(4, 4, 64, layers=1)
+    seen = []
+    write = kvhf.KVCoreLayer._write
+
+    def recording(self, *args):
+        seen.append(kvcore._parallel.running(kvcore._parallel.MAX_THREADS))
+        return write(self, *args)
+    monkeypatch.setattr(kvhf.KVCoreLayer, "_write", recording)
+    before, adaptive = torch.get_num_threads(), kvcore._parallel.set_adaptive(False)
+    torch.set_num_threads(1)
+    try:
+        got, _ = _generate(model, "kvcore", _kvcore_cache(model, "f32"))
+        assert kvcore._parallel.running(2) == 2       # outside the forward: no limit
+    finally:
+        torch.set_num_threads(before)
+        kvcore._parallel.set_adaptive(adaptive)
+    assert seen and set(seen) == {1}
+    want, _ = _generate(model, "eager", DynamicCache())
+    assert torch.equal(got, want)

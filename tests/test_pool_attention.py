@@ -279,3 +279,142 @@ def test_seqs_that_are_not_int_ids_refused(rng):
         assert (out == 7.0).all()
     got = decode_attention(q, pool, 0, seqs=np.array([a, b]), out=out)
     assert got is out and not (out == 7.0).any()
+
+
+class _Recorder:
+    """kvcore.attention's _attention module, recording what attend_paged gets."""
+
+    def __init__(self):
+        from kvcore import _attention
+        self._real, self.calls = _attention, []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def attend_paged(self, q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts, *args, **kw):
+        self.calls.append((tables.copy(), lengths.copy(), counts.copy()))
+        return self._real.attend_paged(q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts,
+                                       *args, **kw)
+
+
+def fresh_tables(pool, seqs, layer, counts, window, sinks):
+    """The block tables of a call built from the pool's public state: per sequence the
+    pages holding positions its rows see ([0, min(S, lo)) and [lo, n)), -1 elsewhere."""
+    ps = pool.page_size
+    ns = [pool.length(s) + pool.pending(s, layer) for s in seqs]
+    out = np.full((len(seqs), max([-(-n // ps) for n in ns] + [1])), -1, np.int32)
+    for b, (s, n, t) in enumerate(zip(seqs, ns, counts)):
+        pages = pool.page_table(s)
+        lo = (max(n - t + 1 - window, 0) if window else 0) if t else n
+        out[b, lo // ps:-(-n // ps)] = pages[lo // ps:-(-n // ps)]
+        sink_end = -(-min(sinks, lo) // ps)
+        out[b, :sink_end] = pages[:sink_end]
+    return out, ns
+
+
+@pytest.mark.parametrize("window, sinks", [(None, 0), (6, 2), (5, 0)])
+def test_kept_block_tables_are_never_stale(rng, monkeypatch, window, sinks):
+    """The pool's table keeps the block tables of the last list attended between calls
+    (PageTable.batch). Random steps, single writes, writes to part of the list, forks,
+    truncates, frees, restores and window slides run between attention calls over the
+    same list (and others): every call's tables, lengths and counts equal those built
+    afresh, and its output equals, bit for bit, a call after the kept tables are dropped."""
+    L, H, D, ps = 2, 2, 32, 4
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=200, num_heads=4,
+                  format="int8")
+    pool = KVPool(spec, num_pages=300, page_size=ps, window=window, sink_tokens=sinks)
+    rec = _Recorder()
+    monkeypatch.setattr(kvcore.attention, "_attention", rec)
+    live = [pool.new_sequence() for _ in range(3)]
+
+    def kv(n):
+        return rng.standard_normal((n, H, D)).astype(np.float32)
+
+    def attend(seqs, layer, counts=None):
+        ns = [pool.length(s) + pool.pending(s, layer) for s in seqs]
+        if not seqs or min(ns) == 0:
+            return
+        if counts is not None:
+            counts = [int(rng.integers(0, min(n, 3) + 1)) for n in ns]
+        q = rng.standard_normal((len(seqs) if counts is None else sum(counts), 4, D)
+                                ).astype(np.float32)
+        try:
+            out = decode_attention(q, pool, layer, seqs=seqs, counts=counts)
+        except StateError as e:      # a window's past, released: refused either way
+            assert window and "first_held" in str(e)
+            pool._table._drop()
+            with pytest.raises(StateError, match=str(e).replace("(", r"\(").replace(")", r"\)")):
+                decode_attention(q, pool, layer, seqs=seqs, counts=counts)
+            return
+        tables, lengths, got_counts = rec.calls[-1]
+        want, ns = fresh_tables(pool, seqs, layer, counts or [1] * len(seqs), window, sinks)
+        assert (tables[:, :want.shape[1]] == want).all() and (tables[:, want.shape[1]:] == -1).all()
+        assert lengths.tolist() == ns and got_counts.tolist() == (counts or [1] * len(seqs))
+        pool._table._drop()
+        again = decode_attention(q, pool, layer, seqs=seqs, counts=counts)
+        assert out.tobytes() == again.tobytes()
+
+    def step(seqs):
+        for layer in range(L):
+            pool.append_batch(kv(len(seqs)), kv(len(seqs)), seqs=seqs, layer=layer)
+            attend(seqs, layer)
+            attend(seqs, layer)          # the kept tables, unchanged
+        pool.advance(seqs)
+
+    for s in live:
+        for layer in range(L):
+            pool.append(kv(5), kv(5), seq=s, layer=layer)
+    pool.advance()
+    for i in range(120):
+        op = rng.integers(0, 8)
+        live.sort()
+        if op <= 2:
+            step(live)
+        elif op == 3 and len(live) < 5:
+            live.append(pool.fork(live[int(rng.integers(len(live)))]))
+        elif op == 4:
+            s = live[int(rng.integers(len(live)))]
+            try:
+                pool.truncate(s, max(1, pool.length(s) - int(rng.integers(0, 4))))
+            except StateError:       # below what the window keeps: refused
+                pass
+        elif op == 5 and len(live) > 2:
+            pool.free(live.pop(int(rng.integers(len(live)))))
+        elif op == 6:                # part of the list written, attended mid-step
+            part = live[:int(rng.integers(1, len(live) + 1))]
+            pool.append_batch(kv(len(part)), kv(len(part)), seqs=part, layer=0)
+            attend(live, 0, counts=True)
+            attend(live, 1)
+            pool.append_batch(kv(len(part)), kv(len(part)), seqs=part, layer=1)
+            pool.advance(part)
+        elif op == 7:
+            a, b = (live[int(j)] for j in rng.permutation(len(live))[:2])
+            pool.restore(pool.snapshot(a), seq=b)
+        attend(live, int(rng.integers(L)), counts=True if rng.integers(3) == 0 else None)
+
+
+def test_a_window_past_released_is_refused(rng):
+    """On a windowed pool, attention whose rows would see positions the window released
+    (a step attended after its advance) raises StateError naming first_held, with out
+    untouched, instead of reading a page the sequence no longer holds."""
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, capacity=64, num_heads=4,
+                  format="f16")
+    pool = KVPool(spec, num_pages=12, page_size=4, window=6, sink_tokens=2)
+    s = pool.new_sequence()
+    x = rng.standard_normal((13, 2, 32)).astype(np.float32)
+    pool.append(x, x, seq=s, layer=0)
+    pool.advance(s)
+    assert pool.first_held(s) == 8
+    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    out = np.full_like(q, 7.0)
+    for window in (None, 5, None):   # refused before the tables are kept, then after
+        if window:
+            assert np.isfinite(decode_attention(q, pool, 0, seqs=[s], window=window)).all()
+            assert pool._table.cached([s])
+            continue
+        with pytest.raises(StateError, match=r"see positions from 7 \(window 6\), but the "
+                                             r"window released those before 8 \(first_held\)"):
+            decode_attention(q, pool, 0, seqs=[s], out=out)
+        assert (out == 7.0).all()
+    pool.append(x[:1], x[:1], seq=s, layer=0)      # the next step, pending: attended
+    assert np.isfinite(decode_attention(q, pool, 0, seqs=[s], out=out)).all()

@@ -6,7 +6,8 @@ the documented contract of a write), length and pending counts, and its pages as
 abstract tokens shared by fork (to predict when a write needs a page or a copy).
 
 After every step: free + held pages = P, every reference count equals the number of
-sequences whose table names the page, no free page is reachable from a table, and every
+sequences whose table names the page, no free page is reachable from a table, the block
+tables the table keeps for attention are its sequences' own, and every
 sequence reads back exactly what was written to it (codes and scales, byte for byte,
 committed and pending); batched decode attention over the sequences equals, bit for
 bit, attention on a KVCache restored from the model's codes. After every refused call: the storage, the free list, the
@@ -427,6 +428,21 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_free_pages + self.pool.num_used_pages == P
         assert self.pool.num_free_pages == self.free_pages()
         assert sorted(t.seqs) == sorted(self.model)
+
+    @invariant()
+    def kept_block_tables_are_fresh(self):
+        """The block tables the table keeps between attention calls (PageTable.batch) are
+        those of its sequences now: page lists, lengths, pending counts, first held."""
+        t = self.pool._table
+        kept = t._batch
+        if kept is None:
+            return
+        for b, s in enumerate(kept.ids):
+            seq = t.seqs[s]          # a freed sequence drops them
+            n = len(seq.pages)
+            assert kept.pages[b, :n].tolist() == seq.pages and (kept.pages[b, n:] == -1).all()
+            assert (kept.npages[b], kept.lengths[b], kept.starts[b]) == (n, seq.length, seq.start)
+            assert kept.pending[:, b].tolist() == seq.pending
 
     @invariant()
     def reads_back_what_was_written(self):

@@ -1,6 +1,6 @@
 """CPU benchmarks, every section against peers measured in the same run.
 
-    python tools/bench_cpu.py [--only step,quant,attention,prefill,snapshot,pool,prefix,store,accuracy] [--plot DIR]
+    python tools/bench_cpu.py [--only step,quant,attention,prefill,snapshot,pool,prefix,store,accuracy,contention] [--plot DIR]
 
 step: one decode step (append one position of K and V, [8, 128] float32, to each of 32
 layers, then advance) in KVCache against a preallocated numpy cache written by slice
@@ -8,7 +8,9 @@ assignment and against growth by np.concatenate (how HF's DynamicCache grows). A
 decoding, every step writes positions that were never written before (the caches' pages
 are touched first, so no page faults are timed); plus the time of one `append` call. The other sections live in bench_<section>.py beside
 this file, each with a main() (attention: decode attention against a streaming-read
-probe and peers; prefill: causal prefill against torch SDPA is_causal). --plot DIR
+probe and peers; prefill: causal prefill against torch SDPA is_causal; pool: paged
+attention, the step's writes and its overhead around the kernels; contention: busy
+processes competing for the cores, against one thread). --plot DIR
 writes PNGs (matplotlib, the `bench` extra) of
 the sections that draw: attention (GB/s against context per format, beside the peers)
 and accuracy (round-trip and attention error per format), captioned with the command
@@ -164,7 +166,8 @@ SECTIONS = {"step": bench_step, "quant": "bench_quant", "attention": "bench_atte
             "prefill": "bench_prefill", "snapshot": "bench_snapshot", "pool": "bench_pool",
             "prefix": "bench_prefix",
             "store": "bench_store",
-            "accuracy": "bench_accuracy"}
+            "accuracy": "bench_accuracy",
+            "contention": "bench_contention"}
 
 
 def main(argv: list[str] | None = None) -> None:

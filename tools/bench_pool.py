@@ -15,6 +15,16 @@ input [8, 128], f16 storage): 32 `append_batch` calls and one `advance` (at 1 th
 at kvcore.max_threads(): a call of 32 rows has 65,536 values, the row kernels' threshold
 for threads) against 1,024 `KVCache.append` calls and 32 `advance` calls (each on the
 calling thread); rounds rewrite positions [0, 64) after a truncate, in both.
+
+Step overhead: a decode step of 32 sequences x L layers (L = 32, fewer where the pool
+would pass MAX_POOL_BYTES; the row says) at 512 and 4096 positions: per layer one
+`append_batch` and one `decode_attention(q, pool, layer, seqs=...)`, then one `advance`;
+4 steps per round, one of them starting a new page, then a truncate back (untimed).
+Against it, in turn within each round, the same steps' kernels called directly with
+arguments built beforehand: the write kernel (`RowWriter.write` of the step's 32 rows)
+and `_attention.attend_paged`. In kernels: their time / the step's. Overhead per call:
+the same steps with both kernels doing nothing (what runs around them: checks, tables,
+bookkeeping), / (2 L + 1) calls; overhead / step: that time / the step's.
 """
 from __future__ import annotations
 
@@ -28,8 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchlib import median_time, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
+from kvcore import _attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+MAX_POOL_BYTES = 4 << 30   # the step-overhead pools: layers cut to stay below this
 
 
 def _lengths(rng, B: int, ctx: int, ragged: bool) -> list[int]:
@@ -163,9 +175,110 @@ def bench_step_write() -> None:
                 [[name, secs / steps * 1e6, peer / secs] for name, secs in times.items()])
 
 
-def _interleaved(fns: dict, rounds: int = 9) -> dict[str, float]:
+def _step_row(fmt: str, ctx: int, rng, B: int = 32, steps: int = 4) -> list:
+    """One row of the step-overhead table: a pool of B sequences holding ctx - 2 positions
+    (so that the round's third step starts a page), each round `steps` decode steps."""
+    spec = kvcore.KVSpec(num_layers=32, num_kv_heads=HKV, head_dim=D, capacity=ctx + steps,
+                         num_heads=HQ, format=fmt)
+    L = min(32, MAX_POOL_BYTES // (B * (ctx + PAGE) * spec.bytes_per_position // 32))
+    spec = spec.replace(num_layers=L)
+    pool = kvcore.KVPool(spec, num_pages=B * -(-(ctx + steps) // PAGE), page_size=PAGE)
+    seqs = [pool.new_sequence() for _ in range(B)]
+    start = ctx - 2
+    fill = rng.standard_normal((B * start, HKV, D), dtype=np.float32)
+    for layer in range(L):
+        pool.append_batch(fill, fill, seqs=seqs, layer=layer, counts=[start] * B)
+    pool.advance(seqs)
+    del fill
+    k = rng.standard_normal((steps, B, HKV, D), dtype=np.float32)
+    q = rng.standard_normal((B, HQ, D), dtype=np.float32)
+    out = np.empty_like(q)
+
+    def step_round():
+        for t in range(steps):
+            for layer in range(L):
+                pool.append_batch(k[t], k[t], seqs=seqs, layer=layer)
+                kvcore.decode_attention(q, pool, layer, seqs=seqs, out=out)
+            pool.advance(seqs)
+
+    def rewind():
+        for s in seqs:
+            pool.truncate(s, start)
+    step_round()   # takes the round's pages (a truncate gives them back, a round again)
+    tables = np.empty((B, pool.pages_for(start + steps)), np.int32)
+    pool.block_tables(seqs, tables)
+    pages = tables[:, (start + np.arange(steps)) // PAGE].astype(np.int64)
+    rows = [np.ascontiguousarray(pages[:, t] * PAGE + (start + t) % PAGE) for t in range(steps)]
+    lengths = [np.full(B, start + t + 1, np.int64) for t in range(steps)]
+    ones = np.ones(B, np.int64)
+    scale = float(np.float32(1 / np.sqrt(D)))
+    writer, arrays = pool._store.writer, [pool._layer_arrays(layer) for layer in range(L)]
+
+    def write_kernels():
+        for t in range(steps):
+            for layer in range(L):
+                writer.write(layer, 0, k[t], k[t], rows[t], None, PAGE)
+
+    def attention_kernels():
+        for t in range(steps):
+            for layer in range(L):
+                _attention.attend_paged(q, *arrays[layer], spec.fmt.id, PAGE, tables,
+                                        lengths[t], ones, scale, True, out, None)
+
+    rewind()
+    times = _interleaved({"step": step_round, "write": write_kernels,
+                          "attend": attention_kernels}, rounds=7, between=rewind)
+    step, write, attend = (times[n] / steps for n in ("step", "write", "attend"))
+    alone = _without_kernels(pool, lambda: _interleaved({"x": step_round}, rounds=21,
+                                                        between=rewind)["x"]) / steps
+    return [fmt, ctx, L, step * 1e3, write * 1e3, attend * 1e3,
+            f"{(write + attend) / step:.1%}", alone / (2 * L + 1) * 1e6,
+            f"{alone / step:.2%}"]
+
+
+class _NoKernel:
+    """Stands for a kernel module or writer: every kernel returns at once, as if done."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def attend_paged(self, *args, **kwargs):
+        return _attention.ATTEND_OK
+
+    def write(self, *args):
+        return 0
+
+
+def _without_kernels(pool, fn):
+    """fn() with the pool's write kernel and the attention kernel doing nothing: the time
+    of what runs around them."""
+    import kvcore.attention as attention
+    writer = pool._store.writer
+    attention._attention, pool._store.writer = _NoKernel(_attention), _NoKernel(writer)
+    try:
+        return fn()
+    finally:
+        attention._attention, pool._store.writer = _attention, writer
+
+
+def bench_step_overhead() -> None:
+    rng = np.random.default_rng(3)
+    rows = [_step_row(fmt, ctx, rng) for ctx in (512, 4096) for fmt in ("f16", "int8")]
+    print_table(f"Decode step of a pool: 32 sequences x L layers (append_batch + "
+                f"decode_attention per layer, then advance), Hq {HQ}, Hkv {HKV}, D {D}, page "
+                f"size {PAGE}, {kvcore.max_threads()} threads",
+                ["format", "positions", "L", "step ms", "write kernel ms",
+                 "attention kernel ms", "in kernels", "overhead us / call",
+                 "overhead / step"], rows)
+
+
+def _interleaved(fns: dict, rounds: int = 9, between=None) -> dict[str, float]:
     """Median seconds of one call of each fn, the fns timed in turn within each round so
-    that a change of machine load hits them alike (the first round warms up)."""
+    that a change of machine load hits them alike (the first round warms up); `between`
+    (untimed) runs after each call."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name, fn in fns.items():
@@ -173,11 +286,14 @@ def _interleaved(fns: dict, rounds: int = 9) -> dict[str, float]:
             fn()
             if r:
                 times[name].append(time.perf_counter() - t0)
+            if between is not None:
+                between()
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def main(argv=None) -> None:
     bench_step_write()
+    bench_step_overhead()
     bench_attention()
 
 

@@ -21,7 +21,8 @@ How the two halves meet (docs/integrations.md):
    scaling, soft-capping and sink logits. A sliding-window layer's pool has the window: it
    applies it and releases the pages no later query sees (memory follows W, not the
    length); the layer writes a long forward in chunks, so a long prefill holds about
-   2 W positions a row.
+   2 W positions a row. Its kernels run on at most torch.get_num_threads() threads
+   (`_parallel.limit`: torch's budget, the results unchanged).
 
 CPU only; transformers is imported here only (the `hf` extra). The tested transformers
 range is pinned in pyproject.toml (`kvcore[hf]`).
@@ -38,6 +39,7 @@ from transformers.masking_utils import (AttentionMaskInterface, and_masks, causa
                                         sliding_window_overlay)
 from transformers.utils import logging
 
+from .._parallel import limit
 from ..attention import decode_attention
 from ..errors import DTypeError, OutOfRangeError, ShapeError, StateError
 from ..formats import get_format
@@ -589,7 +591,8 @@ def kvcore_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     real = layer._new_columns(attention_mask, t)
     k, v = layer._new
     layer._new = None
-    out = layer._write(k, v, real, _Attend(query, scaling, *variants))
+    with limit(torch.get_num_threads()):     # within torch's threads, never beside them
+        out = layer._write(k, v, real, _Attend(query, scaling, *variants))
     return out.to(query.dtype), None
 
 
