@@ -145,7 +145,7 @@ def test_causal_prefill(rng, fmt, n, T, group, d, threads):
     """Many query rows per kv head (prefill, verification) run as blocks of 256 rows with
     the rows in the vector lanes; the causal mask's hidden tiles are skipped. Against the
     float64 reference, causal and not; the same bits on every call."""
-    if fmt == "q8_0" and d % 32:
+    if kvcore.FORMATS[fmt].block and d % 32:     # q8_0, q4_0, q4_1: blocks of 32
         d = 96
     cache = make_cache(rng, fmt, 2, group, d, n, layers=1)
     q = rng.standard_normal((T, 2 * group, d)).astype(np.float32)
@@ -412,7 +412,7 @@ def test_variants_gqa_and_odd_head_dims(rng, group, d):
         check_variant(q, cache, 0, kw, threads=(2,))
 
 
-@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T, group", [(20, 2), (60, 4), (200, 1)])
 def test_variants_multi_token_across_the_window_edge(rng, fmt, T, group):
     """T tokens whose windows start T positions apart, crossing tile boundaries: split-wise
