@@ -31,8 +31,8 @@
    of the cache is made.
 4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of KV_W
    scores (K) or softmax weights (V), from a per-tile transposed copy; q8_0 block scales
-   (converted to float32 once per tile) multiply the decoded vectors; q4_0's too (its
-   codes decode to q - 8), q4_1's (d, m) pairs give d * q + m.
+   (converted to float32 once per tile) multiply the decoded vectors; q4_0's give
+   q d - 8 d and q4_1's (d, m) pairs q d + m, one multiply-add each (exact products).
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
@@ -192,8 +192,8 @@ cdef extern from *:
     }
 
     /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
-       value / 2^8; q4_0: q - 8; q4_1: q). `tail` (a constant): i + KV_W passes d; values
-       past d read as 0. */
+       value / 2^8; q4_0, q4_1: the 4-bit code q). `tail` (a constant): i + KV_W passes d;
+       values past d read as 0. */
     KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
         char tmp[4 * KV_W];
@@ -202,10 +202,8 @@ cdef extern from *:
                block i / 32 (16 bytes), its low nibble when i % 32 < 16, else its high one.
                i is a multiple of KV_W (8 or 16): one vector lies in one half of a block,
                and d % 32 == 0 (no tail). */
-            kv_vi c = kv_widen_u8_i32(p + (size_t)(i / 32) * 16 + i % 16);
-            c = (c >> ((i & 16) >> 2)) & 15;
-            if (fmt == KV_Q4_0) c = c - 8;
-            return __builtin_convertvector(c, kv_vf);
+            const kv_vi c = kv_widen_u8_i32(p + (size_t)(i / 32) * 16 + i % 16);
+            return __builtin_convertvector(i & 16 ? c >> 4 : c & 15, kv_vf);
         }
         p += (size_t)i * cb;
     #if KV_W == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -239,12 +237,16 @@ cdef extern from *:
         }
     }
 
-    /* x (values [i, i + KV_W) of a row from kv_load) times its block's scale bs[i / 32]
-       (q8_0, q4_0), or d * x + m with (d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1] (q4_1,
-       two roundings as kvcore.dequantize); the other formats unchanged. */
+    /* x (values [i, i + KV_W) of a row from kv_load) as their block makes them: q8_0
+       x * d (d = bs[i / 32]); q4_0 (x - 8) d as x d - 8 d in one multiply-add; q4_1
+       x d + m ((d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1]) in one multiply-add; the
+       other formats unchanged. x d and 8 d are exact in float32 (a 4-bit integer times a
+       float16 value), so the multiply-adds round once, exactly as kvcore.dequantize's
+       (q - 8) * d and q * d + m: the same values, fused or not. */
     KV_INLINE kv_vf kv_block_scale(const int fmt, kv_vf x, const float* bs, int i) {
-        if (fmt == KV_Q8_0 || fmt == KV_Q4_0) return x * kv_splat(bs[i / 32]);
-        if (fmt == KV_Q4_1) return x * kv_splat(bs[2 * (i / 32)]) + kv_splat(bs[2 * (i / 32) + 1]);
+        if (fmt == KV_Q8_0) return x * kv_splat(bs[i / 32]);
+        if (fmt == KV_Q4_0) { const float d = bs[i / 32]; return kv_fma(x, kv_splat(d), kv_splat(-8.0f * d)); }
+        if (fmt == KV_Q4_1) return kv_fma(x, kv_splat(bs[2 * (i / 32)]), kv_splat(bs[2 * (i / 32) + 1]));
         return x;
     }
 
