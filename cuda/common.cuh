@@ -28,6 +28,8 @@
 #define KV_FP8_E4M3 4
 #define KV_FP8_E5M2 5
 #define KV_Q8_0 6
+#define KV_Q4_0 7  // no kernels yet: the GPU layer refuses q4_0 / q4_1 (GPU_FORMATS)
+#define KV_Q4_1 8
 
 #define KV_Q8_0_BLOCK 32
 #define KV_LN2 0.6931471805599453f  // ln 2, float: base-2 log-sum-exp -> natural

@@ -26,14 +26,16 @@
    parked thread would hold up the call; more items are taken as threads come free.
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
-   dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; bf16 widens and
+   dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; q4_0/q4_1 widen
+   one half-block of bytes and take its low or high nibbles (ggml's order); bf16 widens and
    shifts; f16 through F16C; fp8_e5m2 `c << 8` is an f16; fp8_e4m3 `(c << 7) & 0xbf80`
    (c sign-extended) is an f16 of value / 2^8. Widening loads, F16C and FMA are
    intrinsics under #if, with plain vector code where the ISA lacks them. No float copy
    of the cache is made.
 4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of KV_W
    scores (K) or softmax weights (V), from a per-tile transposed copy; q8_0 block scales
-   (converted to float32 once per tile) multiply the decoded vectors.
+   (converted to float32 once per tile) multiply the decoded vectors; q4_0's give
+   q d - 8 d and q4_1's (d, m) pairs q d + m, one multiply-add each (exact products).
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
@@ -77,8 +79,11 @@ cdef extern from *:
     #endif
 
     #define KV_INLINE static inline __attribute__((always_inline))
-    enum { KV_F32, KV_F16, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2, KV_Q8_0 };
+    enum { KV_F32, KV_F16, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2, KV_Q8_0, KV_Q4_0, KV_Q4_1 };
     #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
+    /* ggml's blocks of 32 values with float16 scales (q4_1: d, m pairs) */
+    #define KV_BLOCKED(fmt) ((fmt) == KV_Q8_0 || (fmt) == KV_Q4_0 || (fmt) == KV_Q4_1)
+    #define KV_Q4(fmt) ((fmt) == KV_Q4_0 || (fmt) == KV_Q4_1)
     #define KV_P 64            /* positions per tile (a multiple of 16) */
     #define KV_RB 4            /* query rows per register block */
     /* V rows per pass over the columns when rows lie a multiple of 4 KiB apart (f32 at
@@ -158,6 +163,15 @@ cdef extern from *:
         kv_vb b; memcpy(&b, p, sizeof b); return (kv_vh)__builtin_convertvector(b, kv_vs);
     #endif
     }
+    KV_INLINE kv_vi kv_widen_u8_i32(const char* p) {
+    #if KV_W == 16
+        return (kv_vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    #elif defined(__AVX2__)
+        return (kv_vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    #else
+        kv_vub b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, kv_vi);
+    #endif
+    }
     KV_INLINE kv_vh kv_widen_u8_u16(const char* p) {
     #if KV_W == 16
         return (kv_vh)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
@@ -181,10 +195,19 @@ cdef extern from *:
     }
 
     /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
-       value / 2^8). `tail` (a constant): i + KV_W passes d; values past d read as 0. */
+       value / 2^8; q4_0, q4_1: the 4-bit code q). `tail` (a constant): i + KV_W passes d;
+       values past d read as 0. */
     KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
         char tmp[4 * KV_W];
+        if (KV_Q4(fmt)) {
+            /* 4-bit codes, two per byte in ggml's order: value i is in byte (i % 16) of
+               block i / 32 (16 bytes), its low nibble when i % 32 < 16, else its high one.
+               i is a multiple of KV_W (8 or 16): one vector lies in one half of a block,
+               and d % 32 == 0 (no tail). */
+            const kv_vi c = kv_widen_u8_i32(p + (size_t)(i / 32) * 16 + i % 16);
+            return __builtin_convertvector(i & 16 ? c >> 4 : c & 15, kv_vf);
+        }
         p += (size_t)i * cb;
     #if KV_W == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
         /* masked loads (lanes past d read as 0): the memcpy below is a call, which would
@@ -215,6 +238,19 @@ cdef extern from *:
         case KV_E5M2: return kv_half(kv_widen_u8_u16(p) << 8);
         default: return __builtin_convertvector(kv_widen_i8_i32(p), kv_vf);   /* int8, q8_0 */
         }
+    }
+
+    /* x (values [i, i + KV_W) of a row from kv_load) as their block makes them: q8_0
+       x * d (d = bs[i / 32]); q4_0 (x - 8) d as x d - 8 d in one multiply-add; q4_1
+       x d + m ((d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1]) in one multiply-add; the
+       other formats unchanged. x d and 8 d are exact in float32 (a 4-bit integer times a
+       float16 value), so the multiply-adds round once, exactly as kvcore.dequantize's
+       (q - 8) * d and q * d + m: the same values, fused or not. */
+    KV_INLINE kv_vf kv_block_scale(const int fmt, kv_vf x, const float* bs, int i) {
+        if (fmt == KV_Q8_0) return x * kv_splat(bs[i / 32]);
+        if (fmt == KV_Q4_0) { const float d = bs[i / 32]; return kv_fma(x, kv_splat(d), kv_splat(-8.0f * d)); }
+        if (fmt == KV_Q4_1) return kv_fma(x, kv_splat(bs[2 * (i / 32)]), kv_splat(bs[2 * (i / 32) + 1]));
+        return x;
     }
 
     /* dst[k] = the f16 values at src[k] as float32, k < n. */
@@ -425,7 +461,7 @@ cdef extern from *:
         const char* c;           /* codes of storage row 0 of this head */
         ptrdiff_t cs;            /* code bytes between rows */
         const int64_t* ph;       /* [KV_P] storage rows of the tile's positions */
-        const float* bs;         /* q8_0: block scales of the tile's first position (float32) */
+        const float* bs;         /* q8_0/q4_0/q4_1: block scales of the tile's first position (float32) */
         int bss;                 /* floats between positions of bs */
         int d;
     } kv_rows;
@@ -500,7 +536,7 @@ cdef extern from *:
         kv_vf k[KV_PB];
         for (int p = 0; p < KV_PB; p++) {
             k[p] = kv_load(fmt, tail, row[p], i, d);
-            if (fmt == KV_Q8_0) k[p] = k[p] * kv_splat(bs[p][i / 32]);
+            if (KV_BLOCKED(fmt)) k[p] = kv_block_scale(fmt, k[p], bs[p], i);
         }
         for (int r = 0; r < RB; r++) {
             kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
@@ -527,7 +563,7 @@ cdef extern from *:
                 int pos = j + KV_LEAF_LANE[b * KV_PB + p];
                 pos = pos < np ? pos : np - 1;
                 row[p] = k.c + k.ph[pos] * k.cs;
-                bs[p] = fmt == KV_Q8_0 ? k.bs + (size_t)pos * k.bss : NULL;
+                bs[p] = KV_BLOCKED(fmt) ? k.bs + (size_t)pos * k.bss : NULL;
                 for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
             }
             int i = 0;
@@ -580,7 +616,7 @@ cdef extern from *:
             kv_vf x[KV_CB];
             for (int c = 0; c < CB; c++) {
                 x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d);
-                if (fmt == KV_Q8_0) x[c] = x[c] * kv_splat(v.bs[(size_t)j * v.bss + (i0 + KV_W * c) / 32]);
+                if (KV_BLOCKED(fmt)) x[c] = kv_block_scale(fmt, x[c], v.bs + (size_t)j * v.bss, i0 + KV_W * c);
             }
             for (int r = 0; r < RB; r++) {
                 kv_vf wr = kv_splat(w[(size_t)r * ws + (size_t)j * wp]);
@@ -699,7 +735,7 @@ cdef extern from *:
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
     KV_INLINE void kv_tile_scales(const int fmt, const kv_job* J, const char* sc, const kv_tile* T, float* out) {
-        if (fmt == KV_Q8_0) {
+        if (KV_BLOCKED(fmt)) {
             const int per = J->hkv * J->s;   /* scales of one position, contiguous */
             for (int i = 0, j = 0; i < T->nr; j += T->rl[i], i++)
                 kv_halves(sc + T->rs[i] * J->ss, T->rl[i] * per, out + (size_t)j * per);
@@ -718,7 +754,7 @@ cdef extern from *:
 
     KV_INLINE kv_rows kv_head_rows(const int fmt, const kv_job* J, const char* c, const float* sc,
                                    const kv_tile* T, int h) {
-        kv_rows x = {c + h * J->ch, J->cs, T->ph, fmt == KV_Q8_0 ? sc + (size_t)h * J->s : NULL,
+        kv_rows x = {c + h * J->ch, J->cs, T->ph, KV_BLOCKED(fmt) ? sc + (size_t)h * J->s : NULL,
                      J->hkv * J->s, J->d};
         return x;
     }
@@ -732,7 +768,7 @@ cdef extern from *:
             for (int i = 0; i < dp; i += KV_W) {
                 kv_vf y = i + KV_W <= x.d ? kv_load(fmt, 0, row, i, x.d)
                         : i < x.d ? kv_load(fmt, 1, row, i, x.d) : kv_splat(0.0f);
-                if (fmt == KV_Q8_0 && i < x.d) y = y * kv_splat(x.bs[(size_t)j * x.bss + i / 32]);
+                if (KV_BLOCKED(fmt) && i < x.d) y = kv_block_scale(fmt, y, x.bs + (size_t)j * x.bss, i);
                 kv_storef(o + i, y);
             }
         }
@@ -999,7 +1035,7 @@ cdef extern from *:
         switch (J->fmt) {
         #define KV_CASE(F) case F: kv_block_fmt(F, J, qt, w, p0, p1, r0, r1, x); break;
         KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
-        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
+        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0) KV_CASE(KV_Q4_0) KV_CASE(KV_Q4_1)
         #undef KV_CASE
         }
     }
@@ -1009,7 +1045,7 @@ cdef extern from *:
         switch (J->fmt) {
         #define KV_CASE(F) case F: kv_split_fmt(F, J, q, w, sr, ro, p0, p1, r0, r1, x); break;
         KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
-        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0)
+        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0) KV_CASE(KV_Q4_0) KV_CASE(KV_Q4_1)
         #undef KV_CASE
         }
     }
@@ -1281,7 +1317,7 @@ cdef int _layer_job(kv_job* J, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scale
         J.sh = (<cnp.ndarray>k_scales).strides[1]
         J.s = <int>(<cnp.ndarray>k_scales).shape[2]
     J.fmt = fmt
-    J.d = <int>k_codes.shape[2]
+    J.d = <int>k_codes.shape[2] * (2 if fmt == 7 or fmt == 8 else 1)   # q4_0, q4_1: 2 per byte
     J.dp = (J.d + 15) // 16 * 16
     J.hkv = <int>k_codes.shape[1]
     J.g = hq // J.hkv

@@ -304,21 +304,23 @@ cdef class RowWriter:
     cdef Py_ssize_t _L, _N, _H, _D, _code_row, _scale_row
 
     def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
-        """fmt: the formats.Format; k_codes, v_codes: [L, N, Hkv, D] C-contiguous, the format's code dtype;
+        """fmt: the formats.Format; k_codes, v_codes: [L, N, Hkv, W] C-contiguous, the format's code dtype
+        (W = fmt.code_width(D): D, or D/2 for the 4-bit formats);
         k_scales, v_scales: [L, N, Hkv, S] C-contiguous, the scale dtype, or None (S = 0)."""
         self._keep = (k_codes, v_codes, k_scales, v_scales)
         self._format = fmt
         self._fmt = fmt.id
         self._limit = input_limit_bits(fmt.id)
-        self._work = <char*>PyMem_Malloc(k_codes.shape[3] * WORK_PER_VALUE)
+        cdef Py_ssize_t D = k_codes.shape[3] * fmt.pack
+        self._work = <char*>PyMem_Malloc(D * WORK_PER_VALUE)
         self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
         if self._work == NULL or self._fresh == NULL:
-            raise MemoryError(f"a row buffer of {k_codes.shape[3] * WORK_PER_VALUE} bytes")
+            raise MemoryError(f"a row buffer of {D * WORK_PER_VALUE} bytes")
         self._L, self._N = k_codes.shape[0], k_codes.shape[1]
-        self._H, self._D = k_codes.shape[2], k_codes.shape[3]
+        self._H, self._D = k_codes.shape[2], D
         self._codes[0] = cnp.PyArray_BYTES(k_codes)
         self._codes[1] = cnp.PyArray_BYTES(v_codes)
-        self._code_row = self._D * k_codes.itemsize
+        self._code_row = k_codes.shape[3] * k_codes.itemsize
         if k_scales is None:
             self._scales[0] = self._scales[1] = NULL
             self._scale_row = 0
@@ -455,10 +457,11 @@ def build_info() -> dict:
 
 
 def decode_rows(int fmt, cnp.ndarray codes, scales, cnp.ndarray out) -> None:
-    """codes [n, Hkv, D] (the format's code dtype) and scales [n, Hkv, S] (its scale dtype;
-    None when S = 0), both C-contiguous -> OUT out [n, Hkv, D] float32, C-contiguous."""
-    cdef Py_ssize_t d = codes.shape[2], rows = codes.shape[0] * codes.shape[1], r
-    cdef Py_ssize_t code_row = d * codes.itemsize
+    """codes [n, Hkv, W] (the format's code dtype, W = code_width(D)) and scales [n, Hkv, S]
+    (its scale dtype; None when S = 0), both C-contiguous -> OUT out [n, Hkv, D] float32,
+    C-contiguous."""
+    cdef Py_ssize_t d = out.shape[2], rows = codes.shape[0] * codes.shape[1], r
+    cdef Py_ssize_t code_row = codes.shape[2] * codes.itemsize
     cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[2] * scales.itemsize
     cdef const char* c = cnp.PyArray_BYTES(codes)
     cdef const char* s = NULL if scales is None else cnp.PyArray_BYTES(<cnp.ndarray>scales)

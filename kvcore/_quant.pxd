@@ -1,14 +1,17 @@
 # Row encoders/decoders shared by every CPU kernel (implemented in _quant.pyx).
 #
-# A row is D float32 values, contiguous. `codes` points at D codes of the format's code
-# dtype and `scales` at S scales (formats.py): nothing for f32/f16/bf16, one float32 for
-# int8/fp8, D/32 float16 bit patterns for q8_0. Callers guarantee finite input and
-# D % 32 == 0 for q8_0. Format ids are those of kvcore/formats.py.
+# A row is D float32 values, contiguous. `codes` points at the row's codes of the
+# format's code dtype (D of them, or D/2 bytes of two 4-bit codes for q4_0/q4_1) and
+# `scales` at S scales (formats.py): nothing for f32/f16/bf16, one float32 for int8/fp8,
+# D/32 float16 bit patterns for q8_0 and q4_0, D/32 (d, m) pairs for q4_1. Callers
+# guarantee finite input and D % 32 == 0 for q8_0/q4_0/q4_1. Format ids are those of
+# kvcore/formats.py.
 from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil
 # The smallest |x| (float32 bits) a format refuses: past it the value, or q8_0's float16
-# block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT), or
+# block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT,
+# q4_0 524160; q4_1 65520, a bound under which its float16 min and scale are finite), or
 # an int8 row would decode to infinity (127 * (x / 127) overflows from FLT_MAX on); inf
 # for fp8 and f32. NaN and inf are refused by every format.
 cdef uint32_t input_limit_bits(int fmt) noexcept nogil

@@ -2,6 +2,8 @@
 import numpy as np
 
 Q8_0_LIMIT: float
+Q4_0_LIMIT: float
+Q4_1_LIMIT: float
 
 def input_limit(fmt: int) -> float: ...
 def max_scale(fmt: int) -> float: ...

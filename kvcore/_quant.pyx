@@ -9,15 +9,16 @@ kvcore.quantize / kvcore.dequantize.
    compiler vectorises the per-row loops (selects, not branches; no calls in the loops).
    FP8 decodes through two 256-entry tables built at import.
 3. Rounding: f16, bf16, int8, fp8 round to nearest even; q8_0 rounds half away from
-   zero (ggml's roundf). The build uses -ffp-contract=off, so x / scale and x * id are
+   zero (ggml's roundf); q4_0 / q4_1 truncate after adding 8.5 / 0.5, exactly as
+   gguf-py's numpy reference (float32 throughout, its float->uint8 cast included). The build uses -ffp-contract=off, so x / scale and x * id are
    single float32 operations, exactly the documented rule.
 4. Bulk kernels hand out chunks of 64 rows dynamically over an OpenMP prange
    (threads_for(values) from _parallel: one thread for a small call); input rows are addressed by byte offsets so that any
    input strides work without a copy of the input.
 """
 from cython.parallel cimport parallel, prange, threadid
-from libc.math cimport copysignf, ldexpf, nextafterf, rintf
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.math cimport copysignf, ldexpf, nextafterf, rintf, truncf
+from libc.stdint cimport INT32_MIN, int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
@@ -35,7 +36,9 @@ cdef enum:
     FP8_E4M3 = 4
     FP8_E5M2 = 5
     Q8_0 = 6
-    QK = 32                 # q8_0 block
+    Q4_0 = 7
+    Q4_1 = 8
+    QK = 32                 # q8_0 / q4_0 / q4_1 block
     ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     ABS_MASK = 0x7fffffff
     F32_INF = 0x7f800000    # bits of +inf
@@ -273,6 +276,17 @@ Q8_0_LIMIT = _as_f32(_Q8_0_LIMIT_BITS)
 cdef enum:
     F16_LIMIT_BITS = 0x477ff000     # 65520: the midpoint past 65504 rounds (to even) to inf
     BF16_LIMIT_BITS = 0x7f7f8000    # the midpoint past bfloat16's largest finite value
+    # q4_0: d = max / -8 is exact (a power of two), so fp16(d) is inf exactly from
+    # |max| >= 8 * 65520 = 524160 on.
+    Q4_0_LIMIT_BITS = 0x48fff000    # 524160.0
+    # q4_1 stores m = min as float16: it refuses |x| >= 65520 (a bound on every value:
+    # below it |min| < 65520 and d = (max - min) / 15 < 8736 are finite float16).
+    Q4_1_LIMIT_BITS = F16_LIMIT_BITS
+
+Q4_0_LIMIT = _as_f32(Q4_0_LIMIT_BITS)
+"""float: q4_0 refuses |x| >= this value (524160.0: its float16 block scale max/-8 would be infinite)."""
+Q4_1_LIMIT = _as_f32(Q4_1_LIMIT_BITS)
+"""float: q4_1 refuses |x| >= this value (65520.0: a bound under which its float16 min and scale are finite)."""
 
 
 cdef float _CODE_MAX[7]             # int8 / fp8: the largest code value, 127, 448, 57344
@@ -304,6 +318,10 @@ cdef uint32_t input_limit_bits(int fmt) noexcept nogil:
         return BF16_LIMIT_BITS
     if fmt == Q8_0:
         return _Q8_0_LIMIT_BITS
+    if fmt == Q4_0:
+        return Q4_0_LIMIT_BITS
+    if fmt == Q4_1:
+        return Q4_1_LIMIT_BITS
     if INT8 <= fmt <= FP8_E5M2:
         return _SCALED_LIMIT_BITS[fmt]
     return F32_INF
@@ -392,6 +410,76 @@ cdef inline void _encode_q8_0(const float* x, Py_ssize_t d, int8_t* codes,
                 codes[b * QK + j] = 0 if v == 0 else (127 if v > 0 else -127)
 
 
+cdef inline uint8_t _np_to_u4(float v) noexcept nogil:
+    # numpy's np.trunc(v).astype(np.uint8).clip(0, 15) on x86: trunc, the float->int32
+    # conversion (NaN and values outside int32 give 0x80000000), its low byte, min 15.
+    cdef float t = truncf(v)
+    cdef int32_t i = <int32_t>t if (t > <float>-2147483648.0 and t < <float>2147483648.0) else INT32_MIN
+    cdef uint8_t c = <uint8_t>(i & 0xff)
+    return 15 if c > 15 else c
+
+
+cdef inline void _pack_q4_block(const uint8_t* q, uint8_t* codes) noexcept nogil:
+    # ggml's order: byte j holds value j (low nibble) and value 16 + j (high nibble)
+    cdef int j
+    for j in range(QK // 2):
+        codes[j] = q[j] | (q[j + QK // 2] << 4)
+
+
+cdef inline void _encode_q4_0(const float* x, Py_ssize_t d, uint8_t* codes,
+                              uint16_t* scales) noexcept nogil:
+    # gguf-py Q4_0.quantize_blocks (= ggml quantize_row_q4_0_ref), block by block:
+    # max = the value of largest |x| (its first index), d = max / -8, id = 1/d (0 when
+    # d == 0), q = trunc(x * id + 8.5) clipped to [0, 15].
+    cdef Py_ssize_t b
+    cdef int j, jm
+    cdef uint32_t a, am
+    cdef float dd, idd
+    cdef const float* xb
+    cdef uint8_t q[QK]
+    for b in range(d // QK):
+        xb = x + b * QK
+        am, jm = 0, 0
+        for j in range(QK):
+            a = _as_u32(xb[j]) & ABS_MASK
+            if a > am:
+                am, jm = a, j
+        dd = xb[jm] / <float>-8.0
+        idd = <float>1.0 / dd if dd != 0 else <float>0.0
+        for j in range(QK):
+            q[j] = _np_to_u4(xb[j] * idd + <float>8.5)
+        _pack_q4_block(q, codes + b * (QK // 2))
+        scales[b] = _f32_to_f16(dd)
+
+
+cdef inline void _encode_q4_1(const float* x, Py_ssize_t d, uint8_t* codes,
+                              uint16_t* scales) noexcept nogil:
+    # gguf-py Q4_1.quantize_blocks (= ggml quantize_row_q4_1_ref): d = (max - min) / 15,
+    # m = min, id = 1/d (0 when d == 0), q = trunc((x - min) * id + 0.5) clipped to
+    # [0, 15]; scales (d, m) per block.
+    cdef Py_ssize_t b
+    cdef int j
+    cdef float mn, mx, dd, idd
+    cdef const float* xb
+    cdef uint8_t q[QK]
+    for b in range(d // QK):
+        xb = x + b * QK
+        mn = xb[0]
+        mx = xb[0]
+        for j in range(1, QK):
+            # the last of equal values, as numpy's min/max reductions give them: only the
+            # sign of a zero min or max can differ, and with it fp16(m) or d = -0.0
+            mn = xb[j] if xb[j] <= mn else mn
+            mx = xb[j] if xb[j] >= mx else mx
+        dd = (mx - mn) / <float>15.0
+        idd = <float>1.0 / dd if dd != 0 else <float>0.0
+        for j in range(QK):
+            q[j] = _np_to_u4((xb[j] - mn) * idd + <float>0.5)
+        _pack_q4_block(q, codes + b * (QK // 2))
+        scales[2 * b] = _f32_to_f16(dd)
+        scales[2 * b + 1] = _f32_to_f16(mn)
+
+
 cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,
                                 void* codes, void* scales) noexcept nogil:
     # encode_row with max|x| of the row already known (bits).
@@ -413,10 +501,14 @@ cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t 
         _encode_e5m2(x, d, _as_f32(amax_bits), <uint8_t*>codes, <float*>scales)
     elif fmt == Q8_0:
         _encode_q8_0(x, d, <int8_t*>codes, <uint16_t*>scales)
+    elif fmt == Q4_0:
+        _encode_q4_0(x, d, <uint8_t*>codes, <uint16_t*>scales)
+    elif fmt == Q4_1:
+        _encode_q4_1(x, d, <uint8_t*>codes, <uint16_t*>scales)
 
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil:
-    _encode_scaled(fmt, x, d, _amax_bits(x, d) if fmt >= INT8 and fmt != Q8_0 else 0,
+    _encode_scaled(fmt, x, d, _amax_bits(x, d) if INT8 <= fmt <= FP8_E5M2 else 0,
                    codes, scales)
 
 
@@ -425,7 +517,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     cdef const uint16_t* h
     cdef const uint8_t* c8
     cdef const int8_t* q
-    cdef float s
+    cdef float s, m
     if fmt == F32:
         memcpy(out, codes, d * sizeof(float))
     elif fmt == F16:
@@ -456,6 +548,23 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
             s = _f16_to_f32(h[b])
             for j in range(b * QK, b * QK + QK):
                 out[j] = <float>q[j] * s
+    elif fmt == Q4_0:
+        c8 = <const uint8_t*>codes
+        h = <const uint16_t*>scales
+        for b in range(d // QK):
+            s = _f16_to_f32(h[b])
+            for j in range(QK // 2):
+                out[b * QK + j] = <float>(<int>(c8[b * (QK // 2) + j] & 15) - 8) * s
+                out[b * QK + QK // 2 + j] = <float>(<int>(c8[b * (QK // 2) + j] >> 4) - 8) * s
+    elif fmt == Q4_1:
+        c8 = <const uint8_t*>codes
+        h = <const uint16_t*>scales
+        for b in range(d // QK):
+            s = _f16_to_f32(h[2 * b])
+            m = _f16_to_f32(h[2 * b + 1])
+            for j in range(QK // 2):
+                out[b * QK + j] = <float>(c8[b * (QK // 2) + j] & 15) * s + m
+                out[b * QK + QK // 2 + j] = <float>(c8[b * (QK // 2) + j] >> 4) * s + m
 
 
 # ---------------------------------------------------------------------------------
@@ -485,18 +594,18 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                   Py_ssize_t inner_stride, Py_ssize_t stride, int in_kind, int fmt,
                   cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work,
                   bint encode=True) -> int:
-    """Encodes R = len(outer) * n_inner rows of D values into codes [R, D] and scales
-    [R, S] (both C-contiguous).
+    """Encodes R = len(outer) * n_inner rows of D values into codes [R, W] (W =
+    Format.code_width(D)) and scales [R, S] (both C-contiguous).
 
     IN x: the input array. Row r = o * n_inner + i starts outer[o] + i * inner_stride
     bytes after x's data pointer, its D values `stride` bytes apart, of kind F32 / F16 /
     BF16 (format ids). OUT codes, scales (None for float formats). work: float32
-    [threads, D] scratch. Returns the number of rows refused (a non-finite value, or one
+    [threads, D] scratch (its width is D). Returns the number of rows refused (a non-finite value, or one
     at or past input_limit(fmt)); those rows are left unwritten and the caller raises.
     encode=False only counts them (codes and scales untouched).
     """
-    cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = codes.shape[codes.ndim - 1]
-    cdef Py_ssize_t code_row = d * codes.itemsize
+    cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = work.shape[1]
+    cdef Py_ssize_t code_row = codes.shape[codes.ndim - 1] * codes.itemsize
     cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
     cdef const char* src = <const char*>cnp.PyArray_DATA(x)
     cdef char* dst = <char*>cnp.PyArray_DATA(codes)
@@ -532,10 +641,10 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
 
 
 def dequantize_rows(int fmt, cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] out) -> None:
-    """Decodes codes [R, D] and scales [R, S] (C-contiguous; scales None for float
-    formats) into out [R, D] float32."""
+    """Decodes codes [R, W] (W = Format.code_width(D)) and scales [R, S] (C-contiguous;
+    scales None for float formats) into out [R, D] float32."""
     cdef Py_ssize_t r, nrows = out.shape[0], d = out.shape[1]
-    cdef Py_ssize_t code_row = d * codes.itemsize
+    cdef Py_ssize_t code_row = codes.shape[codes.ndim - 1] * codes.itemsize
     cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
     cdef const char* src = <const char*>cnp.PyArray_DATA(codes)
     cdef const char* ssrc = NULL if scales is None else <const char*>cnp.PyArray_DATA(scales)

@@ -4,7 +4,8 @@ One allocation of `rows * spec.bytes_per_position` bytes (fresh anonymous pages:
 filled, page-aligned, so every region is 64-byte aligned), in four regions:
 
     [K scales][V scales][K codes][V codes]
-    codes:  [L][rows][Hkv][D]  the format's code dtype  (token-major: a step is one block)
+    codes:  [L][rows][Hkv][W]  the format's code dtype  (token-major: a step is one block;
+                               W = fmt.code_width(D): D, or D/2 for the 4-bit formats)
     scales: [L][rows][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
 
 A KVCache has rows = capacity, row p holding position p. A KVPool of P pages of
@@ -59,13 +60,13 @@ class Storage:
         self.spec, self.rows = spec, rows
         fmt = spec.fmt
         L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        S = fmt.scales_per_row(D)
+        S, W = fmt.scales_per_row(D), fmt.code_width(D)
         shapes: list[tuple[str, tuple[int, ...], np.dtype]] = []
         if fmt.scale_dtype is not None and S:
             shapes += [("k_scales", (L, rows, H, S), fmt.scale_dtype),
                        ("v_scales", (L, rows, H, S), fmt.scale_dtype)]
-        shapes += [("k_codes", (L, rows, H, D), fmt.code_dtype),
-                   ("v_codes", (L, rows, H, D), fmt.code_dtype)]
+        shapes += [("k_codes", (L, rows, H, W), fmt.code_dtype),
+                   ("v_codes", (L, rows, H, W), fmt.code_dtype)]
         self.array = array
         self.regions: dict[str, np.ndarray] = {}
         self.offsets: dict[str, int] = {}

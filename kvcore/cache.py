@@ -255,10 +255,11 @@ class KVCache:
             layer, n = self._held(layer, pending)
             codes = self._regions[f"{which}_codes"][layer, :n]
             scales = self._regions.get(f"{which}_scales")
+            shape = (n, self._spec.num_kv_heads, self._spec.head_dim)
             if out is None:
-                arr = np.empty(codes.shape, dtype=np.float32)
+                arr = np.empty(shape, dtype=np.float32)
             else:
-                arr = check_out("out", out, codes.shape, [np.float32])
+                arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
             _cache.decode_rows(self._spec.fmt.id, codes,
                                None if scales is None else scales[layer, :n], arr)

@@ -12,6 +12,12 @@ scales, in two separate regions so that either can be viewed without a copy:
 | fp8_e4m3 | 4  | uint8 (bits)  | 1              | float32     | s = max|x|/448, OCP E4M3FN of x/s, RNE, saturating |
 | fp8_e5m2 | 5  | uint8 (bits)  | 1              | float32     | s = max|x|/57344, OCP E5M2 of x/s, RNE, saturating |
 | q8_0     | 6  | int8          | D/32           | float16     | ggml block of 32: d = max|x|/127, q = round-half-away(x/d) |
+| q4_0     | 7  | uint8, 2/byte | D/32           | float16     | ggml block of 32: d = max/-8, q = trunc(x/d + 8.5) in [0, 15] |
+| q4_1     | 8  | uint8, 2/byte | 2*D/32 (d, m)  | float16     | ggml block of 32: d = (max-min)/15, m = min, q = trunc((x-m)/d + 0.5) |
+
+The 4-bit formats pack two values per code byte (`pack` = 2): a row has
+`code_width(D)` = D/2 codes. Byte j of block b holds value 32b + j in its low nibble and
+value 32b + 16 + j in its high nibble (ggml's order).
 
 The numeric ids are shared with the Cython kernels and the CUDA kernels.
 docs/formats.md gives the full byte layout.
@@ -24,19 +30,23 @@ import numpy as np
 
 from .errors import FormatError
 
-F32, F16, BF16, INT8, FP8_E4M3, FP8_E5M2, Q8_0 = range(7)
+F32, F16, BF16, INT8, FP8_E4M3, FP8_E5M2, Q8_0, Q4_0, Q4_1 = range(9)
 Q8_0_BLOCK = 32
+QK = 32  # values per block of the ggml formats (q8_0, q4_0, q4_1)
 
 
 @dataclass(frozen=True)
 class Format:
-    """One storage format. `code_dtype` is the numpy dtype of the stored codes."""
+    """One storage format. `code_dtype` is the numpy dtype of the stored codes; a code
+    element holds `pack` values (2 for the 4-bit formats, 1 otherwise)."""
 
     name: str
     id: int
     code_dtype: np.dtype
     scale_dtype: np.dtype | None
-    block: int  # values per scale; 0 when the format has no scales
+    block: int  # values per block of scales; 0: one scale per row (or no scales)
+    pack: int = 1  # values per code element
+    block_scales: int = 1  # scales per block (q4_1: d and m)
 
     @property
     def quantized(self) -> bool:
@@ -47,13 +57,18 @@ class Format:
         return self.code_dtype.itemsize
 
     def scales_per_row(self, head_dim: int) -> int:
-        """Scales per head row: 0 for float formats, 1 per row, D/32 for q8_0."""
+        """Scales per head row: 0 for float formats, 1 per row, D/32 for q8_0 and q4_0,
+        2*D/32 for q4_1 ((d, m) per block)."""
         if self.scale_dtype is None:
             return 0
-        return 1 if self.block == 0 else head_dim // self.block
+        return 1 if self.block == 0 else self.block_scales * (head_dim // self.block)
+
+    def code_width(self, head_dim: int) -> int:
+        """Code elements per head row: D, or D/2 for the 4-bit formats (two per byte)."""
+        return head_dim // self.pack
 
     def code_row_bytes(self, head_dim: int) -> int:
-        return head_dim * self.code_bytes
+        return self.code_width(head_dim) * self.code_bytes
 
     def scale_row_bytes(self, head_dim: int) -> int:
         if self.scale_dtype is None:
@@ -65,9 +80,9 @@ class Format:
         return self.code_row_bytes(head_dim) + self.scale_row_bytes(head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
-        if self.name == "q8_0" and head_dim % Q8_0_BLOCK:
+        if self.block and head_dim % self.block:
             raise FormatError(
-                f"format q8_0 needs head_dim divisible by {Q8_0_BLOCK}, got {head_dim}")
+                f"format {self.name} needs head_dim divisible by {self.block}, got {head_dim}")
 
 
 _f32 = np.dtype(np.float32)
@@ -82,7 +97,9 @@ FORMATS: dict[str, Format] = {
         Format("int8", INT8, np.dtype(np.int8), _f32, 0),
         Format("fp8_e4m3", FP8_E4M3, np.dtype(np.uint8), _f32, 0),
         Format("fp8_e5m2", FP8_E5M2, np.dtype(np.uint8), _f32, 0),
-        Format("q8_0", Q8_0, np.dtype(np.int8), _f16, Q8_0_BLOCK),
+        Format("q8_0", Q8_0, np.dtype(np.int8), _f16, QK),
+        Format("q4_0", Q4_0, np.dtype(np.uint8), _f16, QK, pack=2),
+        Format("q4_1", Q4_1, np.dtype(np.uint8), _f16, QK, pack=2, block_scales=2),
     )
 }
 
@@ -110,7 +127,8 @@ def _fields(f: Format) -> tuple[object, ...]:
     """Every field of f, compared with exact types (a dtype-like object that claims
     equality with anything does not pass)."""
     return tuple((type(v), v.str if isinstance(v, np.dtype) else v)
-                 for v in (f.name, f.id, f.code_dtype, f.scale_dtype, f.block))
+                 for v in (f.name, f.id, f.code_dtype, f.scale_dtype, f.block, f.pack,
+                                            f.block_scales))
 
 
 def view_dtype(fmt: "str | Format") -> np.dtype:

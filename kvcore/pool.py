@@ -537,7 +537,7 @@ class KVPool(WindowViews):
             rows = self._rows(seq, layer, pending)
             k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
-            out = np.empty(codes.shape, np.float32)
+            out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
             decode_rows(self._spec.fmt.id, codes, scales, out)
             return out
 

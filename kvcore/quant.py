@@ -19,6 +19,13 @@ from .formats import BF16, F16, F32, Format, get_format, view_dtype
 Q8_0_LIMIT: float = _quant.Q8_0_LIMIT
 """q8_0 refuses |x| >= Q8_0_LIMIT (8321040.0 = 65520 * 127): the block scale
 max|x| / 127 would round to float16 infinity."""
+Q4_0_LIMIT: float = _quant.Q4_0_LIMIT
+"""q4_0 refuses |x| >= Q4_0_LIMIT (524160.0 = 65520 * 8): the block scale max / -8
+would round to float16 infinity (exactly: d depends on max|x| alone)."""
+Q4_1_LIMIT: float = _quant.Q4_1_LIMIT
+"""q4_1 refuses |x| >= Q4_1_LIMIT (65520.0): a bound on every value under which the
+float16 block min and scale (max - min) / 15 are finite (stricter than ggml, which stores
+a block such as [70000, 0, ...] with a finite min)."""
 
 _QuantOut = TypeVar("_QuantOut", bound="tuple[AnyArray, AnyArray | None]")
 """quantize's out=: (codes, scales) arrays, returned as the caller passed them."""
@@ -58,18 +65,21 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     """Encodes rows of D values in a storage format.
 
     x: float32, float16 or bfloat16 (ml_dtypes), shape [..., D], any strides (read in
-    place: no copy of x is made; a torch / DLPack / buffer-protocol CPU array too). fmt: a format name or Format; q8_0 needs D % 32 == 0.
+    place: no copy of x is made; a torch / DLPack / buffer-protocol CPU array too). fmt: a format name or Format; q8_0, q4_0 and q4_1 need D % 32 == 0.
     Returns (codes, scales), both new C-contiguous arrays:
-      codes [..., D] of view_dtype(fmt): int8, float16, float32, or ml_dtypes
+      codes [..., W] of view_dtype(fmt), W = fmt.code_width(D) (D, or D/2 for q4_0 and
+        q4_1: uint8, two values per byte): int8, uint8, float16, float32, or ml_dtypes
         bfloat16 / float8_e4m3fn / float8_e5m2 (uint16 / uint8 without ml_dtypes);
       scales [..., S], S = fmt.scales_per_row(D): float32 (S = 1) for int8 and fp8,
-        float16 (S = D/32) for q8_0; None for f32, f16 and bf16.
+        float16 (S = D/32) for q8_0 and q4_0, float16 (d, m) pairs (S = 2*D/32) for
+        q4_1; None for f32, f16 and bf16.
     out: (codes, scales) to write instead, of those shapes and dtypes (codes in the raw
     or the view dtype), C-contiguous, writable; returned as given. A refused call
     leaves them untouched (x is checked in a first pass).
     Raises NonFiniteError for NaN/inf (naming the first bad index), FormatError for a
     value past the format's range (f16 |x| >= 65520, bf16 |x| >= 0x1.ffp127: they would
-    round to infinity; q8_0 |x| >= Q8_0_LIMIT), ShapeError / DTypeError for bad arrays.
+    round to infinity; q8_0 |x| >= Q8_0_LIMIT, q4_0 Q4_0_LIMIT, q4_1 Q4_1_LIMIT),
+    ShapeError / DTypeError for bad arrays.
     """
     f = get_format(fmt)
     x = check_ndarray("x", x)
@@ -79,7 +89,7 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     d = x.shape[-1]
     f.check_head_dim(d)
     lead = x.shape[:-1]
-    code_shape, scale_shape = lead + (d,), lead + (f.scales_per_row(d),)
+    code_shape, scale_shape = lead + (f.code_width(d),), lead + (f.scales_per_row(d),)
     result: tuple[np.ndarray, np.ndarray | None] | _QuantOut
     if out is None:
         codes = np.empty(code_shape, dtype=f.code_dtype)
@@ -124,19 +134,21 @@ def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
                out: OutArray | None = None) -> np.ndarray | OutArray:
     """Decodes codes and scales back to float32.
 
-    codes: shape [..., D], fmt's code dtype (raw or its ml_dtypes view dtype).
-    scales: shape [..., S] of fmt's scale dtype for int8/fp8/q8_0, None for f32/f16/bf16.
+    codes: shape [..., W], fmt's code dtype (raw or its ml_dtypes view dtype); W = D, or
+    D/2 for q4_0 / q4_1 (two values per byte, D = 2 W).
+    scales: shape [..., S] of fmt's scale dtype for int8/fp8/q8_0/q4_0/q4_1, None for
+    f32/f16/bf16.
     Non-contiguous codes or scales are first copied to C order (one copy each).
     Returns float32 [..., D] (a new array, or out: float32 of that shape, C-contiguous,
     writable): code * scale for int8/fp8, code * float32(d) per 32-value block for q8_0,
-    the value itself for the float formats.
+    d * (q - 8) for q4_0, d * q + m for q4_1, the value itself for the float formats.
     """
     f = get_format(fmt)
     c = check_ndarray("codes", codes)
     check_dtype("codes", c, list(dict.fromkeys([f.code_dtype, view_dtype(f)])))
     if c.ndim == 0:
         raise ShapeError("invalid shape of codes: expected [..., D], got []")
-    d = c.shape[-1]
+    d = c.shape[-1] * f.pack
     f.check_head_dim(d)
     lead = c.shape[:-1]
     s = None

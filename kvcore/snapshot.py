@@ -106,7 +106,7 @@ class Snapshot:
             raise SnapshotError(f"snapshot start {self.start} and sink_end {self.sink_end} out "
                                 f"of range: expected 0 <= sink_end < start <= length "
                                 f"{self.length}, or both 0")
-        code_shape = (s.num_layers, self.held, s.num_kv_heads, s.head_dim)
+        code_shape = (s.num_layers, self.held, s.num_kv_heads, f.code_width(s.head_dim))
         scale_shape = (s.num_layers, self.held, s.num_kv_heads, f.scales_per_row(s.head_dim))
         for name in ("k_codes", "v_codes"):
             _check_part(name, getattr(self, name), code_shape, f.code_dtype)
@@ -251,7 +251,8 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False,
     Refuses (SnapshotError) a snapshot of another num_layers, num_kv_heads or head_dim,
     one longer than spec.capacity, one of another format unless requantize=True, and one
     holding a value its format's encoder never produces (NaN/inf float codes, FP8 NaN
-    codes, int8/q8_0 code -128, negative or non-finite scales, int8/fp8 scales past
+    codes, int8/q8_0 code -128, non-finite scales, negative ones (but q4_0's d and
+    q4_1's m), int8/fp8 scales past
     _quant.max_scale, which would not decode finite). num_heads and capacity
     may differ: they do not change what a position stores. With requantize=True a
     snapshot of another format is decoded to float32 and re-encoded with
@@ -299,6 +300,8 @@ def _bad_codes(codes: np.ndarray, fmt: Format) -> np.ndarray:
         bad = (codes & 0x7F) == 0x7F  # E4M3FN's only NaN; it has no inf
     elif fmt.name == "fp8_e5m2":
         bad = (codes & 0x7F) >= 0x7C  # inf and NaN
+    elif fmt.pack == 2:
+        bad = np.zeros(codes.shape, dtype=bool)  # q4_0, q4_1: every nibble is a code
     else:
         bad = codes == -128  # int8, q8_0: codes lie in [-127, 127]
     return bad
@@ -310,11 +313,26 @@ def _all_valid(arr: np.ndarray, name: str, fmt: Format, top: float) -> bool:
     scales by their min and max (a NaN makes both NaN). False: look closer."""
     if not arr.size:
         return True
+    if name.endswith("scales") and fmt.name == "q4_1":
+        return False   # d >= 0, m of any sign: _bad_scales looks at each
     if name.endswith("scales") or fmt.name in ("f32", "f16"):
         lo, hi = float(arr.min()), float(arr.max())
+        signed = fmt.name == "q4_0"   # d = max / -8 has either sign
         return bool(np.isfinite(lo) and np.isfinite(hi)
-                    and (not name.endswith("scales") or (lo >= 0 and hi <= top)))
-    return fmt.name in ("int8", "q8_0") and int(arr.min()) > -128
+                    and (not name.endswith("scales") or signed or (lo >= 0 and hi <= top)))
+    return fmt.pack == 2 or (fmt.name in ("int8", "q8_0") and int(arr.min()) > -128)
+
+
+def _bad_scales(scales: np.ndarray, fmt: Format, top: float) -> np.ndarray:
+    """Mask of scales the format's encoder never produces from accepted input: non-finite
+    ones; negative ones or past `top` except q4_0's d (either sign) and q4_1's m (every
+    second scale, either sign)."""
+    bad: np.ndarray = ~np.isfinite(scales)
+    if fmt.name == "q4_1":
+        bad[..., 0::2] |= ~(scales[..., 0::2] >= 0)
+    elif fmt.name != "q4_0":
+        bad |= ~((scales >= 0) & (scales <= top))
+    return bad
 
 
 def _check_values(snap: Snapshot) -> None:
@@ -331,7 +349,7 @@ def _check_values(snap: Snapshot) -> None:
         for layer in range(snap.spec.num_layers):
             part = arr[layer]
             bad = (_bad_codes(part, fmt) if name.endswith("codes")
-                   else ~(np.isfinite(part) & (part >= 0) & (part <= top)))
+                   else _bad_scales(part, fmt, top))
             if bad.any():
                 idx = np.unravel_index(int(np.argmax(bad)), part.shape)
                 where = ", ".join(str(i) for i in (layer, *map(int, idx)))
@@ -365,7 +383,7 @@ def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dt
     """(name, shape, dtype) of each tensor, in file order: widest element first (scales
     before codes), so every tensor starts aligned to its element size."""
     f, s = spec.fmt, spec
-    codes = (s.num_layers, length, s.num_kv_heads, s.head_dim)
+    codes = (s.num_layers, length, s.num_kv_heads, f.code_width(s.head_dim))
     out: list[tuple[str, tuple[int, ...], np.dtype]] = []
     if f.scale_dtype is not None:
         scales = (s.num_layers, length, s.num_kv_heads, f.scales_per_row(s.head_dim))

@@ -145,7 +145,7 @@ def test_causal_prefill(rng, fmt, n, T, group, d, threads):
     """Many query rows per kv head (prefill, verification) run as blocks of 256 rows with
     the rows in the vector lanes; the causal mask's hidden tiles are skipped. Against the
     float64 reference, causal and not; the same bits on every call."""
-    if fmt == "q8_0" and d % 32:
+    if kvcore.FORMATS[fmt].block and d % 32:     # q8_0, q4_0, q4_1: blocks of 32
         d = 96
     cache = make_cache(rng, fmt, 2, group, d, n, layers=1)
     q = rng.standard_normal((T, 2 * group, d)).astype(np.float32)
@@ -412,7 +412,7 @@ def test_variants_gqa_and_odd_head_dims(rng, group, d):
         check_variant(q, cache, 0, kw, threads=(2,))
 
 
-@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T, group", [(20, 2), (60, 4), (200, 1)])
 def test_variants_multi_token_across_the_window_edge(rng, fmt, T, group):
     """T tokens whose windows start T positions apart, crossing tile boundaries: split-wise
@@ -557,3 +557,26 @@ def test_variants_refused_with_out_untouched(rng, kw, error, match):
     with pytest.raises(error, match=match):
         decode_attention(q, cache, 0, out=out, **kw)
     assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("T, group", [(1, 4), (5, 4), (200, 4)])
+def test_q4_kernel_reads_the_values_dequantize_gives(rng, fmt, T, group):
+    """The kernel decodes 4-bit codes (nibbles in ggml's order, (q - 8) d and q d + m) to
+    exactly kvcore.dequantize's values: the same bits as the f32 kernel over a cache that
+    holds those values, decode, split-wise and row-wise (T x G = 800 rows), with variants."""
+    cache = make_cache(rng, fmt, 2, group, 128, 300, layers=1)
+    f32 = KVCache(cache.spec.replace(format="f32"))
+    f32.append(0, cache.dequantize(0, "k"), cache.dequantize(0, "v"))
+    f32.advance()
+    q = rng.standard_normal((T, 2 * group, 128)).astype(np.float32)
+    sinks = rng.standard_normal(2 * group).astype(np.float32)
+    for kw in ({}, dict(window=70, sink_tokens=3), dict(sinks=sinks, softcap=20.0)):
+        for threads in (1, 2):
+            kvcore.set_num_threads(threads)
+            try:
+                got = decode_attention(q, cache, 0, **kw)
+                want = decode_attention(q, f32, 0, **kw)
+            finally:
+                kvcore.set_num_threads(0)
+            assert got.tobytes() == want.tobytes(), (kw, threads)

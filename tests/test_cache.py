@@ -15,7 +15,9 @@ from kvcore import (CapacityError, DTypeError, FormatError, KVCache, KVSpec, Non
 from kvcore.cache import _Cells
 from kvcore.formats import FORMATS, view_dtype
 from kvcore._quant import input_limit
-from kvcore.quant import Q8_0_LIMIT
+from kvcore.quant import Q4_0_LIMIT, Q4_1_LIMIT, Q8_0_LIMIT
+
+from _ggml import gguf_encode
 
 ALL = list(FORMATS)
 INPUT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -42,6 +44,8 @@ def ref_encode(x, fmt: str):
         return x.astype(np.float16), None
     if fmt == "bf16":
         return x.astype(ml_dtypes.bfloat16).view(np.uint16), None
+    if fmt in ("q4_0", "q4_1"):
+        return gguf_encode(x, fmt)
     amax = np.abs(x).max(axis=-1, keepdims=True)
     if fmt == "q8_0":
         blocks = x.reshape(x.shape[:-1] + (-1, 32))
@@ -165,13 +169,15 @@ def test_views_are_read_only_and_zero_copy(fmt, rng):
     cache = make(fmt)
     k, v = randn(rng, (2, 8, 128)), randn(rng, (2, 8, 128))
     cache.append(0, k, v)
-    assert cache.keys(0).shape == (0, 8, 128)
-    assert cache.keys(0, pending=True).shape == (2, 8, 128)
+    w = cache.spec.fmt.code_width(128)
+    assert cache.keys(0).shape == (0, 8, w)
+    assert cache.keys(0, pending=True).shape == (2, 8, w)
     cache.append(1, k, v)
     cache.advance()
     s = cache.spec.fmt.scales_per_row(128)
     views = [cache.keys(1), cache.values(1)]
-    assert all(a.dtype == view_dtype(fmt) and a.shape == (2, 8, 128) for a in views)
+    w = cache.spec.fmt.code_width(128)
+    assert all(a.dtype == view_dtype(fmt) and a.shape == (2, 8, w) for a in views)
     if s:
         views += [cache.key_scales(1), cache.value_scales(1)]
         assert views[2].shape == (2, 8, s) and views[2].dtype == cache.spec.fmt.scale_dtype
@@ -514,7 +520,7 @@ def test_refused_calls_change_nothing(case, fmt, rng):
 # to infinity), and the largest stored value of the float just below it.
 LIMITS = {"f16": (65520.0, 65504.0),
           "bf16": (np.uint32(0x7F7F8000).view(np.float32), np.uint32(0x7F7F0000).view(np.float32)),
-          "q8_0": (Q8_0_LIMIT, None)}
+          "q8_0": (Q8_0_LIMIT, None), "q4_0": (Q4_0_LIMIT, None), "q4_1": (Q4_1_LIMIT, None)}
 
 
 @pytest.mark.parametrize("fmt", list(LIMITS))
@@ -529,7 +535,7 @@ def test_values_past_the_format_range_are_refused(fmt):
                                           rf"-{re.escape(str(np.float32(limit)))}, expected \|x\| < "):
         cache.append(0, k, np.ones_like(k))
     if fmt != "bf16":  # bfloat16 input past float16's range (bf16 holds every bfloat16)
-        big = np.full((1, 8, 128), 2.0**30 if fmt == "q8_0" else 65536.0, ml_dtypes.bfloat16)
+        big = np.full((1, 8, 128), 2.0**30 if fmt in ("q8_0", "q4_0") else 65536.0, ml_dtypes.bfloat16)
         with pytest.raises(FormatError, match=r"in v: v\[0, 0, 0\]"):
             cache.append(0, np.ones_like(k), big)
     assert_unchanged(cache, before)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
+from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
 from kvcore import FORMATS, KVSpec, SpecError
 from kvcore.gpu import GpuKVCache, GpuLayout, is_available, max_slots_for_memory
 from kvcore.gpu import cache as gpu_cache
@@ -100,7 +101,7 @@ def test_gpu_unavailable_error_is_an_import_error_of_kvcore():
     assert issubclass(GpuUnavailableError, kvcore.KVCacheError)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
 @pytest.mark.parametrize("slots", [1, 3, 7])
 def test_layout_arithmetic(fmt, slots):
     spec = KVSpec(num_layers=3, num_kv_heads=5, head_dim=64, capacity=37, format=fmt)
@@ -164,6 +165,20 @@ def test_cache_validates_before_touching_a_device():
             GpuKVCache(spec, bad)
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in GPU_FORMATS])
+def test_formats_without_gpu_kernels_are_refused(fmt):
+    # q4_0 / q4_1 are CPU-only for now: every GPU object refuses them before touching a
+    # device, naming the format
+    from kvcore.gpu import GpuKVPool
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=8, format=fmt)
+    msg = rf"format {fmt} is not on the GPU yet: the GPU kernels do not have it"
+    for make in (lambda: GpuKVCache(spec), lambda: GpuKVCache.fit(spec), lambda: GpuLayout(spec, 1),
+                 lambda: max_slots_for_memory(spec, 2**30),
+                 lambda: GpuKVPool(spec, 4, 4, max_batch=1, max_pages_per_seq=2)):
+        with pytest.raises(kvcore.FormatError, match=msg):
+            make()
+
+
 def _defines(text: str) -> dict[str, str]:
     return dict(re.findall(r"^#define (KV_\w+) (\S+)", text, re.M))
 
@@ -171,9 +186,9 @@ def _defines(text: str) -> dict[str, str]:
 def test_device_constants_match_python():
     with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
         d = _defines(f.read())
-    for name, fmt in FORMATS.items():
+    for name, fmt in FORMATS.items():     # q4_0 / q4_1 too: ids reserved, no kernels yet
         assert int(d["KV_" + name.upper()]) == fmt.id
-    assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK
+    assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
     assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
     assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE
     assert int(d["KV_ERR_RANGE"]) == gpu_cache.ERR_RANGE

@@ -105,7 +105,7 @@ def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
         kvcore.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0", "q4_1"])
 def test_prefill_of_many_sequences(rng, fmt):
     """Prompts of several sequences in one call (T_b * G past 128 rows: row-wise
     jobs, the causal skip), pages shuffled: each sequence bit for bit its KVCache's

@@ -53,7 +53,7 @@ class Seq:
 
     def __init__(self, fmt):
         S = fmt.scales_per_row(D)
-        self.codes = {w: np.zeros((L, N, H, D), fmt.code_dtype) for w in "kv"}
+        self.codes = {w: np.zeros((L, N, H, fmt.code_width(D)), fmt.code_dtype) for w in "kv"}
         self.scales = {w: np.zeros((L, N, H, S), fmt.scale_dtype) for w in "kv"} if S else None
         self.length = 0
         self.pending = [0] * L

@@ -2,7 +2,8 @@
 
 FP8, f16 and bf16 against ml_dtypes / numpy conversions; int8 and q8_0 against plain
 numpy implementations of the documented rules (q8_0 mirrors ggml's
-quantize_row_q8_0_ref line by line).
+quantize_row_q8_0_ref line by line); q4_0 and q4_1 against gguf-py's own numpy
+quantizers (tests/_ggml.py), byte for byte in ggml's block layout.
 """
 import re
 
@@ -17,10 +18,14 @@ import kvcore
 from kvcore import _quant
 from kvcore.errors import DTypeError, FormatError, NonFiniteError, ShapeError
 from kvcore._quant import input_limit
-from kvcore.quant import Q8_0_LIMIT
+from kvcore.quant import Q4_0_LIMIT, Q4_1_LIMIT, Q8_0_LIMIT
+
+from _ggml import gguf_decode, gguf_encode, gguf_rows, to_ggml
 
 FP8 = {"fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
-QUANT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+Q4 = ("q4_0", "q4_1")
+QUANT8 = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+QUANT = QUANT8 + Q4
 F32 = np.float32
 
 
@@ -38,7 +43,9 @@ def encode_fp8_raw(v, name):
 
 
 def ref_quantize(x, name):
-    """The documented rule in numpy float32; x float32 [..., D]."""
+    """The documented rule in numpy float32 (q4_0 / q4_1: gguf-py); x float32 [..., D]."""
+    if name in Q4:
+        return gguf_encode(x, name)
     amax = np.abs(x).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if name == "int8":
@@ -60,6 +67,8 @@ def ref_quantize(x, name):
 
 
 def ref_dequantize(codes, scales, name):
+    if name in Q4:
+        return gguf_decode(codes, scales, name)
     with np.errstate(over="ignore"):     # 127 * scale may round past float32 max
         if name == "int8":
             return codes.astype(F32) * scales
@@ -78,7 +87,7 @@ def raw(a):
 def assert_quantized_exact(x, name):
     codes, scales = kvcore.quantize(x, name)
     ref_codes, ref_scales = ref_quantize(np.asarray(x, dtype=F32), name)
-    assert codes.shape == x.shape
+    assert codes.shape == x.shape[:-1] + (kvcore.FORMATS[name].code_width(x.shape[-1]),)
     assert scales.shape == x.shape[:-1] + (kvcore.FORMATS[name].scales_per_row(x.shape[-1]),)
     np.testing.assert_array_equal(raw(codes), raw(ref_codes))
     np.testing.assert_array_equal(raw(scales), raw(ref_scales))
@@ -210,8 +219,9 @@ def test_exact_gaussian_and_heavy_tailed(name, d, rng):
 @pytest.mark.parametrize("name", QUANT)
 def test_exact_over_wide_magnitudes(name, rng):
     x = random_finite_f32(rng, 64 * 128)[: 63 * 128].reshape(63, 128)
-    if name == "q8_0":
-        x = np.clip(x, -Q8_0_LIMIT / 2, Q8_0_LIMIT / 2)
+    if name in ("q8_0",) + Q4:
+        limit = input_limit(kvcore.FORMATS[name].id)
+        x = np.clip(x, -limit / 2, limit / 2)
     x *= rng.choice(np.array([1.0, 1e-30, 1e-38, 1e-44], F32), size=(63, 1))  # tiny rows
     assert_quantized_exact(x, name)
 
@@ -239,7 +249,9 @@ def test_zero_rows_and_float32_max(name):
         below = np.nextafter(limit, F32(0))
         x[1:3] = np.clip(x[1:3], -below, below)
     codes, scales = assert_quantized_exact(x, name)
-    assert not raw(codes[0]).any() and not raw(scales[0]).any()
+    assert not raw(scales[0]).any() or name == "q4_0"     # q4_0: d = 0 / -8 = -0.0
+    assert (scales[0].astype(F32) == 0).all()
+    assert (raw(codes[0]) == (0x88 if name == "q4_0" else 0)).all()   # q4_0: q = 8 is zero
     assert np.isfinite(scales.astype(F32)).all()        # max|x| / 127 does not overflow
     assert np.isfinite(kvcore.dequantize(codes, scales, name)).all()   # nor 127 * scale
 
@@ -311,7 +323,7 @@ def test_out_arrays(name, rng):
     x = rng.standard_normal((5, 3, 64)).astype(F32)[:, ::-1]       # strided input
     want_codes, want_scales = kvcore.quantize(x, name)
     for code_dtype in dict.fromkeys([f.code_dtype, want_codes.dtype]):
-        codes = np.zeros((5, 3, 64), code_dtype)
+        codes = np.zeros(want_codes.shape, code_dtype)     # [5, 3, W], W = code_width(64)
         scales = np.zeros(want_scales.shape, want_scales.dtype) if f.quantized else None
         got = kvcore.quantize(x, name, out=(codes, scales))
         assert got[0] is codes and got[1] is scales
@@ -323,7 +335,8 @@ def test_out_arrays(name, rng):
     np.testing.assert_array_equal(out, kvcore.dequantize(want_codes, want_scales, name))
 
 
-@pytest.mark.parametrize("name, bad", [("int8", np.nan), ("f16", 70000.0), ("q8_0", -1e7)])
+@pytest.mark.parametrize("name, bad", [("int8", np.nan), ("f16", 70000.0), ("q8_0", -1e7),
+                                       ("q4_0", 6e5), ("q4_1", -70000.0)])
 def test_refused_quantize_leaves_out_untouched(name, bad, rng):
     # rows before and after the refused one are valid: nothing is written anyway
     x = rng.standard_normal((300, 64)).astype(F32)
@@ -381,15 +394,37 @@ rows = hnp.arrays(F32, st.tuples(st.integers(1, 4), st.sampled_from([32, 64, 96]
                   elements=st.floats(-1e6, 1e6, width=32))
 
 
+def _q4_bound(x, scales, name):
+    """q4_0 / q4_1 round trip error bound: a full step of the exact d (q4_0 clips the
+    value opposite max: trunc(8 + 8.5) = 16 -> 15), plus 8 (q4_0) or 15 (q4_1) times the
+    error of d's float16 rounding, plus that of q4_1's float16 min."""
+    x64 = x.astype(np.float64)
+    blocks = x64.reshape(x.shape[0], -1, 32)
+    s = scales.astype(np.float64).reshape(x.shape[0], -1, 1 if name == "q4_0" else 2)
+    if name == "q4_0":
+        amax = np.abs(blocks).max(-1)
+        d = amax / 8
+        bound = d * (1 + 1e-5) + 8 * np.abs(d - np.abs(s[..., 0]))
+    else:
+        lo, hi = blocks.min(-1), blocks.max(-1)
+        d = (hi - lo) / 15
+        bound = d * (0.5 + 1e-5) + 15 * np.abs(d - s[..., 0]) + np.abs(lo - s[..., 1])
+    return np.repeat(bound, 32, axis=-1) * (1 + 1e-6)
+
+
 @settings(max_examples=60, deadline=None)
 @given(x=rows, name=st.sampled_from(QUANT))
 def test_round_trip_error_bound(x, name):
+    if name in Q4:
+        x = x / F32(20)                                 # below q4_1's 65520 limit
     codes, scales = kvcore.quantize(x, name)
     y = kvcore.dequantize(codes, scales, name)
     err = np.abs(y.astype(np.float64) - x)
     amax = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True)
     if name == "int8":
         bound = amax / 127 * (0.5 + 1e-5)                   # half a step
+    elif name in Q4:
+        bound = _q4_bound(x, scales, name)
     elif name == "q8_0":
         # half a step of the exact d, plus 127 times the error of d's float16 rounding
         d = np.abs(x.astype(np.float64)).reshape(x.shape[0], -1, 32).max(-1) / 127
@@ -404,7 +439,7 @@ def test_round_trip_error_bound(x, name):
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=rows, name=st.sampled_from(QUANT))
+@given(x=rows, name=st.sampled_from(QUANT8))
 def test_requantize_is_stable(x, name):
     # decoding and encoding again gives the same codes (idempotent on its own output)
     codes, scales = kvcore.quantize(x, name)
@@ -433,7 +468,8 @@ def test_non_finite_names_the_first_index(name):
 
 
 @pytest.mark.parametrize("name, limit_bits", [("f16", 0x477FF000), ("bf16", 0x7F7F8000),
-                                               ("q8_0", 0x4AFDF020)])
+                                               ("q8_0", 0x4AFDF020), ("q4_0", 0x48FFF000),
+                                               ("q4_1", 0x477FF000)])
 def test_values_at_the_range_limit_are_refused(name, limit_bits):
     # f16 65520 and bf16 0x1.ffp127 round (to even) to infinity; q8_0's block scale would
     limit = np.uint32(limit_bits).view(F32)
@@ -448,6 +484,10 @@ def test_values_at_the_range_limit_are_refused(name, limit_bits):
     assert np.isfinite(decoded).all()  # the largest float32 below the limit is stored finite
     if name == "q8_0":
         assert scales[1, 0] == np.float16(65504)
+    if name == "q4_0":
+        assert scales[1, 0] == np.float16(65504)     # d = 524159.97 / 8 rounds down
+    if name == "q4_1":
+        assert scales[1, 1] == np.float16(-65504)    # m = min
 
 
 def test_bad_arguments():
@@ -475,3 +515,112 @@ def test_bad_arguments():
         kvcore.dequantize(codes, None, "int8")
     with pytest.raises(FormatError, match=r"format f16 has no scales"):
         kvcore.dequantize(np.ones(4, np.float16), np.ones(1, F32), "f16")
+
+
+# ---------------------------------------------------------------------------------
+# q4_0 / q4_1: byte for byte against gguf-py (ggml's block layout) on every edge
+
+def _q4_cases(rng):
+    """Rows of 64 (two blocks) over the edges of ggml's 4-bit rules."""
+    n = 64
+    ties = rng.integers(-16, 17, (n, 64)).astype(F32) / 2    # halves and integers
+    ties[:, 0] = ties[:, 32] = -8.0            # q4_0: d = 1, id = 1: x + 8.5 on .5 / integers
+    ties_q41 = rng.integers(0, 16, (n, 64)).astype(F32)
+    ties_q41[:, [0, 32]], ties_q41[:, [1, 33]] = 0.0, 15.0   # q4_1: d = 1, m = 0
+    ties_q41 -= F32(0.5) * (np.arange(n)[:, None] % 2)       # and a min of -0.5
+    pm = rng.choice(np.array([1.0, -1.0, 0.5, -0.5, 0.0], F32), (n, 64))   # +-max in one block
+    zeros = rng.choice(np.array([0.0, -0.0], F32), (n, 64))                 # signed zeros
+    mixed_zero = np.abs(rng.standard_normal((n, 64))).astype(F32)
+    mixed_zero[:, ::5] = rng.choice(np.array([0.0, -0.0], F32), (n, 13))    # min is a signed 0
+    one_sign = np.abs(rng.standard_normal((n, 64))).astype(F32)
+    below = {name: np.nextafter(F32(input_limit(kvcore.FORMATS[name].id)), F32(0))
+             for name in Q4}
+    return {
+        "gaussian": rng.standard_normal((n, 64)).astype(F32),
+        "heavy": rng.standard_t(2, (n, 64)).astype(F32),
+        "ties": ties, "ties_q4_1": ties_q41, "plus_minus_max": pm, "signed_zeros": zeros,
+        "zero_min": mixed_zero, "positive": one_sign, "negative": -one_sign,
+        "one_value": np.full((n, 64), F32(0.3)) * rng.choice(np.array([1, -1], F32), (n, 1)),
+        "subnormal": (rng.standard_normal((n, 64)) * 1e-39).astype(F32),
+        "tiny": (rng.standard_normal((n, 64)) * 1e-44).astype(F32),
+        "small_scale": (rng.standard_normal((n, 64)) * 3e-38).astype(F32),
+        "largest": {name: rng.uniform(-1, 1, (n, 64)).astype(F32) * below[name]
+                    for name in Q4},
+        "at_largest": {name: np.where(rng.random((n, 64)) < 0.1, below[name] *
+                                      rng.choice(np.array([1, -1], F32), (n, 64)),
+                                      rng.standard_normal((n, 64)).astype(F32)).astype(F32)
+                       for name in Q4},
+        "wide": random_finite_f32(rng, 2 * n * 64)[: n * 64].reshape(n, 64),
+    }
+
+
+@pytest.mark.parametrize("name", Q4)
+def test_q4_bit_identical_to_gguf(name, rng):
+    for case, x in _q4_cases(rng).items():
+        if isinstance(x, dict):
+            x = x[name]
+        if case == "wide":       # every binade below the limit (tiny blocks: 1/d overflows)
+            lim = input_limit(kvcore.FORMATS[name].id)
+            x = np.clip(x, -lim / 2, lim / 2) * rng.choice(
+                np.array([1.0, 1e-30, 1e-38, 1e-44], F32), size=(x.shape[0], 1))
+        codes, scales = kvcore.quantize(x, name)
+        got, want = to_ggml(codes, scales, name), gguf_rows(x, name)
+        bad = np.nonzero((got != want).any(axis=1))[0]
+        assert not bad.size, f"{case}: rows {bad[:5]} differ from gguf-py: {got[bad[0]]} vs {want[bad[0]]}"
+        decoded = kvcore.dequantize(codes, scales, name)
+        np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),
+                                      err_msg=case)
+        assert np.isfinite(decoded).all()
+
+
+def test_q4_layout_by_hand():
+    # block of 32: byte j = value j (low nibble) | value 16 + j (high nibble)
+    x = np.arange(-8, 24, dtype=F32)[None, :]      # max |x| = 23 (last): d = 23 / -8
+    x[0, 0] = -32.0                                # now max = -32 (first): d = 4, id = 0.25
+    codes, scales = kvcore.quantize(x, "q4_0")
+    assert scales.dtype == np.float16 and scales.tolist() == [[4.0]]
+    q = np.clip(np.trunc(x[0] * F32(0.25) + F32(8.5)), 0, 15).astype(np.uint8)
+    assert codes.tolist() == [[int(q[j]) | int(q[16 + j]) << 4 for j in range(16)]]
+    np.testing.assert_array_equal(kvcore.dequantize(codes, scales, "q4_0")[0],
+                                  (q.astype(F32) - 8) * 4)
+    x = np.linspace(-1, 2, 64, dtype=F32)[None, :]
+    codes, scales = kvcore.quantize(x, "q4_1")
+    assert codes.shape == (1, 32) and scales.shape == (1, 4)   # (d, m) per block
+    assert scales[0, 1] == np.float16(-1.0) and scales[0, 3] == np.float16(x[0, 32])
+    low, high = codes & 15, codes >> 4
+    assert low[0, 0] == 0 and high[0, 15] == 15 and low[0, 16] == 0 and high[0, 31] == 15
+
+
+def test_q4_decode_every_code_and_scale():
+    # every 4-bit code under every finite float16 d (q4_0), and under d, m pairs (q4_1)
+    d = np.arange(0, 2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    d = d[np.isfinite(d)]
+    nib = np.arange(16, dtype=np.uint8)
+    block = nib | nib[::-1] << 4                    # low nibbles 0..15, high 15..0
+    codes = np.tile(block, (d.size, 1))
+    got = kvcore.dequantize(codes, d[:, None], "q4_0")
+    np.testing.assert_array_equal(raw(got), raw(gguf_decode(codes, d[:, None], "q4_0")))
+    m = np.random.default_rng(5).permutation(d)
+    dm = np.stack([np.abs(d), m], axis=1)
+    got = kvcore.dequantize(codes, dm, "q4_1")
+    np.testing.assert_array_equal(raw(got), raw(gguf_decode(codes, dm, "q4_1")))
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("name", Q4)
+def test_q4_bad_input(name):
+    with pytest.raises(FormatError, match=rf"format {name} needs head_dim divisible by 32, got 48"):
+        kvcore.quantize(np.ones((2, 48), F32), name)
+    with pytest.raises(FormatError, match=rf"format {name} needs head_dim divisible by 32, got 40"):
+        kvcore.dequantize(np.ones((2, 20), np.uint8), np.ones((2, 1), np.float16), name)
+    limit = Q4_0_LIMIT if name == "q4_0" else Q4_1_LIMIT
+    x = np.ones((3, 64), F32)
+    x[2, 40] = limit
+    with pytest.raises(FormatError, match=rf"out of range of format {name} in x: x\[2, 40\]"):
+        kvcore.quantize(x, name)
+    codes, scales = kvcore.quantize(np.ones((3, 64), F32), name)
+    with pytest.raises(ShapeError, match=r"invalid shape of out codes: expected \[3, 32\], got \[3, 64\]"):
+        kvcore.quantize(x, name, out=(np.zeros((3, 64), np.uint8), scales))
+    s = 2 if name == "q4_0" else 4
+    with pytest.raises(ShapeError, match=rf"invalid shape of scales: expected \[3, {s}\]"):
+        kvcore.dequantize(codes, scales[:, :1], name)

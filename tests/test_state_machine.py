@@ -38,7 +38,8 @@ INPUT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 IMPOSSIBLE = {"f32": ("k_codes", np.nan), "f16": ("v_codes", np.inf),
               "bf16": ("k_codes", 0x7FC0), "int8": ("v_codes", -128),
               "fp8_e4m3": ("k_codes", 0x7F), "fp8_e5m2": ("v_codes", 0xFC),
-              "q8_0": ("k_scales", -1.0)}
+              "q8_0": ("k_scales", -1.0), "q4_0": ("k_scales", np.inf),
+              "q4_1": ("v_scales", np.inf)}   # q4_0's d and q4_1's m take either sign
 
 
 def make_input(seed, kind, dtype, t, layout):
@@ -73,9 +74,11 @@ class Model:
         f = spec.fmt
         self.fmt = f
         self.S = f.scales_per_row(D)
-        self.codes = {w: np.zeros((L, N, H, D), f.code_dtype) for w in "kv"}
+        self.codes = {w: np.zeros((L, N, H, f.code_width(D)), f.code_dtype) for w in "kv"}
         self.scales = {w: np.zeros((L, N, H, self.S), f.scale_dtype) for w in "kv"} if self.S else None
-        self.floats = {w: np.zeros((L, N, H, D), np.float32) for w in "kv"}
+        # what zero bytes decode to (q4_0: (0 - 8) * 0.0 = -0.0)
+        self.floats = {w: kvcore.dequantize(self.codes[w], self.scales[w] if self.S else None, f)
+                       for w in "kv"}
         self.length = 0
         self.pending = [0] * L
 
@@ -318,7 +321,7 @@ class CacheMachine(RuleBasedStateMachine):
             spec, n = spec.replace(capacity=N + 3), N + 1 + n % 3
         f = spec.fmt
         S = f.scales_per_row(spec.head_dim)
-        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
         parts = {f"{w}_codes": np.zeros(shape, f.code_dtype) for w in "kv"}
         if S:
             parts.update({f"{w}_scales": np.zeros(shape[:3] + (S,), f.scale_dtype) for w in "kv"})

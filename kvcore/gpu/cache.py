@@ -49,13 +49,29 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+"""The formats the GPU kernels hold; the 4-bit ones (q4_0, q4_1) are CPU-only for now."""
+
+
+def check_gpu_format(spec: KVSpec, what: str) -> None:
+    """FormatError unless the GPU kernels have spec's format."""
+    if spec.format not in GPU_FORMATS:
+        raise FormatError(f"{what}: format {spec.format} is not on the GPU yet: the GPU "
+                          f"kernels do not have it (KVCache and KVPool on the CPU do); the GPU "
+                          f"layer holds {', '.join(GPU_FORMATS)}")
+
+
 @dataclass(frozen=True)
 class GpuLayout:
     """Byte layout of a GpuKVCache of `slots` slots. Offsets are from the allocation's
-    base; `*_strides` are byte strides of codes [L, M, Hkv, N, D] / scales [L, M, Hkv, N, S]."""
+    base; `*_strides` are byte strides of codes [L, M, Hkv, N, D] / scales [L, M, Hkv, N, S].
+    FormatError for a format the GPU kernels do not have (GPU_FORMATS)."""
 
     spec: KVSpec
     slots: int
+
+    def __post_init__(self) -> None:
+        check_gpu_format(self.spec, "GpuLayout")
 
     @property
     def fmt(self) -> Format:
@@ -170,6 +186,7 @@ class GpuKVCache(driver.DeviceOwner):
     def __init__(self, spec: KVSpec, slots: int = 1, *, device: int = 0, stream=None):
         if not isinstance(spec, KVSpec):
             raise DTypeError(f"invalid type of spec: expected KVSpec, got {type(spec).__name__}")
+        check_gpu_format(spec, "GpuKVCache")
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
             raise SpecError(f"slots must be a positive int, got {slots!r}")
         self.spec = spec
@@ -202,6 +219,7 @@ class GpuKVCache(driver.DeviceOwner):
     def fit(cls, spec: KVSpec, reserve_bytes: int = 0, *, device: int = 0, stream=None) -> "GpuKVCache":
         """The cache with the most slots that fit in the device's free memory minus
         `reserve_bytes`; SpecError with the numbers when not one slot fits."""
+        check_gpu_format(spec, "GpuKVCache")
         ctx = Context.get(device)
         free, _ = ctx.mem_get_info()
         m = max_slots_for_memory(spec, free, reserve_bytes)

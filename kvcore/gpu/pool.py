@@ -54,6 +54,7 @@ from ..pool import _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
+from .cache import check_gpu_format
 from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
@@ -121,6 +122,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                  sink_tokens: int = 0, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
+        check_gpu_format(spec, "GpuKVPool")
         P, ps = _positive("num_pages", num_pages), _positive("page_size", page_size)
         self.max_batch = _positive("max_batch", max_batch)
         self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq)
