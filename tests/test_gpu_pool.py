@@ -4,6 +4,8 @@ The reference is the CPU KVPool driven by the same calls: the same PageTable giv
 page ids, so every held page must hold the same bytes on both sides (and the codes must be
 kvcore.quantize's). Device memory starts poisoned (0xFF), so a byte a kernel should not
 write shows up."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,25 @@ def inputs(rng, n, dtype):
 
 def dev(gpu, x):
     return gpu.DeviceBuffer.from_numpy(np.ascontiguousarray(x)).view(x.shape, x.dtype)
+
+
+@contextlib.contextmanager
+def captured(gpu, st):
+    """Captures what the with-block launches on stream st (global mode, the stream's
+    context current for the raw driver calls); yields a list that holds the instantiated
+    graph and the graph, [exec, graph], once the block ends (the capture ends however the
+    block does)."""
+    drv, made = gpu.driver.cuda(), []
+    with st.ctx:
+        gpu.driver.call("cuStreamBeginCapture", st.handle,
+                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    try:
+        yield made
+    finally:
+        with st.ctx:
+            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
+    with st.ctx:
+        made += [gpu.driver.call("cuGraphInstantiate", graph, 0), graph]
 
 
 def same_snapshot(a, b):
@@ -264,30 +285,22 @@ def test_append_of_fewer_rows_than_the_step_refused(gpu, rng):
     gp, cp = pools(gpu, "int8", max_batch=2, max_tokens=2)
     a, b = gp.new_sequence(), gp.new_sequence()
     cp.new_sequence(), cp.new_sequence()
-    drv, st = gpu.driver.cuda(), gp.stream
-    with st.ctx:
-        gpu.driver.call("cuStreamBeginCapture", st.handle,
-                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
+    st = gp.stream
+    with captured(gpu, st) as made:
         for layer in range(L):
             gp.append(layer, one, one)              # captured for steps of one token
-    finally:
-        with st.ctx:
-            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    with st.ctx:
-        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     before = gp._data.view((gp._data.nbytes,), np.uint8).to_numpy()
     for seqs, counts in (([a], [2]), ([a, b], [1, 1])):
         gp.begin_step(seqs, counts)
         with st.ctx:
-            gpu.driver.call("cuGraphLaunch", exe, st.handle)
+            gpu.driver.call("cuGraphLaunch", made[0], st.handle)
         with pytest.raises(ShapeError, match="fewer input rows than the step's 2 new positions"):
             gp.advance()
         assert gp._data.view((gp._data.nbytes,), np.uint8).to_numpy().tobytes() == before.tobytes()
         assert gp.length(a) == gp.length(b) == 0
     gp.begin_step([b])                               # one token: the graph fits the step
     with st.ctx:
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        gpu.driver.call("cuGraphLaunch", made[0], st.handle)
     assert gp.advance() == [1]
     x = one.to_numpy()
     for layer in range(L):
@@ -295,8 +308,8 @@ def test_append_of_fewer_rows_than_the_step_refused(gpu, rng):
     cp.advance([b])
     same_snapshot(gp.snapshot(b), cp.snapshot(b))
     with st.ctx:
-        gpu.driver.call("cuGraphExecDestroy", exe)
-        gpu.driver.call("cuGraphDestroy", graph)
+        gpu.driver.call("cuGraphExecDestroy", made[0])
+        gpu.driver.call("cuGraphDestroy", made[1])
     gp.free()
 
 
@@ -324,7 +337,6 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     sequences join, fork and finish between steps (new block tables, lengths, query offsets
     and slots each step, 1 or 2 tokens per sequence): the pages equal the CPU pool's, the
     outputs a pool run eagerly, bit for bit, and the eager ones the CPU pool's attention."""
-    drv = gpu.driver.cuda()
     B, T = 3, 2
     graphed, eager = (pools(gpu, "q8_0", max_batch=B, max_tokens=T)[0] for _ in range(2))
     cpu = KVPool(spec("q8_0"), 24, PS)
@@ -336,20 +348,12 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     q, out, ref = ([qo.view((R, H, D), np.float32, offset=((i * L + l) * R * H * D) * 4)
                     for l in range(L)] for i in range(3))
     st = graphed.stream
-    with st.ctx:  # the raw driver calls of this test need the context current
-        gpu.driver.call("cuStreamBeginCapture", st.handle,
-                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
+    with captured(gpu, st) as made:  # the raw driver calls of this test need the context current
         for layer in range(L):
             graphed.append(layer, views[layer][0], views[layer][1])
             graphed.decode_attention(q[layer], out[layer], layer)
         with pytest.raises(StateError, match="while a stream is capturing"):
             graphed.begin_step([])
-    finally:
-        with st.ctx:
-            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    with st.ctx:
-        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     for p in (graphed, eager, cpu):
         p.new_sequence(), p.new_sequence()
     schedule = [([0, 1], [2, 1]), ([1, 0], [1, 1]), ("fork", 0), ([2, 0, 1], [1, 1, 1]),
@@ -373,7 +377,7 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
         inp.copy_from_host(xs)
         qo.copy_from_host(rng.standard_normal(3 * L * R * H * D).astype(np.float32))
         with st.ctx:
-            gpu.driver.call("cuGraphLaunch", exe, st.handle)
+            gpu.driver.call("cuGraphLaunch", made[0], st.handle)
         for layer in range(L):
             keep += [dev(gpu, xs[layer, 0, :n]), dev(gpu, xs[layer, 1, :n])]
             eager.append(layer, keep[-2], keep[-1])
@@ -387,8 +391,8 @@ def test_graph_replay_while_tables_change_equals_eager(gpu, rng):
     same_pages(graphed, cpu)
     same_pages(eager, cpu)
     with st.ctx:
-        gpu.driver.call("cuGraphExecDestroy", exe)
-        gpu.driver.call("cuGraphDestroy", graph)
+        gpu.driver.call("cuGraphExecDestroy", made[0])
+        gpu.driver.call("cuGraphDestroy", made[1])
     inp.free(), qo.free()
     graphed.free()
     eager.free()
@@ -697,28 +701,20 @@ def test_decode_attention_window_with_released_pages(gpu, rng, fmt, group, head_
         gp.decode_attention(qd, out, 1, causal=False, window=window)
     with pytest.raises(ShapeError, match="sinks"):
         gp.decode_attention(qd, out, 1, sinks=sinks[:-1])
-    drv, st = gpu.driver.cuda(), gp.stream
-    with st.ctx:
-        gpu.driver.call("cuStreamBeginCapture", st.handle,
-                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
+    st = gp.stream
+    with captured(gpu, st) as made:
         with pytest.raises(StateError, match="host sinks are copied to the device at their "
                                              "first use"):
             gp.decode_attention(qd, out, 1, sinks=sinks + 1)
         gp.decode_attention(qd, out, 1, **variants)   # seen before: captured as it is
-    finally:
-        with st.ctx:
-            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    with st.ctx:
-        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     assert out.to_numpy().tobytes() == before_out
     with st.ctx:
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        gpu.driver.call("cuGraphLaunch", made[0], st.handle)
     gp.check()
     assert out.to_numpy().tobytes() == got.tobytes()
     with st.ctx:
-        gpu.driver.call("cuGraphExecDestroy", exe)
-        gpu.driver.call("cuGraphDestroy", graph)
+        gpu.driver.call("cuGraphExecDestroy", made[0])
+        gpu.driver.call("cuGraphDestroy", made[1])
     gp.advance()
     buf.free()
     gp.free()
@@ -790,22 +786,14 @@ def test_append_and_decode_outside_a_step_refused(gpu, rng):
     assert data() == before and gp.length(a) == 2
     same_pages(gp, cp)
 
-    drv, st = gpu.driver.cuda(), gp.stream
-    with st.ctx:
-        gpu.driver.call("cuStreamBeginCapture", st.handle,
-                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    try:
+    st = gp.stream
+    with captured(gpu, st) as made:
         for layer in range(L):
             gp.append(layer, x, x)                   # captured: no step needed
-    finally:
-        with st.ctx:
-            graph = gpu.driver.call("cuStreamEndCapture", st.handle)
-    with st.ctx:
-        exe = gpu.driver.call("cuGraphInstantiate", graph, 0)
     assert data() == before
     gp.begin_step([a])                               # in a step the replay writes it
     with st.ctx:
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        gpu.driver.call("cuGraphLaunch", made[0], st.handle)
     assert gp.advance() == [1]
     for layer in range(L):
         cp.append_batch(xs[:1], xs[:1], seqs=[a], layer=layer)
@@ -813,13 +801,13 @@ def test_append_and_decode_outside_a_step_refused(gpu, rng):
     same_pages(gp, cp)
     before = data()
     with st.ctx:                                     # after advance: writes nothing
-        gpu.driver.call("cuGraphLaunch", exe, st.handle)
+        gpu.driver.call("cuGraphLaunch", made[0], st.handle)
     gp.check()
     assert data() == before and gp.length(a) == 3
     same_pages(gp, cp)
     with st.ctx:
-        gpu.driver.call("cuGraphExecDestroy", exe)
-        gpu.driver.call("cuGraphDestroy", graph)
+        gpu.driver.call("cuGraphExecDestroy", made[0])
+        gpu.driver.call("cuGraphDestroy", made[1])
     gp.free()
 
 
