@@ -166,6 +166,12 @@ def pytest_report_header(config):
     return f"gpu: {mode} ({reason})"
 
 
+def pytest_sessionstart(session):
+    mode, reason = _mode(session.config.getoption("--gpu"))
+    if mode == "device" and reason is not None:   # a device run never falls back to the emulator
+        pytest.exit(f"{reason}: stopped before any test ran", returncode=4)
+
+
 _emulator_started = False
 _LEAK_MARK = pytest.StashKey[int]()
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvcore import KVSpec
 from kvcore.errors import CudaError, StateError
-from kvcore.gpu._emu import ptx
+from kvcore.gpu import _ptx as ptx
 
 pytestmark = pytest.mark.gpu
 

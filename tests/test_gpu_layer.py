@@ -74,6 +74,7 @@ makers = {
     "Stream.create": lambda: gpu.Stream.create(),
     "Event.create": lambda: gpu.Event.create(),
     "as_device_array": lambda: gpu.as_device_array(Foreign()),
+    "use_emulator": lambda: gpu.use_emulator(),   # the emulator runs under the bindings too
 }
 got = {}
 for name, make in makers.items():
@@ -89,8 +90,8 @@ print(json.dumps(got))
     got = json.loads(out.splitlines()[-1])
     assert got.pop("is_available") is False
     assert got.pop("cuda modules") == []
-    message = ('cuda-python is not installed: pip install "kvcore[cuda]" for a GPU, or call '
-               'kvcore.gpu.use_emulator() to run the GPU layer on the CPU')
+    message = ('cuda-python is not installed: pip install "kvcore[cuda]" (kvcore\'s GPU layer calls '
+               'the driver through its bindings, on a GPU and under kvcore.gpu.use_emulator() alike)')
     for name, result in got.items():
         assert result == ["GpuUnavailableError", True, True, message], name
 
@@ -229,5 +230,6 @@ def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):
     assert len([w for w in wanted if w.endswith(".ptx")]) == 11
     missing = [w for w in wanted if not os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", w))]
     assert not missing, missing
-    for module in ("__init__.py", "driver.py", "ptx.py", "kernels.py"):
-        assert os.path.isfile(os.path.join(tmp_path, "kvcore", "gpu", "_emu", module)), module
+    for module in ("_emu/__init__.py", "_emu/driver.py", "_emu/kernels.py", "_ptx.py"):
+        assert os.path.isfile(os.path.join(tmp_path, "kvcore", "gpu", module)), module
+    assert os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", "emu", "libcuda.cpp"))

@@ -205,7 +205,7 @@ def split_kernel(fmt_name: str, head_dim: int, group: int, ctx, *, paged: bool):
     fn = kernels.function(f"attention_{fmt_name}",
                           f"kv_{'pattn' if paged else 'attn'}_{fmt_name}_d{d}_g{gb}", ctx)
     with ctx:
-        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", fn, THREADS, 0)
+        per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", fn.handle, THREADS, 0)
     return fn, gb, max(1, per_sm) * ctx.sm_count
 
 

@@ -1,8 +1,9 @@
 """Checked calls into the CUDA driver API (cuda-python), and the handles built on it.
 
 1. cuda-python is imported lazily, on the first call that needs it: importing kvcore or
-   kvcore.gpu never needs it. `kvcore.gpu.use_emulator()` swaps in the emulated driver
-   (kvcore.gpu._emu.driver, the same calls on the CPU) for the whole process.
+   kvcore.gpu never needs it. Every call goes through its bindings (`cuda.bindings.driver`),
+   on a GPU and under the emulator alike: `kvcore.gpu.use_emulator()` only puts the
+   emulated libcuda (kvcore.gpu._emu) under them, for the whole process.
 2. Every driver call goes through `call(name, *args)`: a CUresult other than
    CUDA_SUCCESS raises CudaError("cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory").
 3. `Context.get(device)` retains the device's primary context once per process; it never
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import threading
 import weakref
 
@@ -35,8 +37,9 @@ _driver_module = None
 _emulated = False
 
 
-NO_CUDA_PYTHON = ('cuda-python is not installed: pip install "kvcore[cuda]" for a GPU, or '
-                  'call kvcore.gpu.use_emulator() to run the GPU layer on the CPU')
+NO_CUDA_PYTHON = ('cuda-python is not installed: pip install "kvcore[cuda]" (kvcore\'s GPU layer '
+                  'calls the driver through its bindings, on a GPU and under '
+                  'kvcore.gpu.use_emulator() alike)')
 
 
 def _import_driver():
@@ -44,25 +47,19 @@ def _import_driver():
         from cuda.bindings import driver as mod
         return mod
     except ImportError as first:
-        try:
-            from cuda import cuda as mod   # cuda-python before 12.6
-            return mod
-        except ImportError:
-            pass
         missing = isinstance(first, ModuleNotFoundError) and (
             first.name is None or first.name == "cuda" or first.name.startswith("cuda."))
         if missing:
             raise GpuUnavailableError(NO_CUDA_PYTHON, name="cuda") from None
         raise GpuUnavailableError(
             f"cuda-python is installed but does not import ({type(first).__name__}: {first}): "
-            f'reinstall it (pip install --force-reinstall "kvcore[cuda]") for a GPU, or call '
-            f"kvcore.gpu.use_emulator() to run the GPU layer on the CPU", name="cuda") from first
+            f'reinstall it (pip install --force-reinstall "kvcore[cuda]")', name="cuda") from first
 
 
 def cuda():
-    """The driver module every call goes to: cuda-python's (`cuda.bindings.driver`, or
-    `cuda.cuda` before 12.6), or the emulated one after `use_emulator()`. Raises
-    GpuUnavailableError (an ImportError) when cuda-python is missing."""
+    """The driver module every call goes to: cuda-python's `cuda.bindings.driver`, over the
+    real libcuda or, after `use_emulator()`, the emulated one. Raises GpuUnavailableError
+    (an ImportError) when cuda-python is missing."""
     global _driver_module
     if _driver_module is None:
         _driver_module = _import_driver()
@@ -99,10 +96,11 @@ class DeviceOwner:
         self._refuse_copy("pickling")
 
 
-def use_backend(module, *, reset) -> None:
-    """Makes `module` (the emulated driver) the one every call goes to, after `reset()`
-    built its fresh state; forgets kvcore's contexts. Refused while kvcore holds contexts of
-    the real driver, or emulated device memory (the reset would pull it away)."""
+def use_emulated_driver(reset) -> None:
+    """Sends every call to cuda-python's bindings over the emulated libcuda (already
+    installed by kvcore.gpu._emu), after `reset()` built the emulator's fresh state; forgets
+    kvcore's contexts. Refused while kvcore holds contexts of the real driver, or emulated
+    device memory (the reset would pull it away)."""
     global _driver_module, _available, _emulated
     with _lock:
         if Context._contexts and not _emulated:
@@ -114,7 +112,7 @@ def use_backend(module, *, reset) -> None:
                              f"(bytes per device: {live}); free it first")
         reset()
         Context._contexts.clear()
-        _driver_module, _available, _emulated = module, None, True
+        _driver_module, _available, _emulated = _import_driver(), None, True
 
 
 def backend_is_emulator() -> bool:
@@ -127,7 +125,10 @@ def _error_text(err) -> str:
     text_res, text = drv.cuGetErrorString(err)
     name = name.decode() if name_res == drv.CUresult.CUDA_SUCCESS and name else f"CUresult {int(err)}"
     text = text.decode() if text_res == drv.CUresult.CUDA_SUCCESS and text else "unknown error"
-    detail = drv.error_detail(err) if _emulated else None  # the emulator says why it refused
+    detail = None
+    if _emulated:  # the emulator says why it refused
+        from ._emu import driver as emu
+        detail = emu.error_detail(err)
     return f"{name}: {text}" + (f" ({detail})" if detail else "")
 
 
@@ -176,10 +177,23 @@ def is_available() -> bool:
     global _available
     if _available is None:
         try:
-            _available = device_count() > 0
+            _available = _libcuda_loads() and device_count() > 0
         except Exception:  # ImportError, missing libcuda (RuntimeError), CudaError
             _available = False
     return _available
+
+
+def _libcuda_loads() -> bool:
+    """Whether a libcuda.so.1 loads (the driver's, or the emulated one once installed):
+    asked before the bindings are, since some (cuda-bindings 12.8) remember a failed first
+    load for the whole process, which would keep a later use_emulator() from working."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------- context
@@ -475,9 +489,15 @@ def order_after(producer: int, consumer, ctx: Context, what: str = "an input") -
 
 def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args, *,
            stream, shmem: int = 0) -> None:
-    """cuLaunchKernel with typed arguments: `args` is a sequence of (value, ctype) pairs,
-    ctype None for a device pointer given as an int (passed as ctypes.c_void_p)."""
-    values = tuple(a for a, _ in args)
+    """cuLaunchKernel of `fn` (a kernels.Kernel) with typed arguments: `args` is a sequence
+    of (value, ctype) pairs, ctype None for a device pointer given as an int (passed as
+    ctypes.c_void_p). CudaError when their number or byte sizes differ from the kernel's
+    .entry (the driver would read past or short of them)."""
     types = tuple(ctypes.c_void_p if t is None else t for _, t in args)
-    call("cuLaunchKernel", fn, *grid, *block, shmem, stream_handle(stream), (values, types), 0)
-
+    sizes = tuple(ctypes.sizeof(t) for t in types)
+    if sizes != fn.params:
+        raise CudaError(f"cuLaunchKernel({fn.module}.{fn.name}): {len(sizes)} parameters of "
+                        f"{list(sizes)} bytes given, the .entry declares {len(fn.params)} of "
+                        f"{list(fn.params)} bytes")
+    values = tuple(a for a, _ in args)
+    call("cuLaunchKernel", fn.handle, *grid, *block, shmem, stream_handle(stream), (values, types), 0)

@@ -3,15 +3,16 @@ loaded once per context with cuModuleLoadDataEx; a failed JIT raises CudaError c
 the JIT log and the driver's version. No compilation at run time beyond the driver's PTX
 JIT. The PTX declares ISA 7.0 (tools/build_ptx.py), which drivers from CUDA 11.0 on read.
 
-    fn = kernels.function("kv_append", "kv_append")
+    fn = kernels.function("kv_append", "kv_append")   # a Kernel: handle + the .entry's sizes
     driver.launch(fn, grid, block, [(ptr, None), (n, ctypes.c_int)], stream=s)
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ..errors import CudaError
-from . import driver
+from . import _ptx, driver
 from .driver import Context
 
 _PKG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cuda")
@@ -29,9 +30,23 @@ def ptx_path(module: str) -> str:
                     f"{_REPO_DIR} (build it with tools/build_ptx.py)")
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded kernel: its CUfunction `handle` and the byte size of each parameter its PTX
+    `.entry` declares (`params`), which driver.launch checks every launch against: the
+    driver reads kernelParams blindly."""
+    module: str
+    name: str
+    handle: object
+    params: tuple[int, ...]
+
+
 def _load(ctx: Context, module: str):
+    """(CUmodule, {kernel: its .entry's parameter sizes}) of `module` in `ctx`."""
     with open(ptx_path(module), "rb") as f:
         image = f.read() + b"\0"
+    entries = {name: tuple(p.size for p in params)
+               for name, params in _ptx.parse(image).entries.items()}
     drv = driver.cuda()
     opt = drv.CUjit_option
     log = bytearray(_LOG_BYTES)
@@ -43,18 +58,19 @@ def _load(ctx: Context, module: str):
         raise CudaError(f"cuModuleLoadDataEx({module}.ptx): {driver._error_text(err)}; "
                         f"the driver is {driver.driver_version_text()}"
                         + (f"\nJIT log:\n{jit}" if jit else ""))
-    return handle
+    return handle, entries
 
 
-def function(module: str, kernel: str, ctx: Context | None = None):
-    """The CUfunction `kernel` of PTX module `module`, loaded once per context."""
+def function(module: str, kernel: str, ctx: Context | None = None) -> Kernel:
+    """The Kernel `kernel` of PTX module `module`, loaded once per context."""
     ctx = ctx or Context.get()
     entry = ctx.modules.get(module)
     if entry is None:
-        entry = ctx.modules[module] = (_load(ctx, module), {})
-    handle, functions = entry
+        entry = ctx.modules[module] = (*_load(ctx, module), {})
+    handle, entries, functions = entry
     fn = functions.get(kernel)
     if fn is None:
         with ctx:
-            fn = functions[kernel] = driver.call("cuModuleGetFunction", handle, kernel.encode())
+            fh = driver.call("cuModuleGetFunction", handle, kernel.encode())
+        fn = functions[kernel] = Kernel(module, kernel, fh, entries[kernel])
     return fn

@@ -40,9 +40,11 @@ def use_emulator(*, devices: int = 1, seed: int = 0, memory_bytes: int = 2 << 30
     from . import kernels
     kernels.find_compiler()   # GpuUnavailableError now, not at the first cache; nothing changed
     from .. import driver as gpu_driver
+    gpu_driver.cuda()         # the emulator runs under cuda-python's bindings: GpuUnavailableError
     from . import driver as emu_driver
+    emu_driver.install(kernels.libcuda(asan=asan))
     config = emu_driver.Config(int(devices), int(seed), int(memory_bytes), int(driver_version), asan)
-    gpu_driver.use_backend(emu_driver, reset=lambda: emu_driver.reset(config))
+    gpu_driver.use_emulated_driver(reset=lambda: emu_driver.reset(config))
 
 
 def using_emulator() -> bool:

@@ -42,10 +42,11 @@ import random
 import sys
 import threading
 import time
+import traceback
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
-from . import ptx as _ptx
+from .. import _ptx
 
 # ============================================================================ enums
 
@@ -164,87 +165,16 @@ CUjit_option = _enum("CUjit_option", {
         GENERATE_DEBUG_INFO=11, LOG_VERBOSE=12, GENERATE_LINE_INFO=13, CACHE_MODE=14).items()})
 
 
-# ============================================================================ handles
+# ============================================================================ structs
 
-class _Handle:
-    """A driver handle: an opaque address. `int(h)` gives it; equal addresses compare equal."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, init_value=0):
-        self._value = int(init_value)
-
-    def __int__(self):
-        return self._value
-
-    def getPtr(self) -> int:
-        return self._value
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other._value == self._value
-
-    def __hash__(self):
-        return hash((type(self).__name__, self._value))
-
-    def __repr__(self):
-        return f"<{type(self).__name__} 0x{self._value:x}>"
-
-
-class CUdevice(_Handle):
-    __slots__ = ()
-
-
-class CUcontext(_Handle):
-    __slots__ = ()
-
-
-class CUstream(_Handle):
-    __slots__ = ()
-
-
-class CUevent(_Handle):
-    __slots__ = ()
-
-
-class CUdeviceptr(_Handle):
-    __slots__ = ()
-
-
-class CUmodule(_Handle):
-    __slots__ = ()
-
-
-class CUfunction(_Handle):
-    __slots__ = ()
-
-
-class CUgraph(_Handle):
-    __slots__ = ()
-
-
-class CUgraphExec(_Handle):
-    __slots__ = ()
-
-
-class CUgraphNode(_Handle):
-    __slots__ = ()
-
-
-CU_STREAM_LEGACY = CUstream(1)
-CU_STREAM_PER_THREAD = CUstream(2)
-
-
-class CUDA_MEMCPY3D:
-    """The 3D copy descriptor (the fields cuMemcpy3D reads; every one defaults to 0)."""
-
-    _FIELDS = ("srcXInBytes", "srcY", "srcZ", "srcLOD", "srcMemoryType", "srcHost", "srcDevice",
-               "srcArray", "srcPitch", "srcHeight", "dstXInBytes", "dstY", "dstZ", "dstLOD",
-               "dstMemoryType", "dstHost", "dstDevice", "dstArray", "dstPitch", "dstHeight",
-               "WidthInBytes", "Height", "Depth")
-
-    def __init__(self):
-        for f in self._FIELDS:
-            setattr(self, f, 0)
+class CUDA_MEMCPY3D(ctypes.Structure):
+    """cuda.h's CUDA_MEMCPY3D (_v2): what cuMemcpy3D reads, as the bindings lay it out."""
+    _fields_ = [(side + f, t) for side in ("src", "dst") for f, t in (
+        ("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("Z", ctypes.c_size_t),
+        ("LOD", ctypes.c_size_t), ("MemoryType", ctypes.c_int), ("Host", ctypes.c_void_p),
+        ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p), ("reserved", ctypes.c_void_p),
+        ("Pitch", ctypes.c_size_t), ("Height", ctypes.c_size_t))] + [
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
 
 
 # ============================================================================ state
@@ -852,115 +782,157 @@ def error_detail(code) -> str | None:
     return None
 
 
-# ============================================================================ API plumbing
+# ============================================================================ the C ABI
 
-def _api(nvalues: int):
-    """Wraps an implementation into a driver call: (CUDA_SUCCESS, *values) or, on _Fail,
-    (code, None, ...) with the reason stored for error_detail."""
+_H = ctypes.c_uint64            # an opaque handle (CUcontext, CUstream, ...) or a CUdeviceptr
+_I, _U, _Z, _F = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_float
+_P = ctypes.POINTER
+
+# name -> [(since, until, C function)]: the entry points cuGetProcAddress hands out, each for
+# the driver API versions [since, until) whose C prototype it has (cudaTypedefs.h's PFN_*).
+_ENTRIES: dict[str, list[tuple[int, int | None, object]]] = {}
+
+
+def _api(*argtypes, since: int, until: int | None = None, name: str | None = None):
+    """Makes `impl(emu, *args)` the emulated libcuda's entry point `name` (default: impl's)
+    for API versions [since, until): a C function `CUresult (argtypes...)` that runs impl
+    under the emulator's lock and returns CUDA_SUCCESS, or the code of the _Fail it raised
+    (its reason kept for error_detail). Anything else impl raises is an emulator bug:
+    CUDA_ERROR_UNKNOWN, with the traceback as the reason, never a silent success."""
     def wrap(impl):
-        def call(*args):
+        def entry(*args):
             emu = _emu
             with emu.lock:
                 try:
-                    values = impl(emu, *args)
+                    impl(emu, *args)
                 except _Fail as f:
                     emu.tls.error = (int(f.code), f.detail)
-                    return (f.code,) + (None,) * nvalues
-            if nvalues == 0:
-                return (CUresult.CUDA_SUCCESS,)
-            if nvalues == 1:
-                return (CUresult.CUDA_SUCCESS, values)
-            return (CUresult.CUDA_SUCCESS, *values)
-        call.__name__ = call.__qualname__ = impl.__name__
-        call.__doc__ = impl.__doc__
-        return call
+                    return int(f.code)
+                except BaseException as e:  # noqa: B036 - nothing may cross the C boundary
+                    emu.tls.error = (int(CUresult.CUDA_ERROR_UNKNOWN),
+                                     f"the emulated driver failed: {type(e).__name__}: {e}\n"
+                                     f"{traceback.format_exc()}")
+                    return int(CUresult.CUDA_ERROR_UNKNOWN)
+            return 0
+        fn = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(entry)
+        _ENTRIES.setdefault(name or impl.__name__, []).append((since, until, fn))
+        return impl
     return wrap
+
+
+def _resolve(symbol: bytes, version: int, flags: int) -> int:
+    """cuGetProcAddress: the entry point of `symbol` for API `version`, 0 when none. The
+    per-thread default stream variants (flags CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    are not emulated: 0."""
+    if flags & 2:
+        return 0
+    for since, until, fn in _ENTRIES.get(symbol.decode(), ()):
+        if since <= version and (until is None or version < until):
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return 0
+
+
+_RESOLVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64)(_resolve)
+_library = None
+
+
+def install(path: str) -> None:
+    """Loads the emulated libcuda.so.1 at `path` (kvcore.gpu._emu.kernels.libcuda()) under the
+    driver's soname, before cuda-python's bindings look for one, and points its
+    cuGetProcAddress at this module. Raises StateError when this process already loaded
+    another libcuda.so.1 (a real driver: the bindings would keep using it)."""
+    global _library
+    if _library is not None:
+        return
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+        loaded = True
+    except OSError:
+        loaded = False
+    lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+    found = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+    if loaded or not hasattr(found, "kvemu_set_resolver"):
+        from ...errors import StateError
+        raise StateError("cannot run the GPU emulator in this process: it already loaded the "
+                         "CUDA driver's libcuda.so.1 (a real GPU's); start a new process")
+    lib.kvemu_set_resolver.argtypes = [ctypes.c_void_p]
+    lib.kvemu_set_resolver(ctypes.cast(_RESOLVER, ctypes.c_void_p))
+    _library = lib
 
 
 def _fail(code, detail: str):
     raise _Fail(code, detail)
 
 
-def _int(value, what: str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{what}: expected an int, got {type(value).__name__}") from None
-
-
-def _host_address(obj, what: str) -> int:
-    """A host pointer: an int address, or a buffer (numpy array, bytearray) kept by the caller."""
-    if isinstance(obj, int):
-        return obj
-    if hasattr(obj, "ctypes"):
-        return obj.ctypes.data
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(obj))
-    except TypeError:
-        raise TypeError(f"{what}: expected a host address (int) or a writable buffer, "
-                        f"got {type(obj).__name__}") from None
+def _put(out, value, what: str) -> None:
+    """Writes an output parameter (*out = value); a NULL one is CUDA_ERROR_INVALID_VALUE."""
+    if not out:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{what} is NULL")
+    out[0] = value
 
 
 # ============================================================================ init, devices
 
-@_api(0)
+@_api(_U, since=2000)
 def cuInit(emu, flags):
-    if _int(flags, "cuInit flags") != 0:
+    if flags != 0:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuInit flags must be 0, got {flags}")
     emu.initialized = True
 
 
-@_api(1)
-def cuDriverGetVersion(emu):
-    return emu.config.driver_version
+@_api(_P(_I), since=2020)
+def cuDriverGetVersion(emu, version):
+    _put(version, emu.config.driver_version, "driverVersion")
 
 
-@_api(1)
-def cuDeviceGetCount(emu):
+@_api(_P(_I), since=2000)
+def cuDeviceGetCount(emu, count):
     emu.need_init()
-    return len(emu.devices)
+    _put(count, len(emu.devices), "count")
 
 
-@_api(1)
-def cuDeviceGet(emu, ordinal):
-    return CUdevice(emu.device(ordinal).ordinal)
+@_api(_P(_I), _I, since=2000)
+def cuDeviceGet(emu, device, ordinal):
+    _put(device, emu.device(ordinal).ordinal, "device")
 
 
-@_api(1)
-def cuDeviceGetName(emu, length, dev):
-    name = emu.device(dev).name.encode()[:max(int(length) - 1, 0)]
-    return name + b"\0" * (int(length) - len(name))
+@_api(_H, _I, _I, since=2000)
+def cuDeviceGetName(emu, name, length, dev):
+    text = emu.device(dev).name.encode()[:max(length - 1, 0)]
+    if not name or length <= 0:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"name buffer 0x{name:x} of {length} bytes")
+    ctypes.memmove(name, text + b"\0", len(text) + 1)
 
 
-@_api(1)
-def cuDeviceTotalMem(emu, dev):
-    return emu.device(dev).total
+@_api(_P(_Z), _I, since=3020)
+def cuDeviceTotalMem(emu, nbytes, dev):
+    _put(nbytes, emu.device(dev).total, "bytes")
 
 
-@_api(1)
-def cuDeviceGetAttribute(emu, attrib, dev):
+@_api(_P(_I), _I, _I, since=2000)
+def cuDeviceGetAttribute(emu, value, attrib, dev):
     emu.device(dev)
     try:
-        name = CUdevice_attribute(int(attrib)).name.removeprefix("CU_DEVICE_ATTRIBUTE_")
+        name = CUdevice_attribute(attrib).name.removeprefix("CU_DEVICE_ATTRIBUTE_")
     except ValueError:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"device attribute {int(attrib)} is not emulated")
-    if name == "PCI_BUS_ID":
-        return int(dev) + 1
-    return _ATTRIBUTES[name]
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"device attribute {attrib} is not emulated")
+    _put(value, dev + 1 if name == "PCI_BUS_ID" else _ATTRIBUTES[name], "pi")
 
 
 # ============================================================================ contexts
 
-@_api(1)
-def cuDevicePrimaryCtxRetain(emu, dev):
+@_api(_P(_H), _I, since=7000)
+def cuDevicePrimaryCtxRetain(emu, pctx, dev):
     d = emu.device(dev)
+    if not pctx:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "pctx is NULL")
     if d.ctx is None:
         d.ctx = _Context(emu, d)
     d.ctx.refs += 1
-    return CUcontext(d.ctx.handle)
+    pctx[0] = d.ctx.handle
 
 
-@_api(0)
+@_api(_I, since=11000)
 def cuDevicePrimaryCtxRelease(emu, dev):
     d = emu.device(dev)
     if d.ctx is None:
@@ -972,11 +944,11 @@ def cuDevicePrimaryCtxRelease(emu, dev):
         emu.release_context(d.ctx)
 
 
-@_api(0)
+@_api(_H, since=4000)
 def cuCtxSetCurrent(emu, ctx):
     emu.need_init()
     stack = emu.stack
-    c = None if ctx is None or int(ctx) == 0 else emu.context(ctx)
+    c = None if ctx == 0 else emu.context(ctx)
     if c is None:
         if stack:
             stack.pop()
@@ -987,33 +959,35 @@ def cuCtxSetCurrent(emu, ctx):
         stack.append(c)
 
 
-@_api(1)
-def cuCtxGetCurrent(emu):
+@_api(_P(_H), since=4000)
+def cuCtxGetCurrent(emu, pctx):
     emu.need_init()
     stack = emu.stack
-    return CUcontext(stack[-1].handle if stack and stack[-1].alive else 0)
+    _put(pctx, stack[-1].handle if stack and stack[-1].alive else 0, "pctx")
 
 
-@_api(0)
+@_api(_H, since=4000)
 def cuCtxPushCurrent(emu, ctx):
     emu.need_init()
     emu.stack.append(emu.context(ctx))
 
 
-@_api(1)
-def cuCtxPopCurrent(emu):
+@_api(_P(_H), since=4000)
+def cuCtxPopCurrent(emu, pctx):
     emu.need_init()
     if not emu.stack:
         _fail(CUresult.CUDA_ERROR_INVALID_CONTEXT, "no context is current on this thread")
-    return CUcontext(emu.stack.pop().handle)
+    handle = emu.stack.pop().handle
+    if pctx:
+        pctx[0] = handle
 
 
-@_api(1)
-def cuCtxGetDevice(emu):
-    return CUdevice(emu.current().device.ordinal)
+@_api(_P(_I), since=2000, until=13000)
+def cuCtxGetDevice(emu, device):
+    _put(device, emu.current().device.ordinal, "device")
 
 
-@_api(0)
+@_api(since=2000, until=13000)
 def cuCtxSynchronize(emu):
     ctx = emu.current()
     emu.refuse_unsafe(ctx, "cuCtxSynchronize")
@@ -1023,26 +997,27 @@ def cuCtxSynchronize(emu):
 
 # ============================================================================ memory
 
-@_api(1)
-def cuMemGetInfo(emu):
+@_api(_P(_Z), _P(_Z), since=3020)
+def cuMemGetInfo(emu, free, total):
     d = emu.current().device
-    return (d.total - d.used, d.total)
+    _put(free, d.total - d.used, "free")
+    _put(total, d.total, "total")
 
 
-@_api(1)
-def cuMemAlloc(emu, bytesize):
+@_api(_P(_H), _Z, since=3020)
+def cuMemAlloc(emu, dptr, n):
     ctx = emu.current()
-    n = _int(bytesize, "cuMemAlloc bytesize")
     emu.refuse_unsafe(ctx, "cuMemAlloc")
+    if not dptr:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "dptr is NULL")
     if n <= 0:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemAlloc of {n} bytes")
-    return CUdeviceptr(emu.alloc(ctx, n).ptr)
+    dptr[0] = emu.alloc(ctx, n).ptr
 
 
-@_api(0)
-def cuMemFree(emu, dptr):
+@_api(_H, since=3020)
+def cuMemFree(emu, p):
     ctx = emu.current()
-    p = int(dptr)
     emu.refuse_unsafe(ctx, "cuMemFree")
     a = emu.find(p)
     if a is None or a.ptr != p:
@@ -1106,24 +1081,24 @@ def _submit(emu, ctx, s: _Stream, label: str, run, *, sync: bool) -> None:
         emu.after_wait(ctx)
 
 
-def _memcpy(emu, kind: str, dst, src, n, stream, sync: bool):
+def _memcpy(emu, kind: str, dst: int, src: int, n: int, stream: int | None):
+    """cuMemcpy<kind> (stream None) or cuMemcpy<kind>Async; kind is HtoD, DtoH or DtoD."""
     ctx = emu.current()
-    n = _int(n, f"cuMemcpy{kind} ByteCount")
+    sync = stream is None
     name = f"cuMemcpy{kind}" + ("" if sync else "Async")
     if sync:
         emu.refuse_unsafe(ctx, name)
     dst_dev, src_dev = kind[-1] == "D", kind[0] == "D"
-    d = int(dst) if dst_dev else _host_address(dst, f"{name} dstHost")
-    s_ = int(src) if src_dev else _host_address(src, f"{name} srcHost")
     if n == 0:
         return
-    if dst_dev:
-        emu.range(ctx, d, n, f"{name} destination")
-    if src_dev:
-        emu.range(ctx, s_, n, f"{name} source")
+    for p, is_dev, side in ((dst, dst_dev, "destination"), (src, src_dev, "source")):
+        if is_dev:
+            emu.range(ctx, p, n, f"{name} {side}")
+        elif not p:
+            _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: the host {side} is NULL")
     s = ctx.legacy if sync else emu.stream(ctx, stream)
     _check_stream_ctx(s, ctx, name)
-    _submit(emu, ctx, s, name, _copy_op(emu, ctx, d, s_, n, dst_dev, src_dev, name), sync=sync)
+    _submit(emu, ctx, s, name, _copy_op(emu, ctx, dst, src, n, dst_dev, src_dev, name), sync=sync)
 
 
 def _check_stream_ctx(s: _Stream, ctx: _Context, what: str) -> None:
@@ -1133,79 +1108,83 @@ def _check_stream_ctx(s: _Stream, ctx: _Context, what: str) -> None:
               f"the current context is device {ctx.device.ordinal}'s")
 
 
-@_api(0)
-def cuMemcpyHtoD(emu, dstDevice, srcHost, ByteCount):
-    _memcpy(emu, "HtoD", dstDevice, srcHost, ByteCount, None, True)
+@_api(_H, _H, _Z, since=3020)
+def cuMemcpyHtoD(emu, dst, src, n):
+    _memcpy(emu, "HtoD", dst, src, n, None)
 
 
-@_api(0)
-def cuMemcpyDtoH(emu, dstHost, srcDevice, ByteCount):
-    _memcpy(emu, "DtoH", dstHost, srcDevice, ByteCount, None, True)
+@_api(_H, _H, _Z, since=3020)
+def cuMemcpyDtoH(emu, dst, src, n):
+    _memcpy(emu, "DtoH", dst, src, n, None)
 
 
-@_api(0)
-def cuMemcpyDtoD(emu, dstDevice, srcDevice, ByteCount):
-    _memcpy(emu, "DtoD", dstDevice, srcDevice, ByteCount, None, True)
+@_api(_H, _H, _Z, since=3020)
+def cuMemcpyDtoD(emu, dst, src, n):
+    _memcpy(emu, "DtoD", dst, src, n, None)
 
 
-@_api(0)
-def cuMemcpyHtoDAsync(emu, dstDevice, srcHost, ByteCount, hStream):
-    _memcpy(emu, "HtoD", dstDevice, srcHost, ByteCount, hStream, False)
+@_api(_H, _H, _Z, _H, since=3020)
+def cuMemcpyHtoDAsync(emu, dst, src, n, stream):
+    _memcpy(emu, "HtoD", dst, src, n, stream)
 
 
-@_api(0)
-def cuMemcpyDtoHAsync(emu, dstHost, srcDevice, ByteCount, hStream):
-    _memcpy(emu, "DtoH", dstHost, srcDevice, ByteCount, hStream, False)
+@_api(_H, _H, _Z, _H, since=3020)
+def cuMemcpyDtoHAsync(emu, dst, src, n, stream):
+    _memcpy(emu, "DtoH", dst, src, n, stream)
 
 
-@_api(0)
-def cuMemcpyDtoDAsync(emu, dstDevice, srcDevice, ByteCount, hStream):
-    _memcpy(emu, "DtoD", dstDevice, srcDevice, ByteCount, hStream, False)
+@_api(_H, _H, _Z, _H, since=3020)
+def cuMemcpyDtoDAsync(emu, dst, src, n, stream):
+    _memcpy(emu, "DtoD", dst, src, n, stream)
 
 
-def _memset(emu, dst, value, n, stream, sync: bool):
+def _memset(emu, dst: int, value: int, n: int, stream: int | None):
     ctx = emu.current()
+    sync = stream is None
     name = "cuMemsetD8" + ("" if sync else "Async")
     if sync:
         emu.refuse_unsafe(ctx, name)
-    value, n, d = _int(value, "uc"), _int(n, "N"), int(dst)
-    if not 0 <= value <= 255:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: value {value} is not a byte")
     if n == 0:
         return
-    emu.range(ctx, d, n, name)
+    emu.range(ctx, dst, n, name)
     s = ctx.legacy if sync else emu.stream(ctx, stream)
     _check_stream_ctx(s, ctx, name)
-    _submit(emu, ctx, s, name, _memset_op(emu, ctx, d, value, n, name), sync=sync)
+    _submit(emu, ctx, s, name, _memset_op(emu, ctx, dst, value, n, name), sync=sync)
 
 
-@_api(0)
-def cuMemsetD8(emu, dstDevice, uc, N):
-    _memset(emu, dstDevice, uc, N, None, True)
+@_api(_H, ctypes.c_ubyte, _Z, since=3020)
+def cuMemsetD8(emu, dst, value, n):
+    _memset(emu, dst, value, n, None)
 
 
-@_api(0)
-def cuMemsetD8Async(emu, dstDevice, uc, N, hStream):
-    _memset(emu, dstDevice, uc, N, hStream, False)
+@_api(_H, ctypes.c_ubyte, _Z, _H, since=3020)
+def cuMemsetD8Async(emu, dst, value, n, stream):
+    _memset(emu, dst, value, n, stream)
 
 
-def _memcpy3d(emu, p, stream, sync: bool):
+def _memcpy3d(emu, p, stream: int | None):
     ctx = emu.current()
+    sync = stream is None
     name = "cuMemcpy3D" + ("" if sync else "Async")
     if sync:
         emu.refuse_unsafe(ctx, name)
-    w, h, depth = int(p.WidthInBytes), int(p.Height), int(p.Depth)
+    if not p:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: pCopy is NULL")
+    p = p[0]
+    w, h, depth = p.WidthInBytes, p.Height, p.Depth
     if w == 0 or h == 0 or depth == 0:
         return
     sides = {}
     for side in ("src", "dst"):
-        mt = int(getattr(p, side + "MemoryType"))
-        pitch, height = int(getattr(p, side + "Pitch")), int(getattr(p, side + "Height"))
-        x, y, z = (int(getattr(p, side + k)) for k in ("XInBytes", "Y", "Z"))
+        mt = getattr(p, side + "MemoryType")
+        pitch, height = getattr(p, side + "Pitch"), getattr(p, side + "Height")
+        x, y, z = (getattr(p, side + k) for k in ("XInBytes", "Y", "Z"))
         if mt == CUmemorytype.CU_MEMORYTYPE_DEVICE:
-            base, dev = int(getattr(p, side + "Device")), True
+            base, dev = getattr(p, side + "Device"), True
         elif mt == CUmemorytype.CU_MEMORYTYPE_HOST:
-            base, dev = _host_address(getattr(p, side + "Host"), f"{name} {side}Host"), False
+            base, dev = getattr(p, side + "Host") or 0, False
+            if not base:
+                _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: {side}Host is NULL")
         else:
             _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name}: {side}MemoryType {mt} is not emulated")
         if pitch > MAX_PITCH:
@@ -1237,80 +1216,93 @@ def _memcpy3d(emu, p, stream, sync: bool):
     _submit(emu, ctx, s, name, run, sync=sync)
 
 
-@_api(0)
-def cuMemcpy3D(emu, pCopy):
-    _memcpy3d(emu, pCopy, None, True)
+@_api(_P(CUDA_MEMCPY3D), since=3020)
+def cuMemcpy3D(emu, p):
+    _memcpy3d(emu, p, None)
 
 
-@_api(0)
-def cuMemcpy3DAsync(emu, pCopy, hStream):
-    _memcpy3d(emu, pCopy, hStream, False)
+@_api(_P(CUDA_MEMCPY3D), _H, since=3020)
+def cuMemcpy3DAsync(emu, p, stream):
+    _memcpy3d(emu, p, stream)
 
 
-def _pointer_value(emu, a: _Alloc | None, attr: int, ptr: int):
+# CUpointer_attribute -> the C type of its value (cuda.h: cuPointerGetAttribute)
+_POINTER_VALUE_TYPES = {1: ctypes.c_uint64, 2: ctypes.c_uint, 3: ctypes.c_uint64, 4: ctypes.c_uint64,
+                        6: ctypes.c_uint, 7: ctypes.c_ulonglong, 8: ctypes.c_uint, 9: ctypes.c_int,
+                        10: ctypes.c_uint, 11: ctypes.c_uint64, 12: ctypes.c_size_t,
+                        13: ctypes.c_uint}
+
+
+def _pointer_value(emu, a: _Alloc | None, attr: int, ptr: int) -> int:
     A = CUpointer_attribute
     if attr == A.CU_POINTER_ATTRIBUTE_CONTEXT:
-        return CUcontext(a.ctx.handle if a else 0)
+        return a.ctx.handle if a else 0
     if attr == A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
         return CUmemorytype.CU_MEMORYTYPE_DEVICE if a else 0
     if attr == A.CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
-        return CUdeviceptr(ptr if a else 0)
+        return ptr if a else 0
     if attr == A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
         return a.ctx.device.ordinal if a else -2
     if attr == A.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
-        return CUdeviceptr(a.ptr if a else 0)
+        return a.ptr if a else 0
     if attr == A.CU_POINTER_ATTRIBUTE_RANGE_SIZE:
         return a.size if a else 0
     if attr == A.CU_POINTER_ATTRIBUTE_BUFFER_ID:
         return a.handle if a else 0
-    if attr in (A.CU_POINTER_ATTRIBUTE_IS_MANAGED, A.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE):
-        return False
+    if attr in (A.CU_POINTER_ATTRIBUTE_IS_MANAGED, A.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                A.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS):
+        return 0
     if attr == A.CU_POINTER_ATTRIBUTE_MAPPED:
-        return a is not None
-    if attr == A.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS:
-        return False
+        return int(a is not None)
     _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"pointer attribute {attr} is not emulated")
 
 
-@_api(1)
-def cuPointerGetAttribute(emu, attribute, ptr):
+def _put_pointer_value(emu, out: int, a, attr: int, ptr: int) -> None:
+    value = _pointer_value(emu, a, attr, ptr)
+    if not out:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"the value of pointer attribute {attr} has NULL storage")
+    _POINTER_VALUE_TYPES[attr].from_address(out).value = value
+
+
+@_api(_H, _I, _H, since=4000)
+def cuPointerGetAttribute(emu, data, attribute, ptr):
     emu.need_init()
-    p = int(ptr)
-    a = emu.find(p)
+    a = emu.find(ptr)
     if a is None:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"0x{p:x} is not a device pointer of a live allocation")
-    return _pointer_value(emu, a, int(attribute), p)
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"0x{ptr:x} is not a device pointer of a live allocation")
+    _put_pointer_value(emu, data, a, attribute, ptr)
 
 
-@_api(1)
-def cuPointerGetAttributes(emu, numAttributes, attributes, ptr):
+@_api(_U, _P(_I), _P(_H), _H, since=7000)
+def cuPointerGetAttributes(emu, count, attributes, data, ptr):
     emu.need_init()
-    if int(numAttributes) != len(attributes):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "numAttributes differs from len(attributes)")
-    p = int(ptr)
-    a = emu.find(p)  # an unknown pointer gives the NULL values, not an error
-    return [_pointer_value(emu, a, int(x), p) for x in attributes]
+    if count and not (attributes and data):
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "attributes or data is NULL")
+    a = emu.find(ptr)  # an unknown pointer gives the NULL values, not an error
+    for i in range(count):
+        _put_pointer_value(emu, data[i], a, attributes[i], ptr)
 
 
 # ============================================================================ streams
 
-@_api(1)
-def cuStreamCreate(emu, Flags):
+@_api(_P(_H), _U, since=2000)
+def cuStreamCreate(emu, phStream, flags):
     ctx = emu.current()
-    f = _int(Flags, "cuStreamCreate Flags")
-    if f not in (0, 1):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"stream flags {f}")
-    s = _Stream(emu, ctx, f == CUstream_flags.CU_STREAM_DEFAULT,
-                "non-blocking stream" if f else "blocking stream")
+    if flags not in (0, 1):
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"stream flags {flags}")
+    if not phStream:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "phStream is NULL")
+    s = _Stream(emu, ctx, flags == CUstream_flags.CU_STREAM_DEFAULT,
+                "non-blocking stream" if flags else "blocking stream")
     ctx.resources[s.handle] = s
-    return CUstream(s.handle)
+    phStream[0] = s.handle
 
 
-@_api(0)
+@_api(_H, since=4000)
 def cuStreamDestroy(emu, hStream):
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
-    if s.handle in (1, 2):
+    if s.handle in (1, 2) or hStream == 0:
         _fail(CUresult.CUDA_ERROR_INVALID_HANDLE, "the default streams cannot be destroyed")
     if s.capture is not None:
         emu.invalidate(s.capture, "a capturing stream was destroyed")
@@ -1319,7 +1311,7 @@ def cuStreamDestroy(emu, hStream):
     emu.kill(s, "cuStreamDestroy")
 
 
-@_api(0)
+@_api(_H, since=2000)
 def cuStreamSynchronize(emu, hStream):
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
@@ -1329,7 +1321,7 @@ def cuStreamSynchronize(emu, hStream):
     emu.after_wait(s.ctx)
 
 
-@_api(0)
+@_api(_H, since=2000)
 def cuStreamQuery(emu, hStream):
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
@@ -1341,8 +1333,8 @@ def cuStreamQuery(emu, hStream):
     emu.after_wait(s.ctx)
 
 
-@_api(0)
-def cuStreamWaitEvent(emu, hStream, hEvent, Flags):
+@_api(_H, _H, _U, since=3020)
+def cuStreamWaitEvent(emu, hStream, hEvent, flags):
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
     ev = emu.lookup(hEvent, (_Event,), "event")
@@ -1377,10 +1369,7 @@ def cuStreamWaitEvent(emu, hStream, hEvent, Flags):
     emu.enqueue(s, "cuStreamWaitEvent", lambda: None, deps=[ev.op])
 
 
-@_api(1)
-def cuStreamIsCapturing(emu, hStream):
-    ctx = emu.current()
-    s = emu.stream(ctx, hStream)
+def _capture_status(emu, ctx: _Context, s: _Stream) -> int:
     if s.capture is not None:
         return (CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED if s.capture.invalid
                 else CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
@@ -1390,40 +1379,58 @@ def cuStreamIsCapturing(emu, hStream):
     return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-@_api(6)
-def cuStreamGetCaptureInfo(emu, hStream):
+@_api(_H, _P(_I), since=10000)
+def cuStreamIsCapturing(emu, hStream, status):
+    ctx = emu.current()
+    _put(status, _capture_status(emu, ctx, emu.stream(ctx, hStream)), "captureStatus")
+
+
+def _capture_info(emu, hStream, status, capture_id, graph, deps, edges, count):
+    """cuStreamGetCaptureInfo (v2 without `edges`, v3 with): every output is optional. The
+    dependency (and edge data) arrays stay valid until this thread's next call."""
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
-    if s.capture is None:
-        if s is ctx.legacy and any(t.blocking for c in emu.captures_in(ctx) for t in c.streams):
-            _fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
-                  "a blocking stream captures: the legacy stream would join it")
-        return (CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE, 0, None, [], [], 0)
-    c = s.capture
-    status = (CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED if c.invalid
-              else CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
-    deps = [CUgraphNode(n.index + 1) for n in s.tail]
-    return (status, c.id, CUgraph(0), deps, [None] * len(deps), len(deps))
+    code = _capture_status(emu, ctx, s)
+    tail = s.tail if s.capture is not None else []
+    emu.tls.capture_nodes = (_H * max(len(tail), 1))(*[n.index + 1 for n in tail])
+    emu.tls.capture_edges = (ctypes.c_uint64 * max(len(tail), 1))()   # CUgraphEdgeData: 8 zero bytes
+    for out, value in ((status, code), (capture_id, s.capture.id if s.capture else 0), (graph, 0),
+                       (deps, ctypes.addressof(emu.tls.capture_nodes) if tail else 0),
+                       (edges, ctypes.addressof(emu.tls.capture_edges) if tail else 0),
+                       (count, len(tail))):
+        if out:
+            out[0] = value
 
 
-@_api(0)
+@_api(_H, _P(_I), _P(ctypes.c_uint64), _P(_H), _P(_H), _P(_Z), since=11030, until=12030,
+      name="cuStreamGetCaptureInfo")
+def cuStreamGetCaptureInfo_v2(emu, hStream, status, capture_id, graph, deps, count):
+    _capture_info(emu, hStream, status, capture_id, graph, deps, None, count)
+
+
+@_api(_H, _P(_I), _P(ctypes.c_uint64), _P(_H), _P(_H), _P(_H), _P(_Z), since=12030,
+      name="cuStreamGetCaptureInfo")
+def cuStreamGetCaptureInfo_v3(emu, hStream, status, capture_id, graph, deps, edges, count):
+    _capture_info(emu, hStream, status, capture_id, graph, deps, edges, count)
+
+
+@_api(_H, _I, since=10010)
 def cuStreamBeginCapture(emu, hStream, mode):
     ctx = emu.current()
     s = emu.stream(ctx, hStream)
-    m = _int(mode, "cuStreamBeginCapture mode")
-    if m not in (0, 1, 2):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"capture mode {m}")
+    if mode not in (0, 1, 2):
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"capture mode {mode}")
     if s is ctx.legacy:
         _fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "the legacy stream cannot capture")
     if s.capture is not None:
         _fail(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"stream 0x{s.handle:x} is already capturing")
-    c = _Capture(emu, s, m)
+    c = _Capture(emu, s, mode)
     s.capture, s.tail = c, []
     emu.captures.append(c)
 
 
-@_api(1)
-def cuStreamEndCapture(emu, hStream):
+@_api(_H, _P(_H), since=10000)
+def cuStreamEndCapture(emu, hStream, phGraph):
     ctx = emu.current(sticky=False)
     s = emu.stream(ctx, hStream)
     c = s.capture
@@ -1452,31 +1459,34 @@ def cuStreamEndCapture(emu, hStream):
         _fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
               f"{len(loose)} captured operation(s) ({loose[0].label}, ...) on forked streams were "
               f"not joined back into the origin stream")
+    if not phGraph:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "phGraph is NULL")
     g = _Graph(emu, ctx, c.nodes)
     ctx.resources[g.handle] = g
-    return CUgraph(g.handle)
+    phGraph[0] = g.handle
 
 
 # ============================================================================ events
 
-@_api(1)
-def cuEventCreate(emu, Flags):
+@_api(_P(_H), _U, since=2000)
+def cuEventCreate(emu, phEvent, flags):
     ctx = emu.current()
-    f = _int(Flags, "cuEventCreate Flags")
-    if f & ~0x7:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"event flags {f}")
-    ev = _Event(emu, ctx, f)
+    if flags & ~0x7:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"event flags {flags}")
+    if not phEvent:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "phEvent is NULL")
+    ev = _Event(emu, ctx, flags)
     ctx.resources[ev.handle] = ev
-    return CUevent(ev.handle)
+    phEvent[0] = ev.handle
 
 
-@_api(0)
+@_api(_H, since=4000)
 def cuEventDestroy(emu, hEvent):
     emu.current()
     emu.kill(emu.lookup(hEvent, (_Event,), "event"), "cuEventDestroy")
 
 
-@_api(0)
+@_api(_H, _H, since=2000)
 def cuEventRecord(emu, hEvent, hStream):
     ctx = emu.current()
     ev = emu.lookup(hEvent, (_Event,), "event")
@@ -1502,7 +1512,7 @@ def _event_ready(emu, ev: _Event, what: str) -> None:
         _fail(CUresult.CUDA_ERROR_CAPTURED_EVENT, f"{what} of an event last recorded in a capture")
 
 
-@_api(0)
+@_api(_H, since=2000)
 def cuEventSynchronize(emu, hEvent):
     emu.current(sticky=False)
     ev = emu.lookup(hEvent, (_Event,), "event")
@@ -1512,7 +1522,7 @@ def cuEventSynchronize(emu, hEvent):
     emu.after_wait(ev.ctx)
 
 
-@_api(0)
+@_api(_H, since=2000)
 def cuEventQuery(emu, hEvent):
     emu.current(sticky=False)
     ev = emu.lookup(hEvent, (_Event,), "event")
@@ -1524,8 +1534,8 @@ def cuEventQuery(emu, hEvent):
     emu.after_wait(ev.ctx)
 
 
-@_api(1)
-def cuEventElapsedTime(emu, hStart, hEnd):
+@_api(_P(_F), _H, _H, since=2000)   # v1 and v2 (12.8) share the prototype
+def cuEventElapsedTime(emu, ms, hStart, hEnd):
     emu.current()
     a = emu.lookup(hStart, (_Event,), "start event")
     b = emu.lookup(hEnd, (_Event,), "end event")
@@ -1537,7 +1547,7 @@ def cuEventElapsedTime(emu, hStart, hEnd):
             _fail(CUresult.CUDA_ERROR_INVALID_HANDLE, "an event that was never recorded")
     if not (a.op.done and b.op.done) or a.time is None or b.time is None:
         _fail(CUresult.CUDA_ERROR_NOT_READY, "an event has not completed")
-    return (b.time - a.time) * 1000.0
+    _put(ms, (b.time - a.time) * 1000.0, "pMilliseconds")
 
 
 # ============================================================================ modules
@@ -1564,28 +1574,44 @@ def _shipped() -> dict[bytes, str]:
     return table
 
 
-def _jit_log(options, values, text: str) -> None:
+def _image(address: int) -> bytes:
+    """The module image at `address`, as the driver sizes it: an ELF cubin by its section
+    header table, a fatbin by its header, PTX text up to its NUL."""
+    if not address:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "the image is NULL")
+    prefix = ctypes.string_at(address)              # up to the first NUL
+    if prefix.startswith(b"\x7fELF"):
+        if prefix[4:6] != b"\x02\x01":
+            _fail(CUresult.CUDA_ERROR_INVALID_IMAGE, "an ELF image that is not 64-bit little-endian")
+        head = ctypes.string_at(address, 64)
+        if int.from_bytes(head[0x12:0x14], "little") != 190:   # EM_CUDA
+            _fail(CUresult.CUDA_ERROR_INVALID_IMAGE, "an ELF image whose machine is not EM_CUDA")
+        shoff = int.from_bytes(head[0x28:0x30], "little")
+        size = shoff + int.from_bytes(head[0x3A:0x3C], "little") * int.from_bytes(head[0x3C:0x3E], "little")
+        return ctypes.string_at(address, size)
+    if prefix.startswith(b"\x50\xed\x55\xba"):    # fatbin: magic, version, header size, body size
+        head = ctypes.string_at(address, 16)
+        return ctypes.string_at(address, int.from_bytes(head[6:8], "little") + int.from_bytes(head[8:16], "little"))
+    return prefix
+
+
+def _jit_log(options: list[int], values: list[int], text: str) -> None:
     """Writes text into the CU_JIT_ERROR_LOG_BUFFER option's buffer (NUL-terminated,
-    truncated to CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)."""
-    opts = [int(o) for o in options]
-    if CUjit_option.CU_JIT_ERROR_LOG_BUFFER not in opts:
+    truncated to CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, which the driver requires with it)."""
+    if CUjit_option.CU_JIT_ERROR_LOG_BUFFER not in options:
         return
-    buf = values[opts.index(CUjit_option.CU_JIT_ERROR_LOG_BUFFER)]
-    size = len(buf)
-    if CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES in opts:
-        size = min(size, int(values[opts.index(CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)]))
-    data = text.encode()[:max(size - 1, 0)] + b"\0"
-    buf[:len(data)] = data
+    buf = values[options.index(CUjit_option.CU_JIT_ERROR_LOG_BUFFER)]
+    if CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES not in options:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "CU_JIT_ERROR_LOG_BUFFER without its size option")
+    size = values[options.index(CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)]
+    if size and buf:
+        data = text.encode()[:size - 1] + b"\0"
+        ctypes.memmove(buf, data, len(data))
 
 
-def _load(emu, image, options=(), values=()) -> CUmodule:
+def _load(emu, out, image: int, options: list[int], values: list[int]) -> None:
     ctx = emu.current()
-    if len(options) != len(values):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "JIT options and values differ in number")
-    if not isinstance(image, (bytes, bytearray, memoryview)):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-              f"the emulator takes the image as bytes, got {type(image).__name__}")
-    data = bytes(image).rstrip(b"\0")
+    data = _image(image).rstrip(b"\0")
     info = None
     if b".version" in data[:4096]:
         try:
@@ -1624,25 +1650,26 @@ def _load(emu, image, options=(), values=()) -> CUmodule:
                       f"differs from the host build's kernel "
                       f"({None if have_p is None else [p.size for p in have_p]})")
     _jit_log(options, values, "")
+    if not out:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "module is NULL")
     m = _Module(emu, ctx, name, info, impl)
     ctx.resources[m.handle] = m
-    return CUmodule(m.handle)
+    out[0] = m.handle
 
 
-@_api(1)
-def cuModuleLoadData(emu, image):
-    return _load(emu, image)
+@_api(_P(_H), _H, since=2000)
+def cuModuleLoadData(emu, module, image):
+    _load(emu, module, image, [], [])
 
 
-@_api(1)
-def cuModuleLoadDataEx(emu, image, numOptions, options, optionValues):
-    options, values = list(options or ()), list(optionValues or ())
-    if int(numOptions) != len(options):
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "numOptions differs from len(options)")
-    return _load(emu, image, options, values)
+@_api(_P(_H), _H, _U, _P(_I), _P(_H), since=2010)
+def cuModuleLoadDataEx(emu, module, image, count, options, values):
+    if count and not (options and values):
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{count} JIT options with NULL options or values")
+    _load(emu, module, image, [options[i] for i in range(count)], [values[i] for i in range(count)])
 
 
-@_api(0)
+@_api(_H, since=2000)
 def cuModuleUnload(emu, hmod):
     emu.current()
     m = emu.lookup(hmod, (_Module,), "module")
@@ -1651,11 +1678,13 @@ def cuModuleUnload(emu, hmod):
     emu.kill(m, "cuModuleUnload")
 
 
-@_api(1)
-def cuModuleGetFunction(emu, hmod, name):
+@_api(_P(_H), _H, ctypes.c_char_p, since=2000)
+def cuModuleGetFunction(emu, hfunc, hmod, name):
     emu.current()
     m = emu.lookup(hmod, (_Module,), "module")
-    key = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+    if name is None:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "name is NULL")
+    key = name.decode(errors="replace")
     f = m.functions.get(key)
     if f is None:
         entries = m.info.entries if m.info is not None else m.impl.entries
@@ -1663,7 +1692,7 @@ def cuModuleGetFunction(emu, hmod, name):
             _fail(CUresult.CUDA_ERROR_NOT_FOUND, f"module {m.name} has no kernel {key!r}")
         params = tuple((p.size, bool(p.is_pointer)) for p in m.impl.entries[key])
         f = m.functions[key] = _Function(emu, m, key, params)
-    return CUfunction(f.handle)
+    _put(hfunc, f.handle, "hfunc")
 
 
 def _resources() -> dict[str, dict[str, tuple[int, int]]]:
@@ -1693,45 +1722,45 @@ def _static_shared(f: _Function) -> int:
     return f.module.resources.get(f.name, (0, 0))[1]
 
 
-@_api(1)
-def cuFuncGetAttribute(emu, attrib, hfunc):
+@_api(_P(_I), _I, _H, since=2020)
+def cuFuncGetAttribute(emu, pi, attrib, hfunc):
     emu.current()
     f = emu.lookup(hfunc, (_Function,), "function")
-    a = int(attrib)
-    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
-        return 1024
-    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
-        return _static_shared(f)
-    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS:
-        return _registers(f)
-    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
-        return f.max_dynamic_shared
-    if a == CUfunction_attribute.CU_FUNC_ATTRIBUTE_PTX_VERSION and f.module.info is not None:
-        return f.module.info.version[0] * 10 + f.module.info.version[1]
-    _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"function attribute {a} is not emulated")
+    A = CUfunction_attribute
+    if attrib == A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+        value = 1024
+    elif attrib == A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+        value = _static_shared(f)
+    elif attrib == A.CU_FUNC_ATTRIBUTE_NUM_REGS:
+        value = _registers(f)
+    elif attrib == A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        value = f.max_dynamic_shared
+    elif attrib == A.CU_FUNC_ATTRIBUTE_PTX_VERSION and f.module.info is not None:
+        value = f.module.info.version[0] * 10 + f.module.info.version[1]
+    else:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"function attribute {attrib} is not emulated")
+    _put(pi, value, "pi")
 
 
-@_api(0)
+@_api(_H, _I, _I, since=9000)
 def cuFuncSetAttribute(emu, hfunc, attrib, value):
     emu.current()
     f = emu.lookup(hfunc, (_Function,), "function")
-    if int(attrib) != CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
-        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"function attribute {int(attrib)} is not emulated")
-    v = _int(value, "value")
-    if not 0 <= v <= SHARED_PER_BLOCK_OPTIN - _static_shared(f):
+    if attrib != CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"function attribute {attrib} is not emulated")
+    if not 0 <= value <= SHARED_PER_BLOCK_OPTIN - _static_shared(f):
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-              f"{v} bytes of dynamic shared memory: at most {SHARED_PER_BLOCK_OPTIN - _static_shared(f)}")
-    f.max_dynamic_shared = v
+              f"{value} bytes of dynamic shared memory: at most {SHARED_PER_BLOCK_OPTIN - _static_shared(f)}")
+    f.max_dynamic_shared = value
 
 
-@_api(1)
-def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, func, blockSize, dynamicSMemSize):
+@_api(_P(_I), _H, _I, _Z, since=6050)
+def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, numBlocks, func, threads, dynamic_shared):
     """Blocks per SM from the thread, register and shared-memory limits of sm_90, with the
     registers and static shared memory ptxas gives the kernel (resources.json): registers
     are allocated per warp in units of 256, 64K per SM."""
     emu.current()
     f = emu.lookup(func, (_Function,), "function")
-    threads = _int(blockSize, "blockSize")
     if not 1 <= threads <= 1024:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"block size {threads}")
     warps = -(-threads // 32)
@@ -1740,48 +1769,13 @@ def cuOccupancyMaxActiveBlocksPerMultiprocessor(emu, func, blockSize, dynamicSMe
     if regs:
         per_warp = -(-regs * 32 // 256) * 256
         blocks = min(blocks, 65536 // per_warp // warps)
-    shared = _static_shared(f) + _int(dynamicSMemSize, "dynamicSMemSize")
+    shared = _static_shared(f) + dynamic_shared
     if shared:
         blocks = min(blocks, SHARED_PER_SM // (shared + 1024))
-    return blocks
+    _put(numBlocks, blocks, "numBlocks")
 
 
 # ============================================================================ launches
-
-_SCALAR_CTYPES = (ctypes.c_bool, ctypes.c_char, ctypes.c_wchar, ctypes.c_byte, ctypes.c_ubyte,
-                  ctypes.c_short, ctypes.c_ushort, ctypes.c_int, ctypes.c_uint, ctypes.c_long,
-                  ctypes.c_ulong, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_size_t,
-                  ctypes.c_float, ctypes.c_double)
-
-
-def _param_bytes(values, types) -> list[bytes]:
-    """The bytes of each (value, ctype) kernel parameter, with cuda-python's rules
-    (12.6-13.x `_HelperKernelParams`): type None only for a binding object (`getPtr`:
-    a CUdeviceptr) or an enum; c_void_p for an int, a c_void_p or a binding object; a
-    scalar ctype for what it converts; anything else is a TypeError, as there."""
-    out = []
-    for v, t in zip(values, types):
-        if t is None:
-            if not (callable(getattr(v, "getPtr", None)) or isinstance(v, enum.Enum)):
-                raise TypeError(f"Provided argument is of type {type(v)} but expected Type "
-                                f"{ctypes.Structure}, {ctypes.c_void_p} or CUDA Binding structure "
-                                f"with getPtr() attribute")
-            out.append(bytes(ctypes.c_uint64(int(v))) if not isinstance(v, enum.Enum)
-                       else bytes(ctypes.c_int(v.value)))
-        elif t is ctypes.c_void_p:
-            if isinstance(v, (int, ctypes.c_void_p)):
-                out.append(bytes(ctypes.c_uint64((v.value or 0) if isinstance(v, ctypes.c_void_p) else v)))
-            elif callable(getattr(v, "getPtr", None)):
-                out.append(bytes(ctypes.c_uint64(int(v))))
-            else:
-                raise TypeError(f"Provided argument is of type {type(v)} but expected Type {int}, "
-                                f"{ctypes.c_void_p} or CUDA Binding structure with getPtr() attribute")
-        elif t in _SCALAR_CTYPES:
-            out.append(bytes(v if isinstance(v, t) else t(v)))
-        else:
-            raise TypeError(f"Unsupported type: {t!r}")
-    return out
-
 
 def _kernel_run(emu, ctx, f: _Function, grid, block, shmem, params: list[bytes], label: str):
     def run():
@@ -1804,9 +1798,10 @@ def _kernel_run(emu, ctx, f: _Function, grid, block, shmem, params: list[bytes],
     return run
 
 
-@_api(0)
-def cuLaunchKernel(emu, f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
-                   sharedMemBytes, hStream, kernelParams, extra):
+@_api(_H, _U, _U, _U, _U, _U, _U, _U, _H, _H, _H, since=4000)
+def cuLaunchKernel(emu, f, gx, gy, gz, bx, by, bz, shmem, hStream, kernelParams, extra):
+    """Reads each parameter from kernelParams[i] with the size its .entry declares, as the
+    driver does (it cannot tell a wrong size: kvcore.gpu.driver.launch checks them)."""
     ctx = emu.current()
     fn = emu.lookup(f, (_Function,), "function")
     label = f"cuLaunchKernel({fn.module.name}.{fn.name})"
@@ -1814,55 +1809,37 @@ def cuLaunchKernel(emu, f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, b
         _fail(CUresult.CUDA_ERROR_INVALID_HANDLE,
               f"{label}: the function's module was loaded in device {fn.module.ctx.device.ordinal}'s "
               f"context, the current context is device {ctx.device.ordinal}'s")
-    grid = tuple(_int(x, "grid dimension") for x in (gridDimX, gridDimY, gridDimZ))
-    block = tuple(_int(x, "block dimension") for x in (blockDimX, blockDimY, blockDimZ))
+    grid, block = (gx, gy, gz), (bx, by, bz)
     limits_g, limits_b = (2**31 - 1, 65535, 65535), (1024, 1024, 64)
     if any(not 1 <= g <= lim for g, lim in zip(grid, limits_g)):
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{label}: grid {grid} outside 1..{limits_g}")
-    if any(not 1 <= b <= lim for b, lim in zip(block, limits_b)) or block[0] * block[1] * block[2] > 1024:
+    if any(not 1 <= b <= lim for b, lim in zip(block, limits_b)) or bx * by * bz > 1024:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
               f"{label}: block {block} outside 1..{limits_b} or more than 1024 threads")
-    shmem = _int(sharedMemBytes, "sharedMemBytes")
-    if shmem < 0 or shmem > fn.max_dynamic_shared:
+    if shmem > fn.max_dynamic_shared:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
               f"{label}: {shmem} bytes of dynamic shared memory, at most {fn.max_dynamic_shared} "
               f"without cuFuncSetAttribute")
-    if not isinstance(extra, int):  # the bindings' `void_ptr extra`: None is a TypeError
-        raise TypeError(f"an integer is required for `extra`, got {type(extra).__name__}")
     if extra:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{label}: `extra` is not emulated")
-    if kernelParams is None or kernelParams == 0:
-        values, types = (), ()
-    elif (isinstance(kernelParams, tuple) and len(kernelParams) == 2
-          and isinstance(kernelParams[0], tuple) and isinstance(kernelParams[1], tuple)):
-        values, types = kernelParams
-        if len(values) != len(types):
-            raise TypeError("Argument 'kernelParams' has tuples with different length")
-    else:  # lists included, as the bindings refuse them
-        raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], "
-                        "tuple[Any, ...]] or PyObject implimenting Buffer Protocol or Int")
-    if len(values) != len(fn.params):
+    if fn.params and not kernelParams:
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-              f"{label}: {len(values)} parameters given, the .entry takes {len(fn.params)}")
-    raw = _param_bytes(values, types)
-    ptx_params = fn.module.info.entries[fn.name] if fn.module.info is not None else None
-    for i, (b, (size, is_ptr)) in enumerate(zip(raw, fn.params)):
-        want = ptx_params[i].size if ptx_params is not None else size
-        if len(b) != want:
-            _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-                  f"{label}: parameter {i} is {len(b)} bytes, the .entry declares {want} "
-                  f"({ptx_params[i].type if ptx_params else 'bytes'})")
-        if is_ptr:
-            p = int.from_bytes(b, "little")
-            if p:
-                a = emu.find(p)
-                if a is None or a.ctx.device is not ctx.device:
-                    old = next((x for x in emu.freed.values() if x.ptr <= p < x.ptr + x.size), None)
-                    why = (f"it lies in freed memory {old.describe()}" if old is not None and a is None
-                           else "it is not inside a live allocation of device "
-                                f"{ctx.device.ordinal}")
-                    _fail(CUresult.CUDA_ERROR_INVALID_VALUE,
-                          f"{label}: pointer parameter {i} (0x{p:x}): {why}")
+              f"{label}: kernelParams is NULL, the .entry takes {len(fn.params)} parameters")
+    argv = (ctypes.c_void_p * len(fn.params)).from_address(kernelParams) if fn.params else ()
+    raw = []
+    for i, (size, is_ptr) in enumerate(fn.params):
+        if not argv[i]:
+            _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{label}: kernelParams[{i}] is NULL")
+        b = ctypes.string_at(argv[i], size)
+        raw.append(b)
+        p = int.from_bytes(b, "little") if is_ptr else 0
+        if p:
+            a = emu.find(p)
+            if a is None or a.ctx.device is not ctx.device:
+                old = next((x for x in emu.freed.values() if x.ptr <= p < x.ptr + x.size), None)
+                why = (f"it lies in freed memory {old.describe()}" if old is not None and a is None
+                       else f"it is not inside a live allocation of device {ctx.device.ordinal}")
+                _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{label}: pointer parameter {i} (0x{p:x}): {why}")
     s = emu.stream(ctx, hStream)
     _check_stream_ctx(s, ctx, label)
     _submit(emu, ctx, s, label, _kernel_run(emu, ctx, fn, grid, block, shmem, raw, label), sync=False)
@@ -1870,15 +1847,19 @@ def cuLaunchKernel(emu, f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, b
 
 # ============================================================================ graphs
 
-@_api(1)
-def cuGraphInstantiate(emu, hGraph, flags):
+@_api(_P(_H), _H, ctypes.c_ulonglong, since=11040)
+def cuGraphInstantiateWithFlags(emu, phGraphExec, hGraph, flags):
     ctx = emu.current()
     g = emu.lookup(hGraph, (_Graph,), "graph")
     if isinstance(g, _GraphExec):
         _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "cuGraphInstantiate of a graph exec")
+    if flags:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"graph instantiate flags {flags} are not emulated")
+    if not phGraphExec:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, "phGraphExec is NULL")
     e = _GraphExec(emu, ctx, list(g.nodes))
     ctx.resources[e.handle] = e
-    return CUgraphExec(e.handle)
+    phGraphExec[0] = e.handle
 
 
 def _replay(emu, nodes: list[_Node]):
@@ -1901,7 +1882,7 @@ def _replay(emu, nodes: list[_Node]):
     return run
 
 
-@_api(0)
+@_api(_H, _H, since=10000)
 def cuGraphLaunch(emu, hGraphExec, hStream):
     ctx = emu.current()
     e = emu.lookup(hGraphExec, (_GraphExec,), "graph exec")
@@ -1912,7 +1893,7 @@ def cuGraphLaunch(emu, hGraphExec, hStream):
     _submit(emu, ctx, s, "cuGraphLaunch", _replay(emu, e.nodes), sync=False)
 
 
-@_api(0)
+@_api(_H, since=10000)
 def cuGraphDestroy(emu, hGraph):
     emu.current(sticky=False)
     g = emu.lookup(hGraph, (_Graph,), "graph")
@@ -1921,7 +1902,7 @@ def cuGraphDestroy(emu, hGraph):
     emu.kill(g, "cuGraphDestroy")
 
 
-@_api(0)
+@_api(_H, since=10000)
 def cuGraphExecDestroy(emu, hGraphExec):
     emu.current(sticky=False)
     emu.kill(emu.lookup(hGraphExec, (_GraphExec,), "graph exec"), "cuGraphExecDestroy")
@@ -1929,17 +1910,27 @@ def cuGraphExecDestroy(emu, hGraphExec):
 
 # ============================================================================ errors
 
-def cuGetErrorName(error):
-    try:
-        return (CUresult.CUDA_SUCCESS, CUresult(int(error)).name.encode())
-    except ValueError:
-        return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+_STRINGS: dict[str, bytes] = {}   # what cuGetErrorName/String handed out: alive for the process
 
 
-def cuGetErrorString(error):
+def _static_string(text: str) -> bytes:
+    return _STRINGS.setdefault(text, text.encode())
+
+
+def _code(error: int) -> CUresult:
     try:
-        code = CUresult(int(error))
+        return CUresult(error)
     except ValueError:
-        return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"{error} is not a CUresult")
+
+
+@_api(_I, _P(ctypes.c_char_p), since=6000)
+def cuGetErrorName(emu, error, pStr):
+    _put(pStr, _static_string(_code(error).name), "pStr")
+
+
+@_api(_I, _P(ctypes.c_char_p), since=6000)
+def cuGetErrorString(emu, error, pStr):
+    code = _code(error)
     text = _TEXTS.get(int(code), code.name.removeprefix("CUDA_ERROR_").replace("_", " ").lower())
-    return (CUresult.CUDA_SUCCESS, text.encode())
+    _put(pStr, _static_string(text), "pStr")

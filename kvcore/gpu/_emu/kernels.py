@@ -333,16 +333,38 @@ def _build(module: str, src: str, asan: bool) -> str:
     names = _kernel_names(src, module)
     label = "cuda" if os.path.basename(src) in ("cuda", "_cuda") else os.path.basename(src)
     flags = [*(ASAN_FLAGS if asan else FLAGS), *_COMMON_FLAGS]
-    key = hashlib.sha256()
-    for part in (shlex.join(cxx), _compiler_version(cxx), " ".join(flags), module,
-                 " ".join(names), label):
-        key.update(part.encode() + b"\0")
     files = sorted(_includes(os.path.join(src, module + ".cu")) | set(glob.glob(os.path.join(emu, "*"))))
+    return _cached(module, f"module {module}", asan, cxx, [" ".join(flags), module, " ".join(names), label], files, src,
+                   lambda out: [*cxx, *flags, "-I", emu, "-I", src, f'-DKVEMU_SOURCE="{module}.cu"',
+                                "-DKVEMU_KERNELS=" + " ".join(f"X({n})" for n in names),
+                                f"-fmacro-prefix-map={src}/={label}/",
+                                os.path.join(emu, "module.cpp"), "-o", out])
+
+
+def libcuda(*, asan: bool = False) -> str:
+    """The emulated libcuda.so.1 (cuda/emu/libcuda.cpp: its cuGetProcAddress, which hands out
+    the emulated driver's entry points), built on first use and cached as the modules are."""
+    cxx = find_compiler()
+    emu = _emu_dir(default_source_dir())
+    source = os.path.join(emu, "libcuda.cpp")
+    flags = [*(ASAN_FLAGS if asan else FLAGS), *_COMMON_FLAGS, "-Wl,-soname,libcuda.so.1"]
+    return _cached("libcuda", "libcuda.so.1", asan, cxx, [" ".join(flags)], [source], emu,
+                   lambda out: [*cxx, *flags, source, "-o", out])
+
+
+def _cached(stem: str, what: str, asan: bool, cxx: tuple[str, ...], parts: list[str], files: list[str],
+            root: str, command) -> str:
+    """The cached library <stem>-<key>.so, where the key hashes the compiler (command and
+    version), `parts` and every byte of `files` (named relative to `root`); built now by
+    `command(path)` into a temporary file renamed into place when missing."""
+    key = hashlib.sha256()
+    for part in (shlex.join(cxx), _compiler_version(cxx), *parts):
+        key.update(part.encode() + b"\0")
     for path in files:
         with open(path, "rb") as f:
-            key.update(os.path.relpath(path, src).encode() + b"\0" + f.read())
+            key.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
     out_dir = cache_dir()
-    out = os.path.join(out_dir, f"{module}-{key.hexdigest()[:24]}{'-asan' if asan else ''}.so")
+    out = os.path.join(out_dir, f"{stem}-{key.hexdigest()[:24]}{'-asan' if asan else ''}.so")
     if os.path.exists(out):
         try:
             os.utime(out)    # used now: not pruned for PRUNE_AFTER_S
@@ -351,19 +373,16 @@ def _build(module: str, src: str, asan: bool) -> str:
         return out
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
-    cmd = [*cxx, *flags, "-I", emu, "-I", src, f'-DKVEMU_SOURCE="{module}.cu"',
-           "-DKVEMU_KERNELS=" + " ".join(f"X({n})" for n in names),
-           f"-fmacro-prefix-map={src}/={label}/", os.path.join(emu, "module.cpp"), "-o", tmp]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(command(tmp), capture_output=True, text=True)
     if res.returncode != 0:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        raise CudaError(f"building the emulated module {module} failed ({os.path.basename(cxx[0])} "
+        raise CudaError(f"building the emulated {what} failed ({os.path.basename(cxx[0])} "
                         f"exit {res.returncode}):\n{res.stderr[-8000:]}")
     os.replace(tmp, out)
-    prune(module, asan)
+    prune(stem, asan)
     return out
 
 

@@ -1,0 +1,35 @@
+"""The GPU layer under two generations of cuda-python's bindings: the suite runs every gpu
+test under the installed one (13.x, the `[test]` extra), and this file runs the driver's
+own tests and the cache, pool and graph tests under the oldest the `[cuda]` extra allows
+(tools/bindings_check.py installs it beside, for a child pytest only)."""
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "bindings_check.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bindings_check  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.emu]
+
+
+def test_the_pin_names_the_release_the_check_installs():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        pins = re.findall(r'"cuda-bindings>=([\d.]+),<(\d+)"', f.read())
+    assert pins and all(p == pins[0] for p in pins), pins   # [cuda] and [test] agree
+    low, below = pins[0]
+    assert bindings_check.OLDEST.startswith(low + ".") or bindings_check.OLDEST == low
+    import cuda.bindings
+    assert cuda.bindings.__version__.split(".")[0] == str(int(below) - 1)   # the newest generation
+
+
+@pytest.mark.child([sys.executable, TOOL, "tests/test_emu_driver.py", "tests/test_gpu_cache.py",
+                    "tests/test_gpu_graph.py", "-q", "-p", "no:cacheprovider"])
+def test_the_oldest_bindings_the_pin_allows(child):
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out[-6000:]
+    assert f"cuda-bindings {bindings_check.OLDEST} (from " in out
+    assert " passed" in out and " failed" not in out and " error" not in out
