@@ -392,7 +392,7 @@ class PageTable:
                 raise StateError(f"advance of sequence {s} needs the same number of pending "
                                  f"positions in every layer: {_count_groups(p)}")
         if tokens is not None or self.prefix is not None:
-            self._check_tokens(ids, seqs, tokens)
+            self.check_tokens(ids, [seq.pending[0] for seq in seqs], tokens)
         kept = self._batch
         if kept is not None and kept.ids == ids:     # a decode step's advance
             kept.lengths += kept.pending[0]
@@ -414,16 +414,19 @@ class PageTable:
             out.append(t)
         return out
 
-    def _check_tokens(self, ids: list[int], seqs: list[Seq],
-                      tokens: list[np.ndarray] | None) -> None:
+    def check_tokens(self, ids: list[int], counts: list[int],
+                     tokens: list[np.ndarray] | None) -> None:
+        """Checks the token ids `advance` would commit for counts[b] new positions of
+        sequence ids[b] (StateError, ShapeError); changes nothing. Call it only with
+        tokens, or with a prefix cache."""
         if self.prefix is None:
             raise StateError("advance got tokens, but this pool has no prefix cache "
-                             "(KVPool(..., prefix_cache=True))")
+                             "(made without prefix_cache=True)")
         if tokens is not None and len(tokens) != len(ids):
             raise ShapeError(f"invalid tokens: expected {len(ids)} id arrays (one per sequence), "
                              f"got {len(tokens)}")
-        for b, (s, seq) in enumerate(zip(ids, seqs)):
-            t = seq.pending[0]
+        for b, (s, t) in enumerate(zip(ids, counts)):
+            seq = self.get(s)
             if tokens is None:
                 if t and seq.ids is not None:
                     raise StateError(f"advance of sequence {s} needs the token ids of its {t} "

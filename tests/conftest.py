@@ -19,7 +19,6 @@ import gc
 import os
 import signal
 import subprocess
-import sys
 import zlib
 
 import numpy as np

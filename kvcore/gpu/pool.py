@@ -43,6 +43,8 @@ import numpy as np
 from .._guard import CallGuard
 from ..attention import _check_scale
 from .._pages import PageTable
+from .._prefix import PrefixIndex
+from .._prefix_keys import encode_extra, token_array
 from .._quant import input_limit
 from .._storage import zeroed_pages
 from .._validate import check_index, check_seq_ids
@@ -50,7 +52,7 @@ from .._window import (WindowViews, check_window, positions, restore_need, snaps
                        snapshot_span)
 from ..errors import (CapacityError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
-from ..pool import _counts
+from ..pool import PoolStats, _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
@@ -102,6 +104,12 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     together up to max_batch * max_tokens) fix the metadata buffers, whose addresses never
     change: a graph captured over `append` replays after the tables changed.
 
+    prefix_cache=True: a prefix cache, as KVPool's (the same PageTable and PrefixIndex, so
+    the same content keys): `match_prefix` starts a sequence on the cached full pages of a
+    token prefix, `advance(tokens=)` registers the pages a step fills, freed sequences leave
+    their registered pages cached, and a step short of free pages takes cached ones back,
+    least recently used first. Shared pages are copied on the device before a write.
+
     window=W, sink_tokens=S: a sliding-window pool, as KVPool's (the same PageTable): each
     advance releases the pages no later query sees (-1 in the block tables), so a
     sequence holds about W + page_size positions plus its sink pages; decode_attention
@@ -119,7 +127,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
                  max_pages_per_seq: int, max_tokens: int = 1, window: int | None = None,
-                 sink_tokens: int = 0, device: int = 0):
+                 sink_tokens: int = 0, prefix_cache: bool = False, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
         check_gpu_format(spec, "GpuKVPool")
@@ -130,7 +138,10 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self.spec, self.page_size = spec, ps
         self._guard = CallGuard("GpuKVPool")   # one call at a time (docs/design.md, Threads)
         win, sinks = check_window(window, sink_tokens)
-        self._table = PageTable(P, ps, spec.num_layers, spec.capacity, None, win, sinks)
+        if not isinstance(prefix_cache, bool):
+            raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        self._table = PageTable(P, ps, spec.num_layers, spec.capacity,
+                                PrefixIndex() if prefix_cache else None, win, sinks)
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
         # region -> (row bytes, bytes of one layer, offset)
         rows = P * ps
@@ -247,8 +258,22 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         return len(self._table.free)
 
     @property
+    def num_cached_pages(self) -> int:
+        """Pages of the prefix cache that no sequence holds (taken back when needed)."""
+        return self._table.available() - len(self._table.free)
+
+    @property
     def num_used_pages(self) -> int:
-        return self._table.num_pages - len(self._table.free)
+        """Pages held by at least one sequence (a shared page counts once)."""
+        return self._table.num_pages - self._table.available()
+
+    @property
+    def stats(self) -> PoolStats:
+        """Free, cached and in-use pages, and the prefix cache's counters (PoolStats, as
+        KVPool's; no store is attached to a GpuKVPool)."""
+        idx = self._table.prefix
+        return PoolStats(self.num_free_pages, self.num_cached_pages, self.num_used_pages,
+                         *((idx.hits, idx.misses, idx.evictions) if idx is not None else (0, 0, 0)))
 
     @property
     def sequences(self) -> list[int]:
@@ -401,8 +426,23 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     @_one_call
     @driver.in_context
+    def match_prefix(self, tokens, extra=None) -> tuple[int, int]:
+        """A new sequence holding, by reference, the longest run of cached full pages that
+        starts `tokens` (ints >= 0, or a 1-D integer array) under the same extras, at most
+        len(tokens) - 1 positions, as KVPool.match_prefix (the same keys); returns (seq, n):
+        its n committed positions are tokens[:n]. Step the rest with begin_step / append /
+        advance(tokens=...). StateError without a prefix cache. No device work: the pages
+        are shared, and copied on the device before a step writes into one."""
+        self._idle("match_prefix")
+        if self._table.prefix is None:
+            raise StateError("match_prefix needs a pool made with prefix_cache=True")
+        return self._table.match(token_array(tokens), encode_extra(extra))
+
+    @_one_call
+    @driver.in_context
     def free_sequence(self, seq: int) -> None:
-        """Releases seq's pages (a page shared with a fork stays with it)."""
+        """Releases seq's pages (a page shared with a fork stays with it; with a prefix
+        cache a registered page no one holds stays cached)."""
         self._idle("free_sequence")
         self._table.free_seq(seq)
 
@@ -675,23 +715,31 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     @_one_call
     @driver.in_context
-    def advance(self) -> list[int]:
+    def advance(self, tokens=None) -> list[int]:
         """Ends the step begun by begin_step: synchronises and, when the status is clear,
         commits its positions (returns the counts); else raises as check() and commits
-        nothing (the pages taken stay with their sequences, to be written again)."""
+        nothing (the pages taken stay with their sequences, to be written again).
+        With a prefix cache, `tokens` are the ids of the step's new positions, one 1-D
+        sequence of ints (or integer array) per sequence of the step, in begin_step's
+        order, each of its count; each page that fills is registered. Required for a
+        sequence that has ids (all but those restored from a snapshot). Tokens that do not
+        fit (ShapeError, StateError) are refused before the step ends: it stays open."""
         self._host_call("advance")
         if self._step is None:
             raise StateError("GpuKVPool.advance without begin_step")
         seqs, counts = self._step
+        arrays = None if tokens is None else [token_array(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
+        if arrays is not None or self._table.prefix is not None:
+            self._table.check_tokens(seqs, counts, arrays)   # before the step ends
         self._step = None
         try:
             self._raise_status(sum(counts))
         finally:
             self._unmap_slots()
+        table = self._table
         for s, c in zip(seqs, counts):
-            self._table.get(s).length += c
-            self._table.slide(self._table.get(s))   # a window keeps only the pages it sees
-        return counts
+            table.get(s).pending = [c] * self.spec.num_layers
+        return table.advance(seqs, arrays)
 
     def _unmap_slots(self) -> None:
         """Sets the device slot mapping to -1 (padding) once a step ends (ordered on the

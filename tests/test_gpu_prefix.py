@@ -1,0 +1,224 @@
+"""The prefix cache of a GpuKVPool, on a device or under the emulator: the CPU KVPool's
+bookkeeping (PageTable, PrefixIndex), so the same calls give the same pages, keys, hits,
+evictions and bytes on both; a hit reads back exactly what recomputing the prompt writes;
+a graph captured once replays over a sequence found in the cache."""
+import numpy as np
+import pytest
+
+from kvcore import KVPool, KVSpec, ShapeError, StateError
+from kvcore.gpu.cache import GPU_FORMATS
+
+from test_gpu_pool import captured, dev
+
+pytestmark = pytest.mark.gpu
+
+L, H, D, PS = 2, 2, 64, 4
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from kvcore import gpu
+    return gpu
+
+
+def spec(fmt):
+    return KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=64, num_heads=4, format=fmt)
+
+
+def kv_of(tokens, extra=None):
+    """K/V [T, H, D] of each position: a function of (extras, ids up to it), as a model's."""
+    out = np.empty((len(tokens), H, D), np.float32)
+    for p in range(len(tokens)):
+        seed = abs(hash((repr(extra), tuple(int(t) for t in tokens[:p + 1])))) % 2**63
+        out[p] = np.random.default_rng(seed).standard_normal((H, D))
+    return out
+
+
+class Pair:
+    """A GpuKVPool and a CPU KVPool with a prefix cache, driven by the same calls."""
+
+    def __init__(self, gpu, fmt, pages=12, **kw):
+        self.gpu = gpu
+        self.g = gpu.GpuKVPool(spec(fmt), pages, PS, max_batch=2, max_pages_per_seq=8,
+                               max_tokens=32, prefix_cache=True, **kw)
+        self.c = KVPool(spec(fmt), pages, PS, prefix_cache=True)
+        self.keep = []
+
+    def prefill(self, tokens, extra=None):
+        """match_prefix on both, then compute and commit the rest in one step."""
+        got = self.g.match_prefix(tokens, extra=extra)
+        assert got == self.c.match_prefix(tokens, extra=extra)
+        s, n = got
+        self.step([s], [tokens[n:]], extra)
+        return s, n
+
+    def step(self, seqs, token_lists, extra=None):
+        counts = [len(t) for t in token_lists]
+        self.g.begin_step(seqs, counts)
+        kv = np.concatenate([kv_of(self.full(s, t), extra)[-len(t):] for s, t in zip(seqs, token_lists)])
+        for layer in range(L):
+            self.keep += [dev(self.gpu, kv), dev(self.gpu, -kv)]
+            self.g.append(layer, self.keep[-2], self.keep[-1])
+            self.c.append_batch(kv, -kv, seqs=seqs, layer=layer, counts=counts)
+        assert self.g.advance(tokens=token_lists) == counts
+        self.c.advance(seqs, tokens=token_lists)
+
+    def full(self, s, new):
+        """The ids of s's committed positions (the CPU pool's record), then `new`."""
+        held = self.c._table.get(s).ids
+        return list(np.frombuffer(bytes(held), "<i8")) + list(new)
+
+    def same(self):
+        """Same tables, cache index and counters; every held page the same bytes."""
+        gt, ct = self.g._table, self.c._table
+        assert gt.refs == ct.refs and gt.free == ct.free
+        assert list(gt.prefix.lru) == list(ct.prefix.lru)
+        assert gt.prefix.by_key == ct.prefix.by_key       # the same content keys
+        assert self.g.stats == self.c.stats
+        st = self.g.stats
+        assert st.free + st.cached + st.in_use == self.g.num_pages
+        for s in self.c.sequences:
+            rows = np.array(ct.rows(s, 0, self.c.length(s)), np.int64)
+            for layer in range(L):
+                views = [self.g.keys(layer), self.g.values(layer)]
+                if self.g.spec.fmt.quantized:
+                    views += [self.g.key_scales(layer), self.g.value_scales(layer)]
+                for v, want in zip(views, self.c._layer_arrays(layer)):
+                    got = v.to_numpy().reshape((-1,) + v.shape[2:])[rows]
+                    assert got.tobytes() == want[rows].tobytes()
+
+
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
+def test_hits_evictions_and_keys_equal_the_cpu_pool(gpu, fmt):
+    p = Pair(gpu, fmt)
+    prompt = list(range(100, 111))                          # 11 tokens: 2 full pages + 3
+    a, n = p.prefill(prompt)
+    assert n == 0
+    p.g.free_sequence(a), p.c.free(a)                       # 2 registered pages stay cached
+    p.same()
+    assert p.g.num_cached_pages == 2
+    b, n = p.prefill(prompt + [7, 8])                       # hits both pages
+    assert n == 8 and p.g.stats.hits == 2
+    c, n = p.prefill(prompt[:9] + [5, 5, 5])                # shares b's pages: 2 hits more
+    assert n == 8
+    assert p.g.page_table(c)[:2].tolist() == p.g.page_table(b)[:2].tolist()
+    p.same()
+    other, n = p.prefill(list(range(500, 509)), extra={"adapter": "x"})   # another prefix
+    assert n == 0
+    p.same()
+    for s in (b, c, other):
+        p.g.free_sequence(s), p.c.free(s)
+    p.same()
+    # a long prompt takes cached pages back, least recently used leaf first
+    big, n = p.prefill(list(range(900, 932)))    # 8 pages: 4 free, 4 taken back
+    assert n == 0 and p.g.stats.evictions > 0
+    p.same()
+    # what was evicted is gone from both: the lookup misses alike
+    again = p.g.match_prefix(prompt)
+    assert again == p.c.match_prefix(prompt)
+    p.same()
+    p.g.free()
+
+
+def test_a_hit_reads_exactly_what_recomputing_writes(gpu):
+    """Decode attention over a sequence found in the cache equals, bit for bit, the same
+    over a pool that computed the whole prompt (other page ids, the same bytes)."""
+    p = Pair(gpu, "q8_0")
+    prompt = list(range(40, 53))
+    a, _ = p.prefill(prompt)
+    p.g.free_sequence(a), p.c.free(a)
+    s, n = p.prefill(prompt + [1])
+    assert n == 12
+    fresh = gpu.GpuKVPool(spec("q8_0"), 12, PS, max_batch=2, max_pages_per_seq=8, max_tokens=14)
+    other, t = fresh.new_sequence(), fresh.new_sequence()   # other takes the first pages
+    fresh.begin_step([other, t], [5, len(prompt) + 1])
+    kv = np.concatenate([kv_of(list(range(5))), kv_of(prompt + [1])])
+    keep = []
+    for layer in range(L):
+        keep += [dev(gpu, kv), dev(gpu, -kv)]
+        fresh.append(layer, keep[-2], keep[-1])
+    fresh.advance()
+    q = dev(gpu, np.random.default_rng(5).standard_normal((1, 4, D)).astype(np.float32))
+    outs = [gpu.DeviceBuffer.zeros(4 * D * 4).view((1, 4, D), np.float32) for _ in range(2)]
+    for pool, seq, out in ((p.g, s, outs[0]), (fresh, t, outs[1])):
+        pool.begin_step([seq], [0])
+        pool.decode_attention(q, out, 1, causal=False)
+        pool.advance(**({"tokens": [[]]} if pool is p.g else {}))
+    assert outs[0].to_numpy().tobytes() == outs[1].to_numpy().tobytes()
+    assert p.g.page_table(s)[:3].tolist() != fresh.page_table(t)[:3].tolist()
+    p.g.free(), fresh.free()
+
+
+def test_tokens_refused_before_the_step_ends(gpu):
+    p = Pair(gpu, "f16")
+    s = p.g.new_sequence()
+    p.c.new_sequence()
+    p.g.begin_step([s], [3])
+    kv = dev(gpu, kv_of([1, 2, 3]))
+    for layer in range(L):
+        p.g.append(layer, kv, kv)
+    with pytest.raises(StateError, match="needs the token ids of its 3 new positions"):
+        p.g.advance()
+    with pytest.raises(ShapeError, match="invalid tokens of sequence 0: expected 3 ids"):
+        p.g.advance(tokens=[[1, 2]])
+    with pytest.raises(ShapeError, match="expected 1 id arrays"):
+        p.g.advance(tokens=[[1, 2, 3], [4]])
+    assert p.g.advance(tokens=[[1, 2, 3]]) == [3]             # the step stayed open
+    plain = gpu.GpuKVPool(spec("f16"), 4, PS, max_batch=1, max_pages_per_seq=4)
+    with pytest.raises(StateError, match="match_prefix needs a pool made with prefix_cache=True"):
+        plain.match_prefix([1, 2, 3])
+    t = plain.new_sequence()
+    plain.begin_step([t], [0])
+    with pytest.raises(StateError, match="no prefix cache"):
+        plain.advance(tokens=[[]])
+    plain.advance()
+    plain.free(), p.g.free()
+
+
+def test_a_captured_graph_replays_over_a_cached_prefix(gpu, monkeypatch):
+    """append + decode_attention captured once; between replays a sequence starts on the
+    cached pages of one prompt or another (new block tables, written in place by
+    begin_step): the replay equals an eager run, bit for bit. With the table write left
+    out (a stale table injected), it does not."""
+    p, eager = Pair(gpu, "int8"), Pair(gpu, "int8")
+    prompts = [list(range(60, 69)), list(range(70, 79))]
+    for pair in (p, eager):
+        for prompt in prompts:
+            a, _ = pair.prefill(prompt)
+            pair.g.free_sequence(a), pair.c.free(a)
+    x = gpu.DeviceBuffer.alloc(2 * 2 * H * D * 4)
+    k, v = (x.view((2, H, D), np.float32, offset=i * 2 * H * D * 4) for i in range(2))
+    qo = gpu.DeviceBuffer.zeros(3 * 2 * 4 * D * 4)
+    q, out, ref = (qo.view((2, 4, D), np.float32, offset=i * 2 * 4 * D * 4) for i in range(3))
+    with captured(gpu, p.g.stream) as made:
+        p.g.append(0, k, v)
+        p.g.decode_attention(q, out, 0)
+    rng = np.random.default_rng(3)
+
+    def run(tokens, stale=False):
+        """A sequence on the 2 cached pages of tokens[:8], 2 new positions: replay vs eager."""
+        (s, n), (t, m) = (pair.g.match_prefix(tokens) for pair in (p, eager))
+        assert n == m == 8
+        x.copy_from_host(rng.standard_normal((2, 2, H, D)).astype(np.float32))
+        qo.copy_from_host(rng.standard_normal((3, 2, 4, D)).astype(np.float32))
+        with monkeypatch.context() as m:
+            if stale:    # a begin_step whose table write never reaches the device
+                m.setattr(type(p.g._meta), "copy_from_host", lambda *a, **kw: None)
+            p.g.begin_step([s], [2])
+        eager.g.begin_step([t], [2])
+        with p.g.stream.ctx:
+            gpu.driver.call("cuGraphLaunch", made[0], p.g.stream.handle)
+        eager.g.append(0, k, v)
+        eager.g.decode_attention(q, ref, 0)
+        for pool in (p.g, eager.g):
+            pool.advance(tokens=[tokens[8:]])
+        return out.to_numpy().tobytes() == ref.to_numpy().tobytes()
+
+    assert run(prompts[0][:8] + [3, 3])
+    assert run(prompts[1][:8] + [9, 9])
+    assert not run(prompts[0][:8] + [4, 4], stale=True)   # it read prompt 1's pages
+    with p.g.stream.ctx:
+        gpu.driver.call("cuGraphExecDestroy", made[0])
+        gpu.driver.call("cuGraphDestroy", made[1])
+    x.free(), qo.free()
+    p.g.free(), eager.g.free()
