@@ -209,6 +209,43 @@ def test_ptx_is_found():
     assert ".target sm_80" in text
 
 
+def test_every_kernel_cuts_out_of_its_module_alone():
+    """kernels.py loads each kernel alone (_ptx.entry_image): sound while a shipped module
+    declares nothing at module scope past its header, and a module of several kernels has
+    no .func (rope.ptx's one kernel calls one: its cut is the whole module)."""
+    from kvcore.gpu import _ptx
+    ptx_dir = os.path.dirname(kernels.ptx_path("rope"))
+    for name in sorted(os.listdir(ptx_dir)):
+        if not name.endswith(".ptx"):
+            continue
+        with open(os.path.join(ptx_dir, name), "rb") as f:
+            text = f.read()
+        entries = _ptx.parse(text).entries
+        assert len(entries) == 1 or b".func" not in text, name   # one kernel: the cut is all
+        header = text[:text.index(b"\t// .globl")]
+        assert re.sub(rb"//[^\n]*", b"", header).split() == [
+            b".version", b"7.0", b".target", b"sm_80", b".address_size", b"64"], name
+        total = len(header)
+        for kernel, params in entries.items():
+            image = _ptx.entry_image(text, kernel)
+            cut = _ptx.parse(image)
+            assert list(cut.entries) == [kernel] and cut.entries[kernel] == params
+            total += len(image) - len(header)
+        assert total == len(text.rstrip(b"\0")), name    # the cuts cover the module
+    with pytest.raises(_ptx.PtxError, match="no kernel 'kv_nothing'"):
+        _ptx.entry_image(text, "kv_nothing")
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_a_kernel_cut_out_assembles_alone(tmp_path):
+    from kvcore.gpu import _ptx
+    with open(kernels.ptx_path("kv_append"), "rb") as f:
+        (tmp_path / "cut.ptx").write_bytes(_ptx.entry_image(f.read(), "kv_advance"))
+    res = subprocess.run(["ptxas", "-arch=sm_90", "-o", str(tmp_path / "cut.cubin"),
+                          str(tmp_path / "cut.ptx")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
                     reason="nvcc/ptxas not on PATH")
 @pytest.mark.child([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check",

@@ -253,16 +253,14 @@ def _driver(emulate: bool):
         from kvcore import gpu
         gpu.use_emulator()
         return gpu.driver.cuda()
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        from cuda import cuda as driver
+    from cuda.bindings import driver
     return driver
 
 
 def jit_module(path: str, emulate: bool) -> int:
-    """Loads one PTX module as kvcore does (the image NUL-terminated, the JIT error log) and
-    prints its load time and each kernel's resources."""
+    """Loads one kernel cut out of a PTX module, as kvcore does (kernels.py: the image
+    NUL-terminated, the JIT error log), then the whole module; prints both load times (the
+    JIT cold for each) and each kernel's resources."""
     d = _driver(emulate)
     name = os.path.basename(path)[:-4]
 
@@ -282,6 +280,11 @@ def jit_module(path: str, emulate: bool) -> int:
         image = f.read() + b"\0"
     log = bytearray(16384)
     opts = [d.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, d.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    from kvcore.gpu import _ptx
+    kernel = next(iter(_ptx.parse(image).entries))
+    t0 = time.perf_counter()
+    err, cut = d.cuModuleLoadDataEx(_ptx.entry_image(image, kernel) + b"\0", len(opts), opts, [log, len(log)])
+    print(f"module {name}: one kernel ({kernel}) loaded alone in {time.perf_counter() - t0:.2f} s: {err!r}")
     t0 = time.perf_counter()
     err, mod = d.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
     dt = time.perf_counter() - t0

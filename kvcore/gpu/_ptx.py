@@ -1,11 +1,14 @@
 """What the emulated driver reads from a PTX module: the header (`.version`, `.target`,
 `.address_size`) and every `.entry` with its parameters (name, PTX type, byte size), and
-which driver release first loads a given PTX ISA version.
+which driver release first loads a given PTX ISA version; and the module of one kernel cut
+out of a shipped module (`entry_image`), which is what kvcore loads (the driver JIT-compiles
+a whole module, and an attention module holds 32 kernel instances).
 
     mod = ptx.parse(text)
     mod.version          # (9, 0)
     mod.entries["kv_advance"][0].size   # 8 (a .u64 pointer)
     ptx.first_driver((9, 0))            # 13000: a CUDA 13.0 driver or newer loads it
+    ptx.entry_image(text, "kv_advance") # the header + kv_advance's block, as PTX text
 """
 from __future__ import annotations
 
@@ -100,3 +103,22 @@ def parse(text: str | bytes) -> PtxModule:
     return PtxModule((int(version.group(1)), int(version.group(2))),
                      target.group(1).split(",")[0].strip(),
                      int(address.group(1)) if address else 32, entries)
+
+
+_GLOBL = b"\t// .globl\t"
+
+
+def entry_image(text: bytes, kernel: str) -> bytes:
+    """The PTX module of kernel `kernel` alone: `text`'s header (everything before its first
+    `// .globl` line) and the kernel's block (its `// .globl` line up to the next one, or the
+    end), as nvcc writes modules that share no module-scope variable and, when they hold
+    several kernels, no `.func` (kvcore's: tests/test_gpu_layer.py checks every shipped module).
+    Raises PtxError when the module has no such kernel."""
+    text = bytes(text).rstrip(b"\0")
+    first = text.find(_GLOBL)
+    mark = _GLOBL + kernel.encode() + b"\n"
+    start = text.find(mark) if first >= 0 else -1
+    if start < 0:
+        raise PtxError(f"the module has no kernel {kernel!r} (a `// .globl {kernel}` block)")
+    end = text.find(_GLOBL, start + len(mark))
+    return text[:first] + text[start:end if end >= 0 else len(text)]

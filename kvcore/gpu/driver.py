@@ -212,7 +212,7 @@ class Context(DeviceOwner):
         self._device = device
         self._handle = handle
         self.live_bytes = 0
-        self.modules: dict[str, object] = {}  # PTX modules loaded in it (kernels.py)
+        self.modules: dict[tuple[str, str], object] = {}  # kernels loaded in it (kernels.py)
         self.order_event: Event | None = None  # reused by order_after
         drv = cuda()
         attr = drv.CUdevice_attribute

@@ -1,5 +1,6 @@
-"""The shipped kernels: each PTX module (cuda/<name>.ptx, installed as kvcore/_cuda/) is
-loaded once per context with cuModuleLoadDataEx; a failed JIT raises CudaError carrying
+"""The shipped kernels: each kernel of a PTX module (cuda/<name>.ptx, installed as
+kvcore/_cuda/) is loaded alone, cut out of its module, once per context with
+cuModuleLoadDataEx (the driver JIT-compiles only it); a failed JIT raises CudaError carrying
 the JIT log and the driver's version. No compilation at run time beyond the driver's PTX
 JIT. The PTX declares ISA 7.0 (tools/build_ptx.py), which drivers from CUDA 11.0 on read.
 
@@ -41,12 +42,22 @@ class Kernel:
     params: tuple[int, ...]
 
 
-def _load(ctx: Context, module: str):
-    """(CUmodule, {kernel: its .entry's parameter sizes}) of `module` in `ctx`."""
-    with open(ptx_path(module), "rb") as f:
-        image = f.read() + b"\0"
-    entries = {name: tuple(p.size for p in params)
-               for name, params in _ptx.parse(image).entries.items()}
+_texts: dict[str, bytes] = {}    # module -> its shipped PTX, read once per process
+
+
+def _load(ctx: Context, module: str, kernel: str):
+    """(CUmodule, .entry parameter sizes) of `kernel` alone, cut out of `module`'s PTX
+    (_ptx.entry_image): the driver JIT-compiles what it loads, and an attention module
+    holds 32 kernel instances of which a model uses one or two."""
+    text = _texts.get(module)
+    if text is None:
+        with open(ptx_path(module), "rb") as f:
+            text = _texts[module] = f.read()
+    try:
+        image = _ptx.entry_image(text, kernel) + b"\0"
+    except _ptx.PtxError as e:
+        raise CudaError(f"cuModuleLoadDataEx({module}.ptx, {kernel}): {e}") from None
+    params = tuple(p.size for p in _ptx.parse(image).entries[kernel])
     drv = driver.cuda()
     opt = drv.CUjit_option
     log = bytearray(_LOG_BYTES)
@@ -55,22 +66,19 @@ def _load(ctx: Context, module: str):
         err, handle = drv.cuModuleLoadDataEx(image, len(options), options, [log, _LOG_BYTES])
     if err != drv.CUresult.CUDA_SUCCESS:
         jit = bytes(log).split(b"\0")[0].decode(errors="replace").strip()
-        raise CudaError(f"cuModuleLoadDataEx({module}.ptx): {driver._error_text(err)}; "
+        raise CudaError(f"cuModuleLoadDataEx({module}.ptx, {kernel}): {driver._error_text(err)}; "
                         f"the driver is {driver.driver_version_text()}"
                         + (f"\nJIT log:\n{jit}" if jit else ""))
-    return handle, entries
+    return handle, params
 
 
 def function(module: str, kernel: str, ctx: Context | None = None) -> Kernel:
-    """The Kernel `kernel` of PTX module `module`, loaded once per context."""
+    """The Kernel `kernel` of PTX module `module`, loaded (alone) once per context."""
     ctx = ctx or Context.get()
-    entry = ctx.modules.get(module)
-    if entry is None:
-        entry = ctx.modules[module] = (*_load(ctx, module), {})
-    handle, entries, functions = entry
-    fn = functions.get(kernel)
+    fn = ctx.modules.get((module, kernel))
     if fn is None:
+        handle, params = _load(ctx, module, kernel)
         with ctx:
             fh = driver.call("cuModuleGetFunction", handle, kernel.encode())
-        fn = functions[kernel] = Kernel(module, kernel, fh, entries[kernel])
+        fn = ctx.modules[(module, kernel)] = Kernel(module, kernel, fh, params)
     return fn

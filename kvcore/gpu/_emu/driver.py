@@ -25,10 +25,12 @@ with the driver's rules enforced (selected by `kvcore.gpu.use_emulator()`).
    with its documented error and invalidates the capture (cuStreamEndCapture then returns
    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED). A graph exec replays the nodes (kernel parameters
    by value, as captured) in a seeded topological order.
-7. Modules: only kvcore's shipped images load (compared byte for byte); a PTX ISA newer than
+7. Modules: only kvcore's shipped images load (compared byte for byte), whole or one kernel
+   cut out (kvcore.gpu._ptx.entry_image, what kvcore loads); a PTX ISA newer than
    the emulated driver reads fails with CUDA_ERROR_UNSUPPORTED_PTX_VERSION and a JIT log.
-   Launches are checked against the PTX `.entry` (parameter count and byte sizes) and the
-   device limits, then run by `kernels.load(module).launch(...)` when the queue runs.
+   Launches read each parameter with the byte size its PTX `.entry` declares (as the
+   driver does), are checked against the device limits, then run by
+   `kernels.load(module).launch(...)` when the queue runs.
 """
 from __future__ import annotations
 
@@ -1556,7 +1558,9 @@ _shipped_cache: dict[tuple, dict[bytes, str]] = {}
 
 
 def _shipped() -> dict[bytes, str]:
-    """sha256 of every shipped module image (PTX, and any cubin/fatbin beside it) -> module name."""
+    """sha256 of every shipped module image (PTX, and any cubin/fatbin beside it), and of
+    the module of each of a PTX module's kernels alone (_ptx.entry_image, what kvcore
+    loads) -> module name."""
     from .. import kernels as gpu_kernels
     dirs = [d for d in (gpu_kernels._PKG_DIR, gpu_kernels._REPO_DIR) if os.path.isdir(d)]
     files = sorted(os.path.join(d, f) for d in dirs for f in os.listdir(d)
@@ -1567,8 +1571,12 @@ def _shipped() -> dict[bytes, str]:
         table = {}
         for f in files:
             with open(f, "rb") as fh:
-                table[hashlib.sha256(fh.read().rstrip(b"\0")).digest()] = \
-                    os.path.splitext(os.path.basename(f))[0]
+                data = fh.read().rstrip(b"\0")
+            name = os.path.splitext(os.path.basename(f))[0]
+            table[hashlib.sha256(data).digest()] = name
+            if f.endswith(".ptx"):
+                for kernel in _ptx.parse(data).entries:
+                    table[hashlib.sha256(_ptx.entry_image(data, kernel)).digest()] = name
         _shipped_cache.clear()
         _shipped_cache[key] = table
     return table
@@ -1639,7 +1647,8 @@ def _load(emu, out, image: int, options: list[int], values: list[int]) -> None:
     name = _shipped().get(hashlib.sha256(data).digest())
     if name is None:
         _fail(CUresult.CUDA_ERROR_INVALID_IMAGE,
-              "the emulator runs only kvcore's shipped modules, and this image equals none of them")
+              "the emulator runs only kvcore's shipped modules (or one kernel cut out of one), "
+              "and this image equals none of them")
     impl = _kernels().load(name, asan=emu.config.asan)
     if info is not None:
         for entry, params in info.entries.items():
