@@ -29,6 +29,7 @@ set of sequences) drops it (`_drop`), and the next `batch` call builds it again.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -586,6 +587,86 @@ class PageTable:
         if pending:
             spans.append((seq.length, seq.length + pending))
         return [pages[p // ps] * ps + p % ps for a, b in spans for p in range(a, b)]
+
+    # -- tiers: a GpuKVPool's pages moved to and from its host pool ----------------
+
+    def plan_take(self, k: int) -> tuple[list[int], list[int]]:
+        """The pages a call taking k would take, as a write takes them (free ones first,
+        then cached ones in eviction order; fewer when fewer are available), and the
+        cached ones among them; changes nothing. Give them to `extend`."""
+        pick = _Taker(self.free, self.prefix)
+        pages = []
+        for t in range(1, k + 1):
+            g = pick(t)
+            if g < 0:
+                break
+            pages.append(g)
+        return pages, pick.evicted[:max(0, len(pages) - pick.nfree)]
+
+    def extend(self, s: int, pages: list[int], evicted: list[int],
+               blocks: list[tuple[bytes, bytes]]) -> None:
+        """Gives keyed sequence s (whole pages committed, nothing pending) `pages` (from
+        plan_take, `evicted` the cached ones among them, with no change to the table
+        since) as its next full pages, blocks[i] = (key, token ids as int64 bytes) of
+        page i, each registered under its key (the caller fills their bytes)."""
+        seq, index, ps = self.get(s), self._index, self.page_size
+        assert seq.ids is not None and seq.length == len(seq.pages) * ps
+        del self.free[len(self.free) - (len(pages) - len(evicted)):]
+        if evicted:
+            index.evict(evicted)
+        parent = seq.keys[-1] if seq.keys else ROOT
+        for g, (key, ids) in zip(pages, blocks):
+            self.refs[g] = 1
+            index.register(g, key, parent, ids, seq.extra)
+            seq.pages.append(g)
+            seq.keys.append(key)
+            seq.ids += ids
+            parent = key
+        seq.length += len(pages) * ps
+        self._drop()
+
+    def admit(self, pages: list[int], evicted: list[int], entries) -> None:
+        """(a host pool) Registers `pages` (from plan_take, `evicted` the cached ones among
+        them, with no change to the table since) as cached pages, page i under entries[i]
+        (a PrefixIndex Entry of another pool: key, parent, ids, extra), most recent last;
+        the caller copied their bytes in."""
+        index = self._index
+        del self.free[len(self.free) - (len(pages) - len(evicted)):]
+        if evicted:
+            index.evict(evicted)
+        for g, e in zip(pages, entries):
+            index.register(g, e.key, e.parent, e.ids, e.extra)
+            index.lru[g] = None
+        self._drop()
+
+    def drop(self, pages: list[int]) -> None:
+        """Unregisters cached pages whose bytes are no longer their key's: free."""
+        for g in pages:
+            assert self.refs[g] == 0
+            self._index.unregister(g)
+            self.free.append(g)
+        self._drop()
+
+    def hold(self, pages: list[int]) -> list[int]:
+        """Takes one hold of each page (a cached one leaves the LRU: never evicted while
+        held); returns the LRU order before, for `release` to put back."""
+        order = list(self.prefix.lru) if self.prefix is not None else []
+        for g in pages:
+            if self.refs[g] == 0 and self.prefix is not None:
+                self.prefix.lru.pop(g, None)
+            self.refs[g] += 1
+        return order
+
+    def release(self, pages: list[int], order: list[int] | None = None) -> None:
+        """Drops one hold of each page (as a sequence's free does); with `order` (what
+        hold returned), the pages that become cached again take their old places."""
+        self._release(pages)
+        if order is not None and self.prefix is not None:
+            lru = self.prefix.lru
+            old = [g for g in order if g in lru]
+            kept = set(old)
+            self.prefix.lru = OrderedDict.fromkeys(old + [g for g in lru if g not in kept])
+        self._drop()
 
     def _release(self, pages: list[int]) -> None:
         """Drops one hold of each page, the last first (so that a chain's leaf is the least

@@ -139,11 +139,15 @@ def test_a_hit_reads_exactly_what_recomputing_writes(gpu):
         fresh.append(layer, keep[-2], keep[-1])
     fresh.advance()
     q = dev(gpu, np.random.default_rng(5).standard_normal((1, 4, D)).astype(np.float32))
+    new = dev(gpu, np.random.default_rng(6).standard_normal((1, H, D)).astype(np.float32))
     outs = [gpu.DeviceBuffer.zeros(4 * D * 4).view((1, 4, D), np.float32) for _ in range(2)]
     for pool, seq, out in ((p.g, s, outs[0]), (fresh, t, outs[1])):
-        pool.begin_step([seq], [0])
-        pool.decode_attention(q, out, 1, causal=False)
-        pool.advance(**({"tokens": [[]]} if pool is p.g else {}))
+        pool.begin_step([seq], [1])               # one more position, the same on both
+        for layer in range(L):
+            pool.append(layer, new, new)
+        pool.decode_attention(q, out, 1)
+        pool.advance(**({"tokens": [[2]]} if pool is p.g else {}))
+    assert np.abs(outs[0].to_numpy()).max() > 0
     assert outs[0].to_numpy().tobytes() == outs[1].to_numpy().tobytes()
     assert p.g.page_table(s)[:3].tolist() != fresh.page_table(t)[:3].tolist()
     p.g.free(), fresh.free()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -44,7 +45,7 @@ from .._guard import CallGuard
 from ..attention import _check_scale
 from .._pages import PageTable
 from .._prefix import PrefixIndex
-from .._prefix_keys import encode_extra, token_array
+from .._prefix_keys import ROOT, chain_key, encode_extra, token_array
 from .._quant import input_limit
 from .._storage import zeroed_pages
 from .._validate import check_index, check_seq_ids
@@ -52,7 +53,7 @@ from .._window import (WindowViews, check_window, positions, restore_need, snaps
                        snapshot_span)
 from ..errors import (CapacityError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
-from ..pool import PoolStats, _counts
+from ..pool import KVPool, PoolStats, _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
@@ -60,7 +61,7 @@ from .cache import check_gpu_format
 from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
-from .driver import Context, Stream
+from .driver import Context, Event, Stream
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
@@ -90,6 +91,51 @@ def _align(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """A GpuKVPool's host tier since it was made: pages match_prefix found there and
+    brought back (host_hits), cached pages the GPU took back and moved there (demoted) or
+    dropped for want of room (dropped); and now, pages brought back that no step has
+    waited for yet (gpu_pending) and host pages whose copy may still run (host_pending)."""
+    host_hits: int
+    demoted: int
+    dropped: int
+    gpu_pending: int
+    host_pending: int
+
+
+class _Tier:
+    """The transfer stream of a host tier and the copies in flight on it."""
+
+    def __init__(self, stream: Stream | None):
+        self.stream = stream
+        self.ready: dict[int, Event] = {}     # GPU page -> the copy that writes it
+        # (event, host pages a copy writes, host pages a copy reads: held until it ran)
+        self.pending: list[tuple[Event, list[int], list[int]]] = []
+        self.awaited: set[int] = set()       # events the pool's stream waits for (ids)
+        self.known: set[int] = set()         # ... and has passed: done (no query needed)
+        self.host_hits = self.demoted = self.dropped = 0
+
+
+def _check_host(host, spec: KVSpec, page_size: int, prefix_cache: bool, window) -> KVPool | None:
+    """The host tier `host=` names, checked (SpecError naming what differs)."""
+    if host is None:
+        return None
+    if not isinstance(host, KVPool):
+        raise SpecError(f"host must be a kvcore.KVPool, got {type(host).__name__}")
+    if not prefix_cache or host._table.prefix is None:
+        raise SpecError("a host tier needs prefix_cache=True on both pools")
+    if window is not None or host.window is not None:
+        raise SpecError("a host tier under a sliding window is not supported")
+    hs = host.spec
+    mine = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.format, page_size)
+    theirs = (hs.num_layers, hs.num_kv_heads, hs.head_dim, hs.format, host.page_size)
+    if mine != theirs:
+        raise SpecError(f"the host pool holds (layers, kv heads, head_dim, format, page_size) "
+                        f"{theirs}, this pool {mine}")
+    return host
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise SpecError(f"{name} must be a positive int, got {value!r}")
@@ -110,6 +156,13 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     their registered pages cached, and a step short of free pages takes cached ones back,
     least recently used first. Shared pages are copied on the device before a write.
 
+    host=KVPool(same spec and page_size, prefix_cache=True): a host tier. Cached pages the
+    GPU takes back go to it (same keys) instead of being dropped, and `match_prefix` goes
+    on from the GPU's cached pages with the host's, bringing them back. Copies run on a
+    transfer stream of their own, ordered by events: a step waits only for the pages it
+    touches (`tier_stats`). The host pool is the GPU pool's while attached: use it only
+    through the GPU pool.
+
     window=W, sink_tokens=S: a sliding-window pool, as KVPool's (the same PageTable): each
     advance releases the pages no later query sees (-1 in the block tables), so a
     sequence holds about W + page_size positions plus its sink pages; decode_attention
@@ -127,7 +180,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
                  max_pages_per_seq: int, max_tokens: int = 1, window: int | None = None,
-                 sink_tokens: int = 0, prefix_cache: bool = False, device: int = 0):
+                 sink_tokens: int = 0, prefix_cache: bool = False, host: KVPool | None = None,
+                 device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
         check_gpu_format(spec, "GpuKVPool")
@@ -142,6 +196,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         self._table = PageTable(P, ps, spec.num_layers, spec.capacity,
                                 PrefixIndex() if prefix_cache else None, win, sinks)
+        self._host = _check_host(host, spec, ps, prefix_cache, win)
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
         # region -> (row bytes, bytes of one layer, offset)
         rows = P * ps
@@ -177,6 +232,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                             f"{free} free")
         self.stream = Stream.create(self.ctx)
         self.generation = 0
+        self._tier = _Tier(Stream.create(self.ctx, non_blocking=True) if self._host else None)
         self._ws: DeviceBuffer | None = None
         self._sinks: dict[bytes, DeviceBuffer] = {}   # host sinks uploaded, by content
         try:
@@ -189,6 +245,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                 if hasattr(self, buf):
                     getattr(self, buf).free()
             self.stream.destroy()
+            if self._tier.stream is not None:
+                self._tier.stream.destroy()
             raise
         # host staging of [block tables][lengths][q offsets][slot mapping], page-aligned
         self._staging = zeroed_pages(self.meta_offsets["status"])
@@ -266,6 +324,13 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def num_used_pages(self) -> int:
         """Pages held by at least one sequence (a shared page counts once)."""
         return self._table.num_pages - self._table.available()
+
+    @property
+    def tier_stats(self) -> TierStats:
+        """The host tier's counters (TierStats; zeros without one)."""
+        t = self._tier
+        return TierStats(t.host_hits, t.demoted, t.dropped, len(t.ready),
+                         sum(len(w) + len(r) for _, w, r in t.pending))
 
     @property
     def stats(self) -> PoolStats:
@@ -365,9 +430,11 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         return REGIONS if self.spec.fmt.quantized else REGIONS[:2]
 
     def _copy_page(self, region: str, page: int, *, dst_page: int | None = None,
-                   host: np.ndarray | None = None, index: int = 0, to_host: bool = False) -> None:
-        """One page of `region`, every layer, in one cuMemcpy3DAsync: to page dst_page, or
-        between the device and page `index` of host [L][k * page_size][Hkv][W] (C order).
+                   host: np.ndarray | None = None, index: int = 0, to_host: bool = False,
+                   stream: Stream | None = None) -> None:
+        """One page of `region`, every layer, in one cuMemcpy3DAsync on `stream` (default the
+        pool's): to page dst_page, or between the device and page `index` of host
+        [L][k * page_size][Hkv][W] (C order).
         Each side is pages of page_bytes (the pitch: rows of one page, y = the page) in
         slices of a layer (z = the layer), so no pitch passes the driver's limit
         (2^31 - 1 bytes) however large the pool."""
@@ -398,12 +465,167 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         p.WidthInBytes = page_bytes
         p.Height = 1
         p.Depth = L
-        driver.call("cuMemcpy3DAsync", p, self.stream.handle)
+        driver.call("cuMemcpy3DAsync", p, (stream or self.stream).handle)
 
     def _copy_pages(self, copies) -> None:
         for src, dst in copies:
             for region in self._regions():
                 self._copy_page(region, src, dst_page=dst)
+
+    # ------------------------------------------------------------------ the host tier
+
+    def _settle(self, *, wait: bool = True) -> None:
+        """Retires the copies of the transfer stream known to be done (wait: all of them,
+        waiting on the host for the last event): drops the holds of the host pages they
+        read. Known done, without asking the device: the copies up to the last event the
+        pool's stream waited for and then passed (`_sync`), since the transfer stream runs
+        its copies in order. The host pool's bytes are its own again once all are
+        retired. Needed by no copy: a host page a queued copy reads is held (never taken
+        back) until it is retired, and copies into host pages run in order."""
+        t = self._tier
+        if wait and t.pending:
+            t.pending[-1][0].synchronize()
+            last = len(t.pending)
+        else:
+            last = max((i + 1 for i, (ev, _, _) in enumerate(t.pending) if id(ev) in t.known),
+                       default=0)
+        done = t.pending[:last]
+        for ev, _, held in done:
+            self._host._table.release(held)
+        gone = {id(ev) for ev, _, _ in done}
+        t.ready = {g: e for g, e in t.ready.items() if id(e) not in gone}
+        for ev, _, _ in done:
+            ev.destroy()
+        t.pending = t.pending[last:]
+        t.known -= gone
+        t.awaited -= gone
+
+    def _sync(self) -> None:
+        """Synchronises the pool's stream: the transfers it waited for are done too."""
+        self.stream.synchronize()
+        self._tier.known |= self._tier.awaited
+
+    def _transfer(self, moves, *, to_host: bool, written: list[int], read: list[int],
+                  touched: list[tuple[int, int]]) -> Event:
+        """Copies (GPU page, host page) pairs on the transfer stream, after the pool's work
+        so far (which may still use the GPU pages), every region and layer; returns the
+        event that marks them done (kept in pending with the host pages they write/read).
+        `touched` gets each pair as soon as a copy of it is queued (what a failure left
+        written)."""
+        t, regions = self._tier, self._host._store.regions
+        driver.order_after(self.stream.ptr, t.stream, self.ctx, "the pool's work")
+        for g, h in moves:
+            for region in self._regions():
+                self._copy_page(region, g, host=regions[region], index=h, to_host=to_host,
+                                stream=t.stream)
+                if not touched or touched[-1] != (g, h):
+                    touched.append((g, h))
+        ev = Event.create(self.ctx, timing=False)
+        ev.record(stream=t.stream)
+        t.pending.append((ev, written, read))
+        return ev
+
+    def _demote(self, pages: list[int]):
+        """Queues the copies of cached GPU pages about to be taken back to the host tier,
+        each under its key (unless the host has it, or no room: dropped), into host pages
+        taken as a write takes them; returns (commit, undo). commit(wait) records them in
+        the host table and, with wait, makes the pool's stream wait for these copies (a
+        caller that writes the pages on it; a bring-back's copies in follow them on the
+        transfer stream); undo() drops the cached host pages the copies overwrote, for a
+        caller whose later step failed. A failed copy undoes and raises: with free host pages
+        taken, both pools are as they were. A host page a queued copy still writes may be
+        taken again: the later copy runs after it, on the same stream."""
+        nothing = (lambda wait: None, lambda: None)
+        if self._host is None or not pages:
+            return nothing
+        self._settle(wait=False)
+        host, t = self._host._table, self._tier
+        entries = [self._table.prefix.entries[g] for g in pages]
+        moving = [(g, e) for g, e in zip(pages, entries) if e.key not in host.prefix.by_key]
+        slots, evicted = host.plan_take(len(moving))
+        dropped, moving = len(moving) - len(slots), moving[:len(slots)]
+        touched: list[tuple[int, int]] = []
+
+        def undo():
+            host.drop([h for _, h in touched if h in evicted])
+
+        done: list[Event] = []
+
+        def commit(wait: bool):
+            t.dropped += dropped
+            if moving:
+                host.admit(slots, evicted, [e for _, e in moving])
+                if wait:
+                    driver.call("cuStreamWaitEvent", self.stream.handle, done[0].handle, 0)
+                    t.awaited.add(id(done[0]))
+                t.demoted += len(moving)
+
+        if moving:
+            try:
+                done.append(self._transfer([(g, h) for (g, _), h in zip(moving, slots)],
+                                           to_host=True, written=slots, read=[], touched=touched))
+            except BaseException:
+                undo()
+                raise
+        return commit, undo
+
+    def _bring_back(self, s: int, ids: np.ndarray) -> int:
+        """After match_prefix's GPU pages: the host tier's pages that go on with the prefix
+        copied into GPU pages (taken as a step takes them: cached ones demoted first), as
+        many as the GPU has room for; returns s's committed positions. No step of s (nor
+        fork or snapshot) runs before the copies: it waits for their event. A failed copy
+        raises with no sequence made, dropping only cached pages a queued copy overwrote."""
+        table, ps = self._table, self.page_size
+        seq = table.get(s)
+        self._settle(wait=False)
+        host = self._host._table
+        raw = ids.astype("<i8", copy=False).tobytes()
+        parent = seq.keys[-1] if seq.keys else ROOT
+        chain: list[tuple[int, bytes, bytes]] = []
+        for i in range(len(seq.pages), max(0, (ids.size - 1) // ps)):
+            key = chain_key(parent, ids[i * ps:(i + 1) * ps], seq.extra)
+            block = raw[8 * i * ps:8 * (i + 1) * ps]
+            h = host.prefix.find(parent, key, block, seq.extra)
+            if h is None:
+                break
+            chain.append((h, key, block))
+            parent = key
+        pages, evicted = table.plan_take(len(chain))
+        chain = chain[:len(pages)]
+        if not chain:
+            return seq.length
+        held = [h for h, _, _ in chain]
+        order = host.hold(held)
+        touched: list[tuple[int, int]] = []
+        try:
+            commit, undo = self._demote(evicted)
+            try:
+                ev = self._transfer(list(zip(pages, held)), to_host=False, written=[],
+                                    read=held, touched=touched)
+            except BaseException:
+                undo()
+                raise
+        except BaseException:      # cached GPU pages a queued copy overwrote: dropped
+            host.release(held, order)
+            table.drop([g for g, _ in touched if g in evicted])
+            table.free_seq(s)
+            raise
+        commit(wait=False)
+        for g in pages:
+            self._tier.ready[g] = ev
+        table.extend(s, pages, evicted, [(key, block) for _, key, block in chain])
+        self._tier.host_hits += len(chain)
+        return seq.length
+
+    def _await(self, pages) -> None:
+        """The pool's stream waits for the copies that bring `pages` back (an event each)."""
+        ready = self._tier.ready
+        if not ready:
+            return
+        events = {id(e): e for e in (ready.pop(g, None) for g in pages) if e is not None}
+        for e in events.values():
+            driver.call("cuStreamWaitEvent", self.stream.handle, e.handle, 0)
+            self._tier.awaited.add(id(e))
 
     # ------------------------------------------------------------------ sequences
 
@@ -436,7 +658,11 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._idle("match_prefix")
         if self._table.prefix is None:
             raise StateError("match_prefix needs a pool made with prefix_cache=True")
-        return self._table.match(token_array(tokens), encode_extra(extra))
+        ids = token_array(tokens)
+        s, n = self._table.match(ids, encode_extra(extra))
+        if self._host is not None:
+            n = self._bring_back(s, ids)
+        return s, n
 
     @_one_call
     @driver.in_context
@@ -459,6 +685,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """A new sequence holding seq's positions: full pages shared, the partial last page
         copied on the device (CapacityError, nothing changed, when no page is free)."""
         self._idle("fork")
+        self._await(self._table.get(seq).pages)
         t, copy = self._table.fork(seq)
         if copy is not None:
             self._copy_pages([copy])
@@ -491,7 +718,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                                     f"positions, the block tables hold {limit} "
                                     f"({self.max_pages_per_seq} pages of {self.page_size})")
         plan = self._table.plan_write(None, seqs, counts)
-        self.stream.synchronize()
+        self._sync()
+        self._demote(plan.evict)[0](wait=True)   # before the step's copies and writes reuse them
+        self._await([g for s in seqs for g in self._table.get(s).pages])
         self._copy_pages(plan.copies)
         self._table.commit_write(plan)
         self._host_tables[:] = -1
@@ -691,7 +920,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def _raise_status(self, positions: int | None) -> None:
         """Raises (and clears) the device status; positions: the step's new positions."""
-        self.stream.synchronize()
+        self._sync()
         flag = np.zeros(1, np.int32)
         self._meta.copy_to_host(flag, offset=self.meta_offsets["status"])
         if not flag[0]:
@@ -756,6 +985,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """Every region of seq's held pages, [L][pages * page_size][Hkv][W] (host copies)."""
         s, f = self.spec, self.spec.fmt
         pages = self._table.get(seq).pages
+        self._await(pages)
         out = dict.fromkeys(REGIONS)
         for region in self._regions():
             codes = region.endswith("codes")
@@ -766,7 +996,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                 if g >= 0:                  # -1: released by the window
                     self._copy_page(region, g, host=host, index=i, to_host=True)
             out[region] = host
-        self.stream.synchronize()
+        self._sync()
         return out
 
     @_one_call
@@ -775,7 +1005,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
         kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
         self._idle("snapshot")
-        self.stream.synchronize()
+        self._sync()
         table = self._table
         if not table.get(seq).start:
             parts = self._gather(seq)
@@ -800,11 +1030,13 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         snap = fit_snapshot(self.spec, snapshot, requantize=requantize,
                             windowed=table.window is not None)
         start = restore_need(table, snap, seq)
-        self.stream.synchronize()
+        self._sync()
         if seq is None:
             seq = table.new()
         else:
             table.truncate(seq, 0)
+        if self._host is not None:       # no window: every page of the snapshot is taken
+            self._demote(table.plan_take(-(-snap.length // self.page_size))[1])[0](wait=True)
         table.place(seq, snap.length, start)
         restored = table.get(seq)
         at = positions(table.held(restored))      # the positions it holds, in order
@@ -819,7 +1051,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             for i, g in enumerate(restored.pages):
                 if g >= 0:
                     self._copy_page(region, g, host=host, index=i)
-        self.stream.synchronize()
+        self._sync()
         return seq
 
     @driver.in_context
@@ -849,7 +1081,10 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if self._data.freed:
             return
         driver.refuse_while_capturing("GpuKVPool.free", self.stream)
-        self.stream.synchronize()
+        self._sync()
+        if self._tier.stream is not None:
+            self._settle()
+            self._tier.stream.destroy()
         self._meta.free()
         self._data.free()
         if self._ws is not None:

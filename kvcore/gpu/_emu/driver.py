@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import gc
 import hashlib
 import itertools
 import json
@@ -351,7 +352,7 @@ class _Context:
     def streams(self):
         yield self.legacy
         yield from self.per_thread.values()
-        yield from (r for r in self.resources.values() if isinstance(r, _Stream))
+        yield from [r for r in list(self.resources.values()) if isinstance(r, _Stream)]
 
 
 class _Device:
@@ -805,6 +806,8 @@ def _api(*argtypes, since: int, until: int | None = None, name: str | None = Non
         def entry(*args):
             emu = _emu
             with emu.lock:
+                collecting = gc.isenabled()   # no finalizer (a destroy through the driver)
+                gc.disable()                  # may run in the middle of the emulator's state
                 try:
                     impl(emu, *args)
                 except _Fail as f:
@@ -815,6 +818,9 @@ def _api(*argtypes, since: int, until: int | None = None, name: str | None = Non
                                      f"the emulated driver failed: {type(e).__name__}: {e}\n"
                                      f"{traceback.format_exc()}")
                     return int(CUresult.CUDA_ERROR_UNKNOWN)
+                finally:
+                    if collecting:
+                        gc.enable()
             return 0
         fn = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(entry)
         _ENTRIES.setdefault(name or impl.__name__, []).append((since, until, fn))
