@@ -192,3 +192,20 @@ def test_emulated_runs_launch_those_grids(gpu, fmt, batch, rng, monkeypatch):
     cache.free()
     for buf in (q, out, k, v):
         buf.free()
+
+
+def test_the_docs_occupancy_table_is_the_tools():
+    """docs/gpu.md's occupancy table is what tools/occupancy.py prints from the shipped
+    cuda/resources.json (regenerate it after a PTX build)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("occupancy", os.path.join(ROOT, "tools", "occupancy.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    table = tool.markdown(tool.rows(RESOURCES, {}))
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        assert table in f.read(), "run python3 tools/occupancy.py and paste it into docs/gpu.md"
+    # the tool's occupancy is the rule tested above
+    for module, kernels in RESOURCES.items():
+        for name, (regs, smem) in kernels.items():
+            if name.startswith(("kv_attn_", "kv_pattn_")) and name != "kv_attn_merge":
+                assert tool.resident(regs, smem, 128)[0] == resident_per_sm(regs, smem), name
