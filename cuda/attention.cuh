@@ -223,6 +223,22 @@ struct AttnCfg {
     static constexpr int VB = DPT * CB;                    // code bytes per thread-row
     static constexpr int STAGES = GB >= 8 ? 3 : 4;
     static constexpr int HPW = (GB + KV_ATTN_WARPS - 1) / KV_ATTN_WARPS;  // heads per warp
+    // q in shared memory (q_s, read where it is used) instead of registers: at GB 8 and
+    // DPT 8, q and acc take 2 x 8 x 8 = 128 registers, and ptxas gave 167-225 in all (2-3
+    // blocks per SM on sm_90); with q_s it fits 128 without spills, and
+    // __launch_bounds__(128, 4) asks for 4 blocks per SM (min_blocks; docs/gpu.md,
+    // "Occupancy and bytes in flight").
+    // Not for f32 (DPT 4: 4 blocks already), nor the 1-byte formats at D = 256 or a
+    // run-time D (the 8 KiB of q_s would pass the 48 KiB of static shared memory).
+    __host__ __device__ static constexpr bool qs(int DT) {
+        return GB >= 8 && DPT == 8 && (CB == 2 || (DT > 0 && DT <= 128));
+    }
+    // __launch_bounds__' minimum blocks per SM (0: none, as without the argument; nvcc then
+    // writes no .minnctapersm). 3 for the int8 pool kernels: at 4 (128 registers) ptxas
+    // spills 4-24 bytes on sm_80 (none on sm_90).
+    __host__ __device__ static constexpr int min_blocks(int DT, bool paged) {
+        return qs(DT) ? (FMT == KV_INT8 && paged ? 3 : 4) : 0;
+    }
     static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 block");
     // Geometry of head_dim D (a multiple of 16 up to 256; q8_0: of 32):
     __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
@@ -286,6 +302,19 @@ __device__ __forceinline__ void kv_load_row(const unsigned char* p, float* f) {
     for (int i = 0; i < C::VB / 4; i++) kv_dec_word<FMT>(w[i], f + i * PER_WORD);
 }
 
+// 4 floats from shared memory (16-byte aligned), loaded where they are used: a volatile
+// load, so that nvcc does not hoist a whole q (GB x DPT floats) into registers (it did,
+// with plain loads: 80-450 bytes of spills at 128 registers).
+__device__ __forceinline__ void kv_lds4(const float* p, float* f) {
+#ifdef KVCORE_EMU
+    f[0] = p[0]; f[1] = p[1]; f[2] = p[2]; f[3] = p[3];
+#else
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(a));
+#endif
+}
+
 // The kv head of the block: blockIdx.y = kv head x groups of GB query heads.
 __device__ __forceinline__ int kv_block_kvh(int group, int gb) { return blockIdx.y / (group / gb); }
 
@@ -304,6 +333,8 @@ __device__ __forceinline__ void kv_attn_split(
     __shared__ __align__(16) unsigned char stages[C::STAGES][STAGE_BYTES];
     __shared__ __align__(16) float part[GB * C::part_max(DT)];  // [g][row][c]
     __shared__ __align__(16) float prob[T_MAX * GB];           // [row][g]
+    constexpr bool QS = C::qs(DT);
+    __shared__ __align__(16) float q_s[QS ? GB * (DT ? DT : 256) : 4];  // [g][D] (QS)
     __shared__ float alpha_s[GB], m_s[GB], l_s[GB], inv_s[GB], cap_s;
     __shared__ int win_s[3];
 
@@ -428,12 +459,18 @@ __device__ __forceinline__ void kv_attn_split(
     }
 
     // q for this thread's dims of the GB heads, pre-scaled for base-2 softmax.
-    float qr[GB][C::DPT];
+    // (QS: every dim of the GB heads into q_s, visible after the tile loop's first barrier.)
+    float qr[QS ? 1 : GB][C::DPT];
+    if constexpr (QS) {
+        for (int i = tid; i < GB * D; i += KV_ATTN_THREADS)
+            q_s[i] = kv_load_input(q, q_dtype, (long long)row0_out * D + i) * qk_scale;
+    } else {
 #pragma unroll
-    for (int g = 0; g < GB; g++) {
-        const long long base = (long long)(row0_out + g) * D + c * C::DPT;
+        for (int g = 0; g < GB; g++) {
+            const long long base = (long long)(row0_out + g) * D + c * C::DPT;
 #pragma unroll
-        for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + k) * qk_scale;
+            for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + k) * qk_scale;
+        }
     }
     float acc[GB][C::DPT];
 #pragma unroll
@@ -461,9 +498,17 @@ __device__ __forceinline__ void kv_attn_split(
                 const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES, r, c * C::DPT, D);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
+                    float qv[C::DPT];
+                    if constexpr (QS) {
+#pragma unroll
+                        for (int k = 0; k < C::DPT; k += 4) kv_lds4(q_s + g * D + c * C::DPT + k, qv + k);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < C::DPT; k++) qv[k] = qr[g][k];
+                    }
                     float s = 0.0f;
 #pragma unroll
-                    for (int k = 0; k < C::DPT; k++) s = fmaf(qr[g][k], kf[k], s);
+                    for (int k = 0; k < C::DPT; k++) s = fmaf(qv[k], kf[k], s);
                     part[(g * T + r) * TPR + c] = s * sc;
                 }
             }
@@ -619,7 +664,7 @@ __device__ __forceinline__ void kv_attn_split(
 //   [max_batch][max_pages]; lengths int32 [max_batch]; q_offsets int32 [max_batch + 1].
 // D is 64, 128, 256 or x (any multiple of 16 up to 256, given as d).
 #define KV_ATTN_INSTANCE(FMT, NAME, DN, DT, GB)                                                \
-    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS) kv_attn_##NAME##_d##DN##_g##GB( \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<FMT, GB>::min_blocks(DT, false)) kv_attn_##NAME##_d##DN##_g##GB( \
         const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,                    \
         const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,                  \
         const int* lengths, int extra, int capacity, KV_ATTN_ARGS) {                           \
@@ -629,7 +674,7 @@ __device__ __forceinline__ void kv_attn_split(
             kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity,        \
                             kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS) kv_pattn_##NAME##_d##DN##_g##GB( \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<FMT, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
         const unsigned char* k_codes, const unsigned char* v_codes,                            \
         const unsigned char* k_scales, const unsigned char* v_scales,                          \
         const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,      \

@@ -23,7 +23,9 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -206,6 +208,8 @@ class GpuKVCache(driver.DeviceOwner):
             fit = max_slots_for_memory(self.spec, free)
             raise SpecError(f"GpuKVCache of {self.slots} slots needs {self.layout.total_bytes} bytes, "
                             f"the device has {free} free: at most {fit} slots fit")
+        # the largest pitch of a 2D/3D copy (CU_DEVICE_ATTRIBUTE_MAX_PITCH): _copy3d stays within it
+        self._max_pitch = self.ctx.attribute(driver.cuda().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH)
         self._own_stream = stream is None
         self.stream = Stream.create(self.ctx) if stream is None else (
             stream if isinstance(stream, Stream) else Stream.from_handle(int(driver.stream_handle(stream)), self.ctx))
@@ -528,36 +532,35 @@ class GpuKVCache(driver.DeviceOwner):
     def _copy3d(self, region: str, slot: int, layers: range, n: int, *,
                 host: np.ndarray | None = None, src: "GpuKVCache | None" = None,
                 to_host: bool = False) -> None:
-        """Copies positions [0, n) of `layers` of (region, slot) with one cuMemcpy3DAsync:
-        with the host array [len(layers)][Hkv][n][row] (either way), or from slot 0 of src."""
+        """Copies positions [0, n) of `layers` of (region, slot): with the host array
+        [len(layers)][Hkv][n][row] (either way), or from slot 0 of src. One cuMemcpy3DAsync
+        when every pitch is within the device's largest (plan_copy3d)."""
         drv = driver.cuda()
         f, s = self.spec.fmt, self.spec
         row = f.code_row_bytes(s.head_dim) if region.endswith("codes") else f.scale_row_bytes(s.head_dim)
-        p = drv.CUDA_MEMCPY3D()
         heads = s.num_kv_heads
-        dev = self._data.ptr + self.layout.slot_offset(region, layers.start, slot)
-
-        def device_side(prefix, ptr, slots, cap):
-            setattr(p, prefix + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
-            setattr(p, prefix + "Device", drv.CUdeviceptr(ptr))
-            setattr(p, prefix + "Pitch", cap * row)
-            setattr(p, prefix + "Height", slots * heads)
-
+        dev = CopySide(True, self._data.ptr + self.layout.slot_offset(region, layers.start, slot),
+                       s.capacity, self.slots * heads)
         if src is not None:
-            device_side("src", src._data.ptr + src.layout.slot_offset(region, layers.start, 0),
-                        src.slots, src.spec.capacity)
-            device_side("dst", dev, self.slots, s.capacity)
+            a = CopySide(True, src._data.ptr + src.layout.slot_offset(region, layers.start, 0),
+                         src.spec.capacity, src.slots * heads)
+            b = dev
         else:
-            side, other = ("dst", "src") if to_host else ("src", "dst")
-            setattr(p, side + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_HOST)
-            setattr(p, side + "Host", host.ctypes.data)
-            setattr(p, side + "Pitch", n * row)
-            setattr(p, side + "Height", heads)
-            device_side(other, dev, self.slots, s.capacity)
-        p.WidthInBytes = n * row
-        p.Height = heads
-        p.Depth = len(layers)
-        driver.call("cuMemcpy3DAsync", p, self.stream.handle)
+            h = CopySide(False, host.ctypes.data, n, heads)
+            a, b = (dev, h) if to_host else (h, dev)
+        for c in plan_copy3d(row, heads, n, len(layers), a, b, self._max_pitch):
+            p = drv.CUDA_MEMCPY3D()
+            for name, (is_dev, address, pitch, height) in (("src", c.src), ("dst", c.dst)):
+                if is_dev:
+                    setattr(p, name + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+                    setattr(p, name + "Device", drv.CUdeviceptr(address))
+                else:
+                    setattr(p, name + "MemoryType", drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+                    setattr(p, name + "Host", address)
+                setattr(p, name + "Pitch", pitch)
+                setattr(p, name + "Height", height)
+            p.WidthInBytes, p.Height, p.Depth = c.width, c.height, c.depth
+            driver.call("cuMemcpy3DAsync", p, self.stream.handle)
 
     @driver.in_context
     def snapshot(self, slot: int) -> Snapshot:
@@ -671,6 +674,67 @@ class GpuKVCache(driver.DeviceOwner):
         state = "freed" if self.freed else f"{self.memory_bytes} bytes"
         return (f"GpuKVCache(L={s.num_layers}, M={self.slots}, Hkv={s.num_kv_heads}, "
                 f"N={s.capacity}, D={s.head_dim}, format={s.format}, {state})")
+
+
+MAX_PITCH = 2**31 - 1   # CU_DEVICE_ATTRIBUTE_MAX_PITCH of every device kvcore runs on (sm_80+)
+
+
+class CopySide(NamedTuple):
+    """One side of a head-major copy (GpuKVCache._copy3d): device memory or a host array,
+    `address` of head 0 of the first layer copied; heads of `head_rows` rows (the
+    capacity, or n for the host's [L][Hkv][n][row]) and layers of `layer_heads` heads (the
+    slots times Hkv, or Hkv for the host)."""
+    device: bool
+    address: int
+    head_rows: int
+    layer_heads: int
+
+
+class Copy3D(NamedTuple):
+    """One cuMemcpy3D: src and dst as (device, address, pitch, height), the box."""
+    src: tuple
+    dst: tuple
+    width: int
+    height: int
+    depth: int
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of n (>= 1) that is at most cap (1 when cap < 1)."""
+    best, i = 1, 1
+    while i * i <= n:
+        if n % i == 0:
+            for d in (i, n // i):
+                if best < d <= cap:
+                    best = d
+        i += 1
+    return best
+
+
+def plan_copy3d(row: int, heads: int, n: int, depth: int, a: CopySide, b: CopySide,
+                max_pitch: int = MAX_PITCH) -> list[Copy3D]:
+    """The cuMemcpy3D copies that move rows [0, n) of `heads` heads of `depth` layers from
+    side a to side b (rows of `row` bytes), no pitch past max_pitch (the driver refuses a
+    pitch over CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1 bytes).
+
+    One copy when a head (head_rows * row bytes) fits a pitch on both sides: y = the head
+    (pitch: a head), z = the layer (height: a layer's heads). Otherwise (a head past 2 GiB:
+    capacity * row > 2^31 - 1) one copy per layer in rows of d positions, d the largest
+    divisor of n and of both head_rows with d * row <= max_pitch: y = d positions of the
+    head (pitch d * row), z = the head (height head_rows / d), so the n rows of a head are
+    n / d contiguous pieces and every pitch is at most max_pitch."""
+    if max(a.head_rows, b.head_rows) * row <= max_pitch:
+        return [Copy3D((a.device, a.address, a.head_rows * row, a.layer_heads),
+                       (b.device, b.address, b.head_rows * row, b.layer_heads),
+                       n * row, heads, depth)]
+    g = math.gcd(n, a.head_rows, b.head_rows)
+    d = largest_divisor_at_most(g, max_pitch // row)
+    out = []
+    for layer in range(depth):
+        sides = [(x.device, x.address + layer * x.layer_heads * x.head_rows * row, d * row,
+                  x.head_rows // d) for x in (a, b)]
+        out.append(Copy3D(sides[0], sides[1], d * row, n // d, heads))
+    return out
 
 
 def _round32(n: int) -> int:

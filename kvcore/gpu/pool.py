@@ -57,7 +57,7 @@ from ..pool import KVPool, PoolStats, _counts
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
-from .cache import check_gpu_format
+from .cache import check_gpu_format, largest_divisor_at_most
 from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
@@ -85,6 +85,15 @@ def _one_call(method):
         finally:
             self._guard.release()
     return guarded
+
+
+def page_pieces(page_size: int, row: int, max_pitch: int) -> int:
+    """k: the rows a page copy cuts a page of page_size positions of `row` bytes into, so
+    that the pitch (page_size / k positions) is at most max_pitch: 1 when a page fits,
+    else page_size / d for the largest divisor d of page_size with d * row <= max_pitch."""
+    if page_size * row <= max_pitch:
+        return 1
+    return page_size // largest_divisor_at_most(page_size, max_pitch // row)
 
 
 def _align(n: int) -> int:
@@ -220,6 +229,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def _create(self, data_bytes: int, meta_bytes: int) -> None:
         # kernels first: a driver that cannot load them leaves nothing behind
         self._fn_append = kernels.function("paged", "kv_paged_append", self.ctx)
+        # page copies cut a page into k rows when one passes the device's largest pitch
+        limit = self.ctx.attribute(driver.cuda().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH)
+        self._page_pieces = {r: page_pieces(self.page_size, self._row[r], limit) for r in REGIONS}
         driver.refuse_while_capturing("GpuKVPool()")
         self._plan_decode()
         P, ps = self.num_pages, self.page_size
@@ -434,13 +446,15 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                    stream: Stream | None = None) -> None:
         """One page of `region`, every layer, in one cuMemcpy3DAsync on `stream` (default the
         pool's): to page dst_page, or between the device and page `index` of host
-        [L][k * page_size][Hkv][W] (C order).
-        Each side is pages of page_bytes (the pitch: rows of one page, y = the page) in
-        slices of a layer (z = the layer), so no pitch passes the driver's limit
-        (2^31 - 1 bytes) however large the pool."""
+        [L][k * page_size][Hkv][W] (C order). Each side is pages of page_bytes in slices of
+        a layer (z = the layer), a page being k rows of page_bytes / k (the pitch; y = k *
+        the page), k = 1 unless a page passes the device's largest pitch (2^31 - 1 bytes;
+        _page_pieces), so no pitch passes the driver's limit however large the pool or its
+        pages."""
         drv = driver.cuda()
         L, ps = self.spec.num_layers, self.page_size
-        page_bytes = ps * self._row[region]
+        k = self._page_pieces[region]
+        pitch = ps // k * self._row[region]
         p = drv.CUDA_MEMCPY3D()
 
         def side(name, kind, address, g, pages):
@@ -449,9 +463,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                 setattr(p, name + "Host", address)
             else:
                 setattr(p, name + "Device", drv.CUdeviceptr(address))
-            setattr(p, name + "Pitch", page_bytes)
-            setattr(p, name + "Height", pages)   # a layer: pages pages of page_bytes
-            setattr(p, name + "Y", g)
+            setattr(p, name + "Pitch", pitch)
+            setattr(p, name + "Height", pages * k)   # a layer: pages pages of k rows
+            setattr(p, name + "Y", g * k)
 
         device = (drv.CUmemorytype.CU_MEMORYTYPE_DEVICE, self._data.ptr + self.offsets[region])
         if host is None:
@@ -460,10 +474,10 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         else:
             h, d = ("dst", "src") if to_host else ("src", "dst")
             side(h, drv.CUmemorytype.CU_MEMORYTYPE_HOST, host.ctypes.data, index,
-                 host.nbytes // L // page_bytes)
+                 host.nbytes // L // (ps * self._row[region]))
             side(d, *device, page, self.num_pages)
-        p.WidthInBytes = page_bytes
-        p.Height = 1
+        p.WidthInBytes = pitch
+        p.Height = k
         p.Depth = L
         driver.call("cuMemcpy3DAsync", p, (stream or self.stream).handle)
 
