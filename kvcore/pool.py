@@ -538,7 +538,7 @@ class KVPool(WindowViews):
             k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
             out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
-            decode_rows(self._spec.fmt.id, codes, scales, out)
+            decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
             return out
 
     # -- snapshots -----------------------------------------------------------------

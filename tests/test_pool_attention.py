@@ -291,9 +291,9 @@ class _Recorder:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def attend_paged(self, q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts, *args, **kw):
+    def attend_paged(self, q, kc, vc, ks, vs, kf, vf, ps, tables, lengths, counts, *args, **kw):
         self.calls.append((tables.copy(), lengths.copy(), counts.copy()))
-        return self._real.attend_paged(q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts,
+        return self._real.attend_paged(q, kc, vc, ks, vs, kf, vf, ps, tables, lengths, counts,
                                        *args, **kw)
 
 
