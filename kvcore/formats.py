@@ -151,6 +151,13 @@ def get_pair(fmt: "str | Format") -> tuple[Format, Format]:
     return f, f
 
 
+def describe(name: str) -> str:
+    """A format's name for messages: a pair's says each side ("q8_0/q4_0 (K q8_0, V
+    q4_0)"), a single format's is its name."""
+    k, sep, v = name.partition(PAIR_SEP)
+    return f"{name} (K {k}, V {v})" if sep else name
+
+
 def _side(which: str, fmt: object) -> Format:
     try:
         return get_format(fmt)  # type: ignore[arg-type]

@@ -42,6 +42,7 @@ from ._window import WindowViews, check_window, restore_need, snapshot_index, sn
 from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
                      StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
+from .formats import describe
 from .spec import KVSpec
 
 if TYPE_CHECKING:
@@ -807,8 +808,10 @@ def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
                         "cache's lookups")
     for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
         if getattr(store.spec, name) != getattr(spec, name):
-            raise SpecError(f"store {name} {getattr(store.spec, name)} does not match the "
-                            f"pool's {getattr(spec, name)}")
+            have, want = getattr(store.spec, name), getattr(spec, name)
+            if name == "format":
+                have, want = describe(have), describe(want)
+            raise SpecError(f"store {name} {have} does not match the pool's {want}")
     if store.page_size != page_size:
         raise SpecError(f"store page_size {store.page_size} does not match the pool's "
                         f"{page_size}: their content keys would differ")
