@@ -665,7 +665,8 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, tuple[int, int, int]]
     if _metadata_digest(meta) != meta["sha256"]:
         raise SnapshotError("the metadata does not match its SHA-256: corrupt header")
     try:
-        spec = KVSpec(**{k: _meta_uint(meta, k) for k in _SPEC_KEYS}, format=fmt_name)
+        sizes: dict[str, Any] = {k: _meta_uint(meta, k) for k in _SPEC_KEYS}
+        spec = KVSpec(**sizes, format=fmt_name)
     except (SpecError, FormatError) as e:
         raise SnapshotError(f"metadata spec: {e}") from None
     length = _meta_uint(meta, "length")

@@ -73,9 +73,10 @@ class KVSpec:
     head_dim: int
     capacity: int
     num_heads: int | None = None
-    format: str | None = None
-    k_format: str | None = None
-    v_format: str | None = None
+    # None when not given; names (str) once built
+    format: str = None        # type: ignore[assignment]
+    k_format: str = None      # type: ignore[assignment]
+    v_format: str = None      # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "capacity"):
@@ -107,17 +108,17 @@ class KVSpec:
             raise FormatError(
                 f"this spec stores K as {self.k_format} and V as {self.v_format}: spec.fmt "
                 f"names one format for both; use spec.k_fmt / spec.v_fmt")
-        return FORMATS[cast(str, self.k_format)]
+        return FORMATS[self.k_format]
 
     @property
     def k_fmt(self) -> Format:
         """The Format of the K rows."""
-        return FORMATS[cast(str, self.k_format)]
+        return FORMATS[self.k_format]
 
     @property
     def v_fmt(self) -> Format:
         """The Format of the V rows."""
-        return FORMATS[cast(str, self.v_format)]
+        return FORMATS[self.v_format]
 
     @property
     def fmts(self) -> tuple[Format, Format]:
