@@ -778,8 +778,7 @@ cdef extern from *:
     /* The tile's scales as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
-    static void kv_tile_scales(const kv_side* x, int hkv, const kv_tile* T, float* out) {
-        const int fmt = x->fmt;
+    KV_INLINE void kv_tile_scales(const int fmt, const kv_side* x, int hkv, const kv_tile* T, float* out) {
         const char* sc = x->sc;
         if (KV_BLOCKED(fmt)) {
             const int per = hkv * x->s;   /* scales of one position, contiguous */
@@ -906,8 +905,8 @@ cdef extern from *:
             kv_pf pf = {J->k.c, J->v.c, nxt, J->k.cs, J->v.cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->k.cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
-            kv_tile_scales(&J->k, H, cur, ksc);
-            kv_tile_scales(&J->v, H, cur, vsc);
+            kv_tile_scales(kfmt, &J->k, H, cur, ksc);
+            kv_tile_scales(vfmt, &J->v, H, cur, vsc);
             /* soft-capping, or the window's lower bound inside this tile (multi-token
                rows: the later tokens' windows start later) */
             const int var = J->cap > 0.0f || kv_window_cuts(J, J->first[r1 - 1], j0, np);
@@ -1066,8 +1065,8 @@ cdef extern from *:
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             if (j0 + np <= first && j0 >= J->sink_n) continue;
             kv_tile_rows(J, j0, np, &tile);
-            kv_tile_scales(&J->k, H, &tile, ksc);
-            kv_tile_scales(&J->v, H, &tile, vsc);
+            kv_tile_scales(kfmt, &J->k, H, &tile, ksc);
+            kv_tile_scales(vfmt, &J->v, H, &tile, vsc);
             kv_vi lastrel[KV_BV];
             for (int v = 0; v < KV_BV; v++)
                 for (int k = 0; k < KV_W; k++) {
