@@ -101,6 +101,13 @@ class KVSpec:
                 f"cache of {self.memory_bytes} bytes overflows a 64-bit size "
                 f"(capacity={self.capacity}, bytes_per_position={self.bytes_per_position})")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """pickle: a spec pickled before K/V pairs (no k_format / v_format) holds one
+        format for both."""
+        if "k_format" not in state:
+            state = dict(state, k_format=state["format"], v_format=state["format"])
+        self.__dict__.update(state)
+
     @property
     def fmt(self) -> Format:
         """The Format of K and V; FormatError when they differ (use k_fmt / v_fmt)."""

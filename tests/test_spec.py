@@ -138,3 +138,15 @@ def test_pair_errors_name_the_side_and_the_numbers():
         spec(k_format="q4_1", v_format="f16", head_dim=80)
     with pytest.raises(FormatError, match="'q8_0/q4_0' names a K/V pair, not one format"):
         get_format("q8_0/q4_0")
+
+
+def test_pickles_of_specs_before_pairs_load():
+    """A KVSpec pickled by a kvcore before K/V pairs (its state has no k_format /
+    v_format) loads as one format for both."""
+    import pickle
+    s = spec(format="q8_0")
+    old = {k: v for k, v in s.__dict__.items() if k not in ("k_format", "v_format")}
+    back = KVSpec.__new__(KVSpec)
+    back.__setstate__(old)
+    assert back == s and back.fmt is FORMATS["q8_0"]
+    assert pickle.loads(pickle.dumps(spec(format="q8_0/q4_0"))) == spec(format="q8_0/q4_0")
