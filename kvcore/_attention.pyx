@@ -497,8 +497,9 @@ cdef extern from *:
     static size_t kv_tile_scratch_floats(const kv_job* J) {
         return (size_t)KV_ROWS * KV_P + 2 * kv_scale_floats(J) + 2 * (size_t)KV_P * J->dp;
     }
-    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales (kv_scale_floats) each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the
-       block's scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
+    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales (kv_scale_floats)
+       each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the block's
+       scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
     static size_t kv_scratch_floats(const kv_job* J) {
         size_t x = kv_tile_scratch_floats(J);
         if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
@@ -775,18 +776,19 @@ cdef extern from *:
         }
     }
 
-    /* The tile's scales as float32 in out: int8/FP8 row scales of its np positions
+    /* The tile's scales of one side (fmt: its format, a constant in the kernels of one
+       format) as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
-    KV_INLINE void kv_tile_scales(const int fmt, const kv_side* x, int hkv, const kv_tile* T, float* out) {
-        const char* sc = x->sc;
+    KV_INLINE void kv_tile_scales(const int fmt, const kv_side* side, int hkv, const kv_tile* T, float* out) {
+        const char* sc = side->sc;
         if (KV_BLOCKED(fmt)) {
-            const int per = hkv * x->s;   /* scales of one position, contiguous */
+            const int per = hkv * side->s;   /* scales of one position, contiguous */
             for (int i = 0, j = 0; i < T->nr; j += T->rl[i], i++)
-                kv_halves(sc + T->rs[i] * x->ss, T->rl[i] * per, out + (size_t)j * per);
+                kv_halves(sc + T->rs[i] * side->ss, T->rl[i] * per, out + (size_t)j * per);
         } else if (KV_ROW_SCALED(fmt)) {
             const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
-            const ptrdiff_t ss = x->ss, sh = x->sh;
+            const ptrdiff_t ss = side->ss, sh = side->sh;
             const int np = T->np;
             for (int h = 0; h < hkv; h++) {
                 const char* p = sc + h * sh;
