@@ -8,11 +8,11 @@ ATTEND_BAD_Q: int
 ATTEND_OVERFLOW: int
 
 def attend(q: np.ndarray, k_codes: np.ndarray, v_codes: np.ndarray, k_scales: np.ndarray | None,
-           v_scales: np.ndarray | None, fmt: int, n: int, scale: float, causal: bool,
+           v_scales: np.ndarray | None, k_fmt: int, v_fmt: int, n: int, scale: float, causal: bool,
            out: np.ndarray, lse: np.ndarray | None = None) -> int: ...
 def attend_paged(q: np.ndarray, k_codes: np.ndarray, v_codes: np.ndarray,
-                 k_scales: np.ndarray | None, v_scales: np.ndarray | None, fmt: int,
-                 page_size: int, tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
+                 k_scales: np.ndarray | None, v_scales: np.ndarray | None, k_fmt: int,
+                 v_fmt: int, page_size: int, tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
                  scale: float, causal: bool, out: np.ndarray,
                  lse: np.ndarray | None = None) -> int: ...
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, neox: bool) -> None: ...

@@ -49,6 +49,10 @@
    decoded once per block; a block walks every split in turn, skips the tiles after its
    last visible position (the causal mask hides them from all its rows) and merges its
    rows itself; the threads take the blocks as they come free (kv_block_fmt).
+   K and V may be stored in different formats (a K/V pair): the scores decode K's codes,
+   the weighted sums V's, each through its own format's copy of the code (one copy per
+   format, switched per tile and head); K and V in one format keep one kernel with the
+   format a constant (KV_BY_FORMATS).
 6. The splits are merged with a log-sum-exp reduction into the workspace (and, when
    asked, each row's log-sum-exp M + log L, natural log, into lse), then copied to out
    [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
@@ -386,13 +390,19 @@ cdef extern from *:
         return (int32_t)(t < 0 ? 0 : t > KV_P ? KV_P : t);
     }
 
-    /* The attention of one sequence's new tokens (attend fills one per sequence). */
+    /* One side of a layer's storage, K or V, in its own format (a K/V pair: two). */
     typedef struct {
-        const char *kc, *vc;     /* codes of storage row 0, head 0 */
-        const char *ks, *vs;     /* scales of storage row 0, head 0 (NULL without scales) */
+        const char* c;           /* codes of storage row 0, head 0 */
+        const char* sc;          /* scales of storage row 0, head 0 (NULL without scales) */
         ptrdiff_t cs, ch;        /* code bytes between rows (all heads), between heads */
         ptrdiff_t ss, sh;        /* scale bytes between rows, between heads */
-        int fmt, d, dp, s;       /* format id, head dim, d rounded up to 16, scales per row */
+        int fmt, s;              /* format id, scales per row */
+    } kv_side;
+
+    /* The attention of one sequence's new tokens (attend fills one per sequence). */
+    typedef struct {
+        kv_side k, v;            /* K's storage (the scores) and V's (the weighted sums) */
+        int d, dp;               /* head dim, d rounded up to 16 */
         int hkv, g, t, r;        /* kv heads, group size, new tokens, rows per group (t * g) */
         const int32_t* table;    /* page of each page_size positions: position p is storage */
         int64_t ps;              /*   row table[p / ps] * ps + p % ps */
@@ -467,6 +477,11 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
+    /* Floats of one side's tile scales: KV_P * hkv * max(s, 1) of the side with more. */
+    KV_INLINE size_t kv_scale_floats(const kv_job* J) {
+        const int s = J->k.s > J->v.s ? J->k.s : J->v.s;
+        return KV_ROUND16((size_t)KV_P * J->hkv * (s > 0 ? s : 1));
+    }
     #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
     #define KV_SPLIT_ROWS 128  /* the most query rows of a split-wise job (<= KV_ROWS) */
     /* Floats of a split state of sr rows per head: m [hkv][sr], l [hkv][sr][KV_W], acc
@@ -480,12 +495,11 @@ cdef extern from *:
     /* Floats of the scratch of a work item, without / with a row-wise block's own queries
        and split states. */
     static size_t kv_tile_scratch_floats(const kv_job* J) {
-        size_t sc = KV_ROUND16((size_t)KV_P * J->hkv * (J->s > 0 ? J->s : 1));
-        return (size_t)KV_ROWS * KV_P + 2 * sc + 2 * (size_t)KV_P * J->dp;
+        return (size_t)KV_ROWS * KV_P + 2 * kv_scale_floats(J) + 2 * (size_t)KV_P * J->dp;
     }
-    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales [KV_P * hkv *
-       max(s, 1)] each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the
-       block's scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
+    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales (kv_scale_floats)
+       each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the block's
+       scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
     static size_t kv_scratch_floats(const kv_job* J) {
         size_t x = kv_tile_scratch_floats(J);
         if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
@@ -514,7 +528,9 @@ cdef extern from *:
        L2 (prefetcht2), not L1: a tile's K and V (256 KiB in f16 at Hkv = 8, D = 128)
        are far larger than L1, and prefetching them into L1 (prefetcht0) made f16/bf16
        decode 3-4x slower on a Zen 4 core (docs/attention.md). */
-    typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs; int run; size_t off, left, step; } kv_pf;
+    /* The stream counts K's bytes (cs: K's code bytes per row); V's rows (vcs bytes each)
+       are prefetched in step, the same share of each run. */
+    typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs, vcs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
         f->left -= b;
@@ -522,7 +538,13 @@ cdef extern from *:
             const size_t run = (size_t)f->t->rl[f->run] * f->cs - f->off;
             const size_t n = b < run ? b : run;
             const size_t at = (size_t)f->t->rs[f->run] * f->cs + f->off;
-            for (size_t o = 0; o < n; o += 64) { __builtin_prefetch(f->k + at + o, 0, 1); __builtin_prefetch(f->v + at + o, 0, 1); }
+            if (f->vcs == f->cs) {
+                for (size_t o = 0; o < n; o += 64) { __builtin_prefetch(f->k + at + o, 0, 1); __builtin_prefetch(f->v + at + o, 0, 1); }
+            } else {
+                const size_t va = (size_t)f->t->rs[f->run] * f->vcs + f->off * f->vcs / f->cs;
+                for (size_t o = 0; o < n; o += 64) __builtin_prefetch(f->k + at + o, 0, 1);
+                for (size_t o = 0; o < n * f->vcs / f->cs; o += 64) __builtin_prefetch(f->v + va + o, 0, 1);
+            }
             b -= n;
             f->off += n;
             if (n == run) { f->run++; f->off = 0; }
@@ -668,6 +690,29 @@ cdef extern from *:
         }
     }
 
+    /* kv_scores / kv_values / kv_decode_rows of a format id known at run time: one switch
+       per tile and head into the copy of the code made for that format. A K/V pair reads
+       K's codes in the scores and V's in the weighted sums, each side through its own
+       format's copy, so the kernels are made once per format, never per pair. */
+    #define KV_EACH_FORMAT(X) X(KV_F32) X(KV_F16) X(KV_BF16) X(KV_INT8) X(KV_E4M3) \
+                              X(KV_E5M2) X(KV_Q8_0) X(KV_Q4_0) X(KV_Q4_1)
+    static void kv_scores_of(int fmt, int R, kv_rows k, int np, const float* q, int dp,
+                             const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
+        switch (fmt) {
+        #define KV_CASE(F) case F: kv_scores(F, R, k, np, q, dp, rs, last, j0, s, pf); break;
+        KV_EACH_FORMAT(KV_CASE)
+        #undef KV_CASE
+        }
+    }
+    static void kv_values_of(int fmt, int R, kv_rows v, int np, const float* w, int ws, int wp,
+                             float* acc, int dp) {
+        switch (fmt) {
+        #define KV_CASE(F) case F: kv_values(F, R, v, np, w, ws, wp, acc, dp); break;
+        KV_EACH_FORMAT(KV_CASE)
+        #undef KV_CASE
+        }
+    }
+
     /* Online-softmax update of R rows by one tile's scores s [R][KV_P] (np valid; masked
        lanes -inf): m [R] (running max), l [R][KV_W] (lane sums of the weights) and acc
        [R][dp] are rescaled when the max grows; s becomes the weights exp(s - m), times
@@ -731,19 +776,21 @@ cdef extern from *:
         }
     }
 
-    /* The tile's scales as float32 in out: int8/FP8 row scales of its np positions
+    /* The tile's scales of one side (fmt: its format, a constant in the kernels of one
+       format) as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
        leaves out), q8_0 block scales as stored, [np][hkv][s]. */
-    KV_INLINE void kv_tile_scales(const int fmt, const kv_job* J, const char* sc, const kv_tile* T, float* out) {
+    KV_INLINE void kv_tile_scales(const int fmt, const kv_side* side, int hkv, const kv_tile* T, float* out) {
+        const char* sc = side->sc;
         if (KV_BLOCKED(fmt)) {
-            const int per = J->hkv * J->s;   /* scales of one position, contiguous */
+            const int per = hkv * side->s;   /* scales of one position, contiguous */
             for (int i = 0, j = 0; i < T->nr; j += T->rl[i], i++)
-                kv_halves(sc + T->rs[i] * J->ss, T->rl[i] * per, out + (size_t)j * per);
+                kv_halves(sc + T->rs[i] * side->ss, T->rl[i] * per, out + (size_t)j * per);
         } else if (KV_ROW_SCALED(fmt)) {
             const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
-            const ptrdiff_t ss = J->ss, sh = J->sh;
+            const ptrdiff_t ss = side->ss, sh = side->sh;
             const int np = T->np;
-            for (int h = 0; h < J->hkv; h++) {
+            for (int h = 0; h < hkv; h++) {
                 const char* p = sc + h * sh;
                 float* o = out + (size_t)h * KV_P;
                 for (int j = 0; j < np; j++) { float x; memcpy(&x, p + T->ph[j] * ss, 4); o[j] = x * f; }
@@ -752,11 +799,12 @@ cdef extern from *:
         }
     }
 
-    KV_INLINE kv_rows kv_head_rows(const int fmt, const kv_job* J, const char* c, const float* sc,
+    /* Head h's rows of one side within a tile; sc: the side's tile scales (kv_tile_scales). */
+    KV_INLINE kv_rows kv_head_rows(const kv_side* x, const kv_job* J, const float* sc,
                                    const kv_tile* T, int h) {
-        kv_rows x = {c + h * J->ch, J->cs, T->ph, KV_BLOCKED(fmt) ? sc + (size_t)h * J->s : NULL,
-                     J->hkv * J->s, J->d};
-        return x;
+        kv_rows r = {x->c + h * x->ch, x->cs, T->ph, KV_BLOCKED(x->fmt) ? sc + (size_t)h * x->s : NULL,
+                     J->hkv * x->s, J->d};
+        return r;
     }
 
     /* out [KV_P][dp] = the np rows of x as float32, as kv_load and the q8_0 block scale
@@ -773,6 +821,31 @@ cdef extern from *:
             }
         }
     }
+    static void kv_decode_rows_of(int fmt, kv_rows x, int np, float* out, int dp) {
+        switch (fmt) {
+        #define KV_CASE(F) case F: kv_decode_rows(F, x, np, out, dp); break;
+        KV_EACH_FORMAT(KV_CASE)
+        #undef KV_CASE
+        }
+    }
+    /* kv_scores / kv_values / kv_decode_rows in format f: its own copy when f is a
+       constant format id, or (f = KV_ANY) through the switch into format rt's copy. */
+    #define KV_ANY (-1)
+    #define KV_CONST(f) ((f) == KV_ANY ? KV_F32 : (f))   /* no copy for KV_ANY itself */
+    KV_INLINE void kv_scores_in(const int f, int rt, int R, kv_rows k, int np, const float* q, int dp,
+                                const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
+        if (f == KV_ANY) kv_scores_of(rt, R, k, np, q, dp, rs, last, j0, s, pf);
+        else kv_scores(KV_CONST(f), R, k, np, q, dp, rs, last, j0, s, pf);
+    }
+    KV_INLINE void kv_values_in(const int f, int rt, int R, kv_rows v, int np, const float* w, int ws,
+                                int wp, float* acc, int dp) {
+        if (f == KV_ANY) kv_values_of(rt, R, v, np, w, ws, wp, acc, dp);
+        else kv_values(KV_CONST(f), R, v, np, w, ws, wp, acc, dp);
+    }
+    KV_INLINE void kv_decode_rows_in(const int f, int rt, kv_rows x, int np, float* out, int dp) {
+        if (f == KV_ANY) kv_decode_rows_of(rt, x, np, out, dp);
+        else kv_decode_rows(KV_CONST(f), x, np, out, dp);
+    }
 
     /* Rows [r0, r1) (at most KV_ROWS) of every kv head over the positions [p0, p1) of
        one split: queries q [hkv][sr][dp] and state w (kv_state_floats(sr)), row r of head
@@ -780,11 +853,12 @@ cdef extern from *:
        the row block: rows are independent. Tiles past the block's last visible position
        (the causal mask hides them from every row of the block) are skipped, which leaves
        each row's state exactly as processing them would (weights 0). */
-    KV_INLINE void kv_split_fmt(const int fmt, const kv_job* J, const float* q, float* w, int sr, int ro,
-                                int64_t p0, int64_t p1, int r0, int r1, float* x) {
+    KV_INLINE void kv_split_fmt(const int kf0, const int vf0, const kv_job* J, const float* q, float* w,
+                                int sr, int ro, int64_t p0, int64_t p1, int r0, int r1, float* x) {
         const int R = sr, H = J->hkv, dp = J->dp, nr = r1 - r0;
+        const int kfmt = kf0 == KV_ANY ? J->k.fmt : kf0, vfmt = vf0 == KV_ANY ? J->v.fmt : vf0;
         const size_t rows = (size_t)H * R;
-        const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
+        const size_t sc = kv_scale_floats(J);
         float* m = w;
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
@@ -795,7 +869,7 @@ cdef extern from *:
         float* vf = kf + (size_t)KV_P * dp;
         /* rows blocks of more than 2 register blocks decode each head's tile once, then
            read it as f32: the same values in the same operations */
-        const int predecode = fmt != KV_F32 && nr > 2 * KV_RB;
+        const int predecode = (kfmt != KV_F32 || vfmt != KV_F32) && nr > 2 * KV_RB;
         int64_t rowf[KV_P];
         for (int h = 0; h < H; h++) {
             const size_t hr = (size_t)h * R + ro;
@@ -813,11 +887,16 @@ cdef extern from *:
         kv_tile_rows(J, p0, (int)(p1 - p0 < KV_P ? p1 - p0 : KV_P), cur);
         /* the first tile, which no earlier tile prefetched: one burst, into L2 */
         for (int i = 0; i < cur->nr; i++) {
-            const char* k = J->kc + cur->rs[i] * J->cs;
-            const char* v = J->vc + cur->rs[i] * J->cs;
-            for (size_t o = 0; o < (size_t)cur->rl[i] * J->cs; o += 64) {
-                __builtin_prefetch(k + o, 0, 1);
-                __builtin_prefetch(v + o, 0, 1);
+            const char* k = J->k.c + cur->rs[i] * J->k.cs;
+            const char* v = J->v.c + cur->rs[i] * J->v.cs;
+            if (J->k.cs == J->v.cs) {
+                for (size_t o = 0; o < (size_t)cur->rl[i] * J->k.cs; o += 64) {
+                    __builtin_prefetch(k + o, 0, 1);
+                    __builtin_prefetch(v + o, 0, 1);
+                }
+            } else {
+                for (size_t o = 0; o < (size_t)cur->rl[i] * J->k.cs; o += 64) __builtin_prefetch(k + o, 0, 1);
+                for (size_t o = 0; o < (size_t)cur->rl[i] * J->v.cs; o += 64) __builtin_prefetch(v + o, 0, 1);
             }
         }
         for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
@@ -825,40 +904,68 @@ cdef extern from *:
             const int64_t next = j0 + KV_P + KV_P < end ? j0 + KV_P + KV_P : end;
             const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * KV_PFB * ((nr + KV_RB - 1) / KV_RB);
             if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
-            kv_pf pf = {J->kc, J->vc, nxt, J->cs, 0, 0,
-                        next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->cs : 0, 0};
+            kv_pf pf = {J->k.c, J->v.c, nxt, J->k.cs, J->v.cs, 0, 0,
+                        next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->k.cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
-            kv_tile_scales(fmt, J, J->ks, cur, ksc);
-            kv_tile_scales(fmt, J, J->vs, cur, vsc);
+            kv_tile_scales(kfmt, &J->k, H, cur, ksc);
+            kv_tile_scales(vfmt, &J->v, H, cur, vsc);
             /* soft-capping, or the window's lower bound inside this tile (multi-token
                rows: the later tokens' windows start later) */
             const int var = J->cap > 0.0f || kv_window_cuts(J, J->first[r1 - 1], j0, np);
             for (int h = 0; h < H; h++) {
-                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, cur, h), v = kv_head_rows(fmt, J, J->vc, vsc, cur, h);
+                kv_rows k = kv_head_rows(&J->k, J, ksc, cur, h), v = kv_head_rows(&J->v, J, vsc, cur, h);
                 const size_t hr = (size_t)h * R + ro;
                 float* ah = acc + hr * dp;
-                const float* rs = KV_ROW_SCALED(fmt) ? ksc + (size_t)h * KV_P : NULL;
+                const float* rs = KV_ROW_SCALED(kfmt) ? ksc + (size_t)h * KV_P : NULL;
                 if (predecode) {
+                    /* each side not f32 decoded; both then read as f32 rows */
                     for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
-                    kv_decode_rows(fmt, k, np, kf, dp);
-                    kv_decode_rows(fmt, v, np, vf, dp);
-                    kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
-                    kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
-                    kv_scores(KV_F32, nr, kd, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                    if (kfmt != KV_F32) {
+                        kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
+                        kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                        k = kd;
+                    }
+                    if (vfmt != KV_F32) {
+                        kv_decode_rows_in(vf0, vfmt, v, np, vf, dp);
+                        kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                        v = vd;
+                    }
+                    kv_scores(KV_F32, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
                     if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                     kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
-                               KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
-                    kv_values(KV_F32, nr, vd, np, s, KV_P, 1, ah, dp);
+                               KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL);
+                    kv_values(KV_F32, nr, v, np, s, KV_P, 1, ah, dp);
                     continue;
                 }
-                kv_scores(fmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                kv_scores_in(kf0, kfmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
                 if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                 kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
-                           KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL);
-                kv_values(fmt, nr, v, np, s, KV_P, 1, ah, dp);
+                           KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL);
+                kv_values_in(vf0, vfmt, nr, v, np, s, KV_P, 1, ah, dp);
             }
             kv_tile* swap = cur; cur = nxt; nxt = swap;
         }
+    }
+
+    /* One copy of kv_split_fmt per format for K and V in the same format (the formats
+       constants in it, as every kernel before pairs), and one for every K/V pair (KV_ANY:
+       the scores and weighted sums switch to their format's copy per tile and head). */
+    #define KV_BY_FORMATS(J, FN, ...) do {                                                   \
+        if ((J)->k.fmt != (J)->v.fmt) { FN(KV_ANY, KV_ANY, __VA_ARGS__); break; }             \
+        switch ((J)->k.fmt) {                                                                 \
+        case KV_F32: FN(KV_F32, KV_F32, __VA_ARGS__); break;                                  \
+        case KV_F16: FN(KV_F16, KV_F16, __VA_ARGS__); break;                                  \
+        case KV_BF16: FN(KV_BF16, KV_BF16, __VA_ARGS__); break;                               \
+        case KV_INT8: FN(KV_INT8, KV_INT8, __VA_ARGS__); break;                               \
+        case KV_E4M3: FN(KV_E4M3, KV_E4M3, __VA_ARGS__); break;                               \
+        case KV_E5M2: FN(KV_E5M2, KV_E5M2, __VA_ARGS__); break;                               \
+        case KV_Q8_0: FN(KV_Q8_0, KV_Q8_0, __VA_ARGS__); break;                               \
+        case KV_Q4_0: FN(KV_Q4_0, KV_Q4_0, __VA_ARGS__); break;                               \
+        case KV_Q4_1: FN(KV_Q4_1, KV_Q4_1, __VA_ARGS__); break;                               \
+        } } while (0)
+    static void kv_split(const kv_job* J, const float* q, float* w, int sr, int ro, int64_t p0, int64_t p1,
+                         int r0, int r1, float* x) {
+        KV_BY_FORMATS(J, kv_split_fmt, J, q, w, sr, ro, p0, p1, r0, r1, x);
     }
 
     /* Row-wise blocks hold their KV_ROWS rows in the lanes: KV_BV row vectors. Scores
@@ -930,11 +1037,12 @@ cdef extern from *:
     /* One row-wise block (rows [r0, r1), the rest of its KV_ROWS lanes masked) over the
        positions [p0, p1) of one split: queries qt [hkv][d][KV_ROWS], state w
        (kv_state_floats(KV_ROWS)), scratch x (kv_tile_scratch_floats). */
-    KV_INLINE void kv_block_fmt(const int fmt, const kv_job* J, const float* qt, float* w, int64_t p0,
-                                int64_t p1, int r0, int r1, float* x) {
+    KV_INLINE void kv_block_fmt(const int kf0, const int vf0, const kv_job* J, const float* qt, float* w,
+                                int64_t p0, int64_t p1, int r0, int r1, float* x) {
         const int H = J->hkv, dp = J->dp, d = J->d, nr = r1 - r0;
+        const int kfmt = kf0 == KV_ANY ? J->k.fmt : kf0, vfmt = vf0 == KV_ANY ? J->v.fmt : vf0;
         const size_t rows = (size_t)H * KV_ROWS;
-        const size_t sc = KV_ROUND16((size_t)KV_P * H * (J->s > 0 ? J->s : 1));
+        const size_t sc = kv_scale_floats(J);
         float* m = w;
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
@@ -959,8 +1067,8 @@ cdef extern from *:
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             if (j0 + np <= first && j0 >= J->sink_n) continue;
             kv_tile_rows(J, j0, np, &tile);
-            kv_tile_scales(fmt, J, J->ks, &tile, ksc);
-            kv_tile_scales(fmt, J, J->vs, &tile, vsc);
+            kv_tile_scales(kfmt, &J->k, H, &tile, ksc);
+            kv_tile_scales(vfmt, &J->v, H, &tile, vsc);
             kv_vi lastrel[KV_BV];
             for (int v = 0; v < KV_BV; v++)
                 for (int k = 0; k < KV_W; k++) {
@@ -969,19 +1077,21 @@ cdef extern from *:
                 }
             for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
             for (int h = 0; h < H; h++) {
-                kv_rows k = kv_head_rows(fmt, J, J->kc, ksc, &tile, h), v = kv_head_rows(fmt, J, J->vc, vsc, &tile, h);
+                kv_rows k = kv_head_rows(&J->k, J, ksc, &tile, h), v = kv_head_rows(&J->v, J, vsc, &tile, h);
                 const float* kp[KV_P];
-                if (fmt == KV_F32) {
+                if (kfmt == KV_F32) {
                     for (int j = 0; j < KV_P; j++) kp[j] = (const float*)(k.c + k.ph[j] * k.cs);
                 } else {
-                    kv_decode_rows(fmt, k, np, kf, dp);
-                    kv_decode_rows(fmt, v, np, vf, dp);
+                    kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
                     for (int j = 0; j < KV_P; j++) kp[j] = kf + (size_t)rowf[j] * dp;
+                }
+                if (vfmt != KV_F32) {
+                    kv_decode_rows_in(vf0, vfmt, v, np, vf, dp);
                     kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, d};
                     v = vd;
                 }
                 const float* q = qt + (size_t)h * d * KV_ROWS;
-                const float* rs = KV_ROW_SCALED(fmt) ? ksc + (size_t)h * KV_P : NULL;
+                const float* rs = KV_ROW_SCALED(kfmt) ? ksc + (size_t)h * KV_P : NULL;
                 for (int b = 0; b < KV_BV; b += KV_SV) {
                     const float* qb = q + b * KV_W;
                     float* sb = sT + b * KV_W;
@@ -995,7 +1105,7 @@ cdef extern from *:
                 float* mh = m + (size_t)h * KV_ROWS;
                 float* lh = l + (size_t)h * KV_ROWS * KV_W;
                 float* ah = acc + (size_t)h * KV_ROWS * dp;
-                const float* vs = KV_ROW_SCALED(fmt) ? vsc + (size_t)h * KV_P : NULL;
+                const float* vs = KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL;
                 for (int b = 0; b < KV_BV; b++) {
                     kv_vf mx = kv_loadf(sT + b * KV_W);
                     for (int p = 1; p < np; p++) mx = kv_max(mx, kv_loadf(sT + (size_t)p * KV_ROWS + b * KV_W));
@@ -1032,22 +1142,7 @@ cdef extern from *:
     }
 
     static void kv_block(const kv_job* J, const float* qt, float* w, int64_t p0, int64_t p1, int r0, int r1, float* x) {
-        switch (J->fmt) {
-        #define KV_CASE(F) case F: kv_block_fmt(F, J, qt, w, p0, p1, r0, r1, x); break;
-        KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
-        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0) KV_CASE(KV_Q4_0) KV_CASE(KV_Q4_1)
-        #undef KV_CASE
-        }
-    }
-
-    static void kv_split(const kv_job* J, const float* q, float* w, int sr, int ro, int64_t p0, int64_t p1,
-                         int r0, int r1, float* x) {
-        switch (J->fmt) {
-        #define KV_CASE(F) case F: kv_split_fmt(F, J, q, w, sr, ro, p0, p1, r0, r1, x); break;
-        KV_CASE(KV_F32) KV_CASE(KV_F16) KV_CASE(KV_BF16) KV_CASE(KV_INT8) KV_CASE(KV_E4M3)
-        KV_CASE(KV_E5M2) KV_CASE(KV_Q8_0) KV_CASE(KV_Q4_0) KV_CASE(KV_Q4_1)
-        #undef KV_CASE
-        }
+        KV_BY_FORMATS(J, kv_block_fmt, J, qt, w, p0, p1, r0, r1, x);
     }
 
     /* dst [hkv][sr][dp] (row r of head h at h * sr + r - r0) = J->scale * J->qin
@@ -1235,13 +1330,14 @@ cdef extern from *:
         return !bad;
     }
     """
-    ctypedef struct kv_job:
-        const char* kc
-        const char* vc
-        const char* ks
-        const char* vs
+    ctypedef struct kv_side:
+        const char* c
+        const char* sc
         ptrdiff_t cs, ch, ss, sh
-        int fmt, d, dp, s, hkv, g, t, r
+        int fmt, s
+    ctypedef struct kv_job:
+        kv_side k, v
+        int d, dp, hkv, g, t, r
         const int32_t* table
         int64_t ps, n, lo, sa, chunk
         int nsw, nsplit
@@ -1301,23 +1397,28 @@ ATTEND_OK, ATTEND_BAD_Q, ATTEND_OVERFLOW = _OK, _BAD_Q, _OVERFLOW
 cdef int32_t _page_zero = 0   # the page table of a KVCache: one page of N rows
 
 
+cdef int _side(kv_side* x, cnp.ndarray codes, scales, int fmt, str which) except -1:
+    """One side (K or V) of a layer's storage in its format."""
+    x.c = _data(codes, f"{which}_codes")
+    x.cs = codes.strides[0]
+    x.ch = codes.strides[1]
+    x.sc = NULL
+    x.ss = x.sh = x.s = 0
+    if scales is not None:
+        x.sc = _data(scales, f"{which}_scales")
+        x.ss = (<cnp.ndarray>scales).strides[0]
+        x.sh = (<cnp.ndarray>scales).strides[1]
+        x.s = <int>(<cnp.ndarray>scales).shape[2]
+    x.fmt = fmt
+    return 0
+
+
 cdef int _layer_job(kv_job* J, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
-                    int fmt, int hq) except -1:
+                    int k_fmt, int v_fmt, int hq) except -1:
     """The fields of J that every sequence of one layer shares."""
-    J.kc = _data(k_codes, "k_codes")
-    J.vc = _data(v_codes, "v_codes")
-    J.cs = k_codes.strides[0]
-    J.ch = k_codes.strides[1]
-    J.ks = J.vs = NULL
-    J.ss = J.sh = J.s = 0
-    if k_scales is not None:
-        J.ks = _data(k_scales, "k_scales")
-        J.vs = _data(v_scales, "v_scales")
-        J.ss = (<cnp.ndarray>k_scales).strides[0]
-        J.sh = (<cnp.ndarray>k_scales).strides[1]
-        J.s = <int>(<cnp.ndarray>k_scales).shape[2]
-    J.fmt = fmt
-    J.d = <int>k_codes.shape[2] * (2 if fmt == 7 or fmt == 8 else 1)   # q4_0, q4_1: 2 per byte
+    _side(&J.k, k_codes, k_scales, k_fmt, "k")
+    _side(&J.v, v_codes, v_scales, v_fmt, "v")
+    J.d = <int>k_codes.shape[2] * (2 if k_fmt == 7 or k_fmt == 8 else 1)   # q4_0, q4_1: 2 per byte
     J.dp = (J.d + 15) // 16 * 16
     J.hkv = <int>k_codes.shape[1]
     J.g = hq // J.hkv
@@ -1473,8 +1574,8 @@ cdef int _variant_job(kv_job* J, sinks, float softcap, int64_t window, int64_t s
     return 0
 
 
-def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int fmt,
-           Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None, *,
+def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int k_fmt,
+           int v_fmt, Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None, *,
            int64_t window=0, int64_t sink_tokens=0, sinks=None, float softcap=0):
     """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n) of a
     KVCache's layer (storage row p holds position p: one page of N rows). Returns
@@ -1482,8 +1583,10 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     ATTEND_OVERFLOW when a score or the weighted sum of V overflowed float32 (the result
     is made in the workspace and copied to out only when every value is finite).
 
-    IN q float32 [T, Hq, D]; k_codes, v_codes [N, Hkv, D] code dtype of format id `fmt`;
-    k_scales, v_scales [N, Hkv, S] scale dtype or None (S = 0); all C-contiguous.
+    IN q float32 [T, Hq, D]; k_codes [N, Hkv, W] code dtype of format id `k_fmt`, k_scales
+    [N, Hkv, S] its scale dtype or None (S = 0); v_codes, v_scales the same in format id
+    `v_fmt` (k_fmt, or another: a K/V pair; the scores read K's codes, the weighted sums
+    V's); all C-contiguous.
     1 <= n <= N, T <= n when causal, T * Hq / Hkv <= ROWS_MAX. OUT out float32 [T, Hq, D]
     C-contiguous (may be q itself); lse float32 [T, Hq] C-contiguous or None. The caller
     (attention.py) validates shapes and dtypes; this only reads.
@@ -1498,7 +1601,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
     if rows > ROWS_MAX:
         raise ValueError(f"attend: {rows} rows per kv head exceed a C int")
-    _layer_job(&J, k_codes, v_codes, k_scales, v_scales, fmt, <int>q.shape[1])
+    _layer_job(&J, k_codes, v_codes, k_scales, v_scales, k_fmt, v_fmt, <int>q.shape[1])
     J.table = &_page_zero
     J.ps = k_codes.shape[0]
     J.qin = <const float*>_data(q, "q")
@@ -1510,7 +1613,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
 
 
 def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales,
-                 int fmt, Py_ssize_t page_size, const int32_t[:, ::1] tables,
+                 int k_fmt, int v_fmt, Py_ssize_t page_size, const int32_t[:, ::1] tables,
                  const int64_t[::1] lengths, const int64_t[::1] counts, float scale,
                  bint causal, cnp.ndarray out, lse=None, *, int64_t window=0,
                  int64_t sink_tokens=0, sinks=None, float softcap=0):
@@ -1521,8 +1624,8 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     of the counts before it) and attends its positions [0, lengths[b]), position p in
     storage row tables[b, p // page_size] * page_size + p % page_size. Each sequence is
     split as `attend` splits a KVCache of the same positions, so its output is the same
-    bits. IN q float32 [sum counts, Hq, D]; k_codes, v_codes [P * page_size, Hkv, D],
-    scales [P * page_size, Hkv, S] or None; tables int32 [B, M] (M * page_size >= every
+    bits. IN q float32 [sum counts, Hq, D]; k_codes, v_codes [P * page_size, Hkv, W],
+    scales [P * page_size, Hkv, S] or None, each side in its format (k_fmt, v_fmt); tables int32 [B, M] (M * page_size >= every
     length, entries < P); lengths, counts int64 [B] (counts[b] <= lengths[b] when causal,
     lengths[b] >= 1 when counts[b] >= 1, counts[b] * Hq / Hkv <= ROWS_MAX). OUT out as q
     (may be q); lse float32 [sum counts, Hq] or None. Checked by the caller (pool.py /
@@ -1536,7 +1639,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     cdef const float* qp = <const float*>_data(q, "q")
     cdef float* op = <float*>_data(out, "out")
     cdef float* lp = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
-    _layer_job(&base, k_codes, v_codes, k_scales, v_scales, fmt, hq)
+    _layer_job(&base, k_codes, v_codes, k_scales, v_scales, k_fmt, v_fmt, hq)
     _variant_job(&base, sinks, softcap, window, sink_tokens, causal, hq)
     cdef kv_job* jobs = <kv_job*>calloc(max(B, 1), sizeof(kv_job))
     if jobs == NULL:

@@ -4,7 +4,7 @@ from typing import Any
 import numpy as np
 
 class RowWriter:
-    def __init__(self, fmt: Any, k_codes: np.ndarray, v_codes: np.ndarray,
+    def __init__(self, k_fmt: Any, v_fmt: Any, k_codes: np.ndarray, v_codes: np.ndarray,
                  k_scales: np.ndarray | None, v_scales: np.ndarray | None) -> None: ...
     def write(self, layer: int, pos: int, k: object, v: object, rows: np.ndarray | None = None,
               copies: np.ndarray | None = None, copy_rows: int = 0) -> int: ...

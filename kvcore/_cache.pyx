@@ -2,7 +2,8 @@
 """CPU cache kernels: checked, atomic row writes into a KVCache's or a KVPool's storage.
 
 1. `RowWriter` holds the base addresses of one storage's four regions (codes
-   [L][N][Hkv][D], scales [L][N][Hkv][S], N rows) and its sizes; `_storage.Storage` owns
+   [L][N][Hkv][D], scales [L][N][Hkv][S], N rows) and its sizes, K's and V's each in its
+   own format (the same one, or two: a K/V pair); `_storage.Storage` owns
    the array, `KVCache` / `KVPool` the bookkeeping, and they tell `write` where to write:
    rows [pos, pos + T) (a KVCache), or a list of T rows (a pool's pages, several
    sequences in one call), after copying whole pages first when asked (copy-on-write,
@@ -130,9 +131,10 @@ except ImportError:
 
 
 cdef struct Job:
-    # one checked append: rows r in [0, 2*T*H): K rows first, then V rows
-    int fmt
-    uint32_t limit           # refuse |x| >= this (float32 bits): _quant.input_limit_bits
+    # one checked append: rows r in [0, 2*T*H): K rows first, then V rows; the arrays of
+    # two are [K, V] (each side has its own format)
+    int fmt[2]
+    uint32_t limit[2]        # refuse |x| >= this (float32 bits): _quant.input_limit_bits
     Py_ssize_t T, H, D
     const char* src[2]       # IN: k, v data (element [0, 0, 0])
     Py_ssize_t s0[2]         # byte strides over t (0 for [Hkv, D] input), h, d
@@ -143,9 +145,9 @@ cdef struct Job:
     char* codes[2]           # OUT: codes of row (pos, head 0) of the layer, K and V (with
     char* scales[2]          #   `rows`: of row 0); scales of the same row (NULL when S = 0)
     const int64_t* rows      # [T]: the storage row of input t, or NULL: rows pos + t
-    Py_ssize_t code_row      # bytes of one row's codes / scales
-    Py_ssize_t scale_row
-    bint stream              # codes go to storage with non-temporal stores (_encode_one)
+    Py_ssize_t code_row[2]   # bytes of one row's codes / scales
+    Py_ssize_t scale_row[2]
+    bint stream[2]           # codes go to storage with non-temporal stores (_encode_one)
 
 
 cdef int _kind(object x):
@@ -212,11 +214,11 @@ cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
     if nt > 1:
         for r in prange(2 * th, num_threads=nt, schedule="static"):
             w = 1 if r >= th else 0
-            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit))
+            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit[w]))
     else:
         for r in range(2 * th):
             w = 1 if r >= th else 0
-            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit))
+            bad += <Py_ssize_t>(not _row_ok(_row_src(j, r, w), j.D, j.s2[w], j.kind[w], j.limit[w]))
     return bad
 
 
@@ -227,7 +229,7 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
     cdef const char* p = _row_src(j, r, w)
     cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
     cdef Py_ssize_t o = q if j.rows == NULL else j.rows[q // j.H] * j.H + q % j.H
-    cdef char* scales = j.scales[w] + o * j.scale_row if j.scales[w] != NULL else NULL
+    cdef char* scales = j.scales[w] + o * j.scale_row[w] if j.scales[w] != NULL else NULL
     cdef float* buf = <float*>(work + 4 * d)
     cdef char* codes = work + 8 * d
     if not j.direct[w]:
@@ -238,17 +240,17 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
             for i in range(d):
                 memcpy(work + 2 * i, p + i * s, 2)
         p = work
-    cdef char* dst = j.codes[w] + o * j.code_row
+    cdef char* dst = j.codes[w] + o * j.code_row[w]
     if j.kind[w] != IN_F32:
         decode_row(j.kind[w], p, NULL, d, buf)
         p = <const char*>buf
-    if not j.stream:
-        encode_row(j.fmt, <const float*>p, d, dst, scales)
-    elif j.fmt == IN_F32:   # f32 storage: the floats themselves
-        kv_stream_copy(dst, p, j.code_row)
+    if not j.stream[w]:
+        encode_row(j.fmt[w], <const float*>p, d, dst, scales)
+    elif j.fmt[w] == IN_F32:   # f32 storage: the floats themselves
+        kv_stream_copy(dst, p, j.code_row[w])
     else:
-        encode_row(j.fmt, <const float*>p, d, codes, scales)
-        kv_stream_copy(dst, codes, j.code_row)
+        encode_row(j.fmt[w], <const float*>p, d, codes, scales)
+        kv_stream_copy(dst, codes, j.code_row[w])
 
 
 cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
@@ -294,40 +296,45 @@ cdef class RowWriter:
     """Checked, atomic writes of k/v rows into one cache's storage (module comment)."""
 
     cdef object _keep          # the region arrays (keep the storage alive)
-    cdef object _format        # the formats.Format
-    cdef char* _codes[2]
+    cdef object _formats       # (K, V) formats.Format
+    cdef char* _codes[2]       # [K, V] throughout
     cdef char* _scales[2]
-    cdef int _fmt
-    cdef uint32_t _limit
+    cdef int _fmt[2]
+    cdef uint32_t _limit[2]
     cdef char* _work           # D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
     cdef Py_ssize_t* _fresh    # [L]: positions from here on were never written (see write)
-    cdef Py_ssize_t _L, _N, _H, _D, _code_row, _scale_row
+    cdef Py_ssize_t _L, _N, _H, _D
+    cdef Py_ssize_t _code_row[2]
+    cdef Py_ssize_t _scale_row[2]
 
-    def __init__(self, fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
-        """fmt: the formats.Format; k_codes, v_codes: [L, N, Hkv, W] C-contiguous, the format's code dtype
+    def __init__(self, k_fmt, v_fmt, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales):
+        """k_fmt, v_fmt: the formats.Format of K and of V (the same one, or two);
+        k_codes, v_codes: [L, N, Hkv, W] C-contiguous, each side's code dtype
         (W = fmt.code_width(D): D, or D/2 for the 4-bit formats);
-        k_scales, v_scales: [L, N, Hkv, S] C-contiguous, the scale dtype, or None (S = 0)."""
+        k_scales, v_scales: [L, N, Hkv, S] C-contiguous, each side's scale dtype, or None
+        (S = 0)."""
         self._keep = (k_codes, v_codes, k_scales, v_scales)
-        self._format = fmt
-        self._fmt = fmt.id
-        self._limit = input_limit_bits(fmt.id)
-        cdef Py_ssize_t D = k_codes.shape[3] * fmt.pack
+        self._formats = (k_fmt, v_fmt)
+        cdef Py_ssize_t D = k_codes.shape[3] * k_fmt.pack
         self._work = <char*>PyMem_Malloc(D * WORK_PER_VALUE)
         self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
         if self._work == NULL or self._fresh == NULL:
             raise MemoryError(f"a row buffer of {D * WORK_PER_VALUE} bytes")
         self._L, self._N = k_codes.shape[0], k_codes.shape[1]
         self._H, self._D = k_codes.shape[2], D
-        self._codes[0] = cnp.PyArray_BYTES(k_codes)
-        self._codes[1] = cnp.PyArray_BYTES(v_codes)
-        self._code_row = k_codes.shape[3] * k_codes.itemsize
-        if k_scales is None:
-            self._scales[0] = self._scales[1] = NULL
-            self._scale_row = 0
-        else:
-            self._scales[0] = cnp.PyArray_BYTES(<cnp.ndarray>k_scales)
-            self._scales[1] = cnp.PyArray_BYTES(<cnp.ndarray>v_scales)
-            self._scale_row = k_scales.shape[3] * k_scales.itemsize
+        cdef int w
+        for w, (fmt, codes, scales) in enumerate(((k_fmt, k_codes, k_scales),
+                                                  (v_fmt, v_codes, v_scales))):
+            self._fmt[w] = fmt.id
+            self._limit[w] = input_limit_bits(fmt.id)
+            self._codes[w] = cnp.PyArray_BYTES(<cnp.ndarray>codes)
+            self._code_row[w] = codes.shape[3] * codes.itemsize
+            if scales is None:
+                self._scales[w] = NULL
+                self._scale_row[w] = 0
+            else:
+                self._scales[w] = cnp.PyArray_BYTES(<cnp.ndarray>scales)
+                self._scale_row[w] = scales.shape[3] * scales.itemsize
 
     def __dealloc__(self):
         PyMem_Free(self._work)
@@ -382,20 +389,22 @@ cdef class RowWriter:
                 f"(holds {pos}, appending {T}), capacity is {self._N} positions")
 
         cdef Job j
-        j.fmt, j.limit, j.T, j.H, j.D = self._fmt, self._limit, T, self._H, self._D
-        j.code_row, j.scale_row = self._code_row, self._scale_row
-        # Rows of 2-4 byte codes bound for lines never written before (none of them in the
-        # CPU's caches) go out with non-temporal stores, which skip fetching each line first:
-        # a decode step writes half the memory traffic. Lines written before (a rewrite
-        # after truncate, as in speculative decoding) may be cached: normal stores.
-        j.stream = self._fmt <= IN_BF16 and lo >= self._fresh[layer]
+        j.T, j.H, j.D = T, self._H, self._D
         j.rows = rp
         cdef Py_ssize_t first = (layer * self._N + (pos if rp == NULL else 0)) * self._H
         _set_input(&j, 0, a, kk)
         _set_input(&j, 1, b, kv)
         for i in range(2):
-            j.codes[i] = self._codes[i] + first * self._code_row
-            j.scales[i] = self._scales[i] + first * self._scale_row if self._scale_row else NULL
+            j.fmt[i], j.limit[i] = self._fmt[i], self._limit[i]
+            j.code_row[i], j.scale_row[i] = self._code_row[i], self._scale_row[i]
+            # Rows of 2-4 byte codes bound for lines never written before (none of them in
+            # the CPU's caches) go out with non-temporal stores, which skip fetching each
+            # line first: a decode step writes half the memory traffic. Lines written
+            # before (a rewrite after truncate, as in speculative decoding) may be cached:
+            # normal stores.
+            j.stream[i] = self._fmt[i] <= IN_BF16 and lo >= self._fresh[layer]
+            j.codes[i] = self._codes[i] + first * self._code_row[i]
+            j.scales[i] = self._scales[i] + first * self._scale_row[i] if self._scale_row[i] else NULL
 
         cdef int nt = threads_for(2 * T * self._H * self._D)
         cdef Py_ssize_t bad
@@ -421,8 +430,8 @@ cdef class RowWriter:
                     _encode_rows(&j, nt, work)
             PyMem_Free(work)
         if bad:
-            check_values("k", k, self._format)
-            check_values("v", v, self._format)
+            check_values("k", k, self._formats[0])
+            check_values("v", v, self._formats[1])
             raise AssertionError(f"append refused {bad} rows that hold no refused value")
         self._fresh[layer] = max(self._fresh[layer], hi)
         return T
@@ -442,11 +451,12 @@ cdef class RowWriter:
                 src = layer * rows_per_layer + c[2 * i] * self._H
                 dst = layer * rows_per_layer + c[2 * i + 1] * self._H
                 for w in range(2):
-                    memcpy(self._codes[w] + dst * self._code_row,
-                           self._codes[w] + src * self._code_row, n * self._H * self._code_row)
-                    if self._scale_row:
-                        memcpy(self._scales[w] + dst * self._scale_row,
-                               self._scales[w] + src * self._scale_row, n * self._H * self._scale_row)
+                    memcpy(self._codes[w] + dst * self._code_row[w],
+                           self._codes[w] + src * self._code_row[w], n * self._H * self._code_row[w])
+                    if self._scale_row[w]:
+                        memcpy(self._scales[w] + dst * self._scale_row[w],
+                               self._scales[w] + src * self._scale_row[w],
+                               n * self._H * self._scale_row[w])
 
 
 def build_info() -> dict:

@@ -8,6 +8,9 @@ filled, page-aligned, so every region is 64-byte aligned), in four regions:
                                W = fmt.code_width(D): D, or D/2 for the 4-bit formats)
     scales: [L][rows][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
 
+K and V each follow their own format (spec.k_fmt, spec.v_fmt): their W, S and dtypes may
+differ, and the regions are then ordered widest element first (`region_shapes`).
+
 A KVCache has rows = capacity, row p holding position p. A KVPool of P pages of
 page_size positions has rows = P * page_size, and page g is rows [g * page_size,
 (g + 1) * page_size) of every layer (docs/formats.md). The checked writes are
@@ -48,6 +51,22 @@ def zeroed_pages(nbytes: int) -> np.ndarray:
     return np.frombuffer(pages, dtype=np.uint8)
 
 
+def region_shapes(spec: KVSpec, rows: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(name, shape, dtype) of each region of a storage of `rows` rows, in memory order:
+    [K scales][V scales][K codes][V codes] (no scale region of a side whose format has
+    none), ordered by element size, widest first (stable), so that every region starts
+    aligned to its element size when K and V differ (K f16 codes after q4_0's float16 V
+    scales); with one format for both this is the order above."""
+    L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+    shapes: list[tuple[str, tuple[int, ...], np.dtype]] = []
+    for which, fmt in zip("kv", spec.fmts):
+        if fmt.scale_dtype is not None:
+            shapes.append((f"{which}_scales", (L, rows, H, fmt.scales_per_row(D)), fmt.scale_dtype))
+    for which, fmt in zip("kv", spec.fmts):
+        shapes.append((f"{which}_codes", (L, rows, H, fmt.code_width(D)), fmt.code_dtype))
+    return sorted(shapes, key=lambda x: -x[2].itemsize)
+
+
 class Storage:
     """Rows of every layer in one allocation (module comment), with its checked writer."""
 
@@ -58,15 +77,7 @@ class Storage:
         """Regions, writer and read-only views over `array` (uint8, rows *
         spec.bytes_per_position bytes, page-aligned)."""
         self.spec, self.rows = spec, rows
-        fmt = spec.fmt
-        L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        S, W = fmt.scales_per_row(D), fmt.code_width(D)
-        shapes: list[tuple[str, tuple[int, ...], np.dtype]] = []
-        if fmt.scale_dtype is not None and S:
-            shapes += [("k_scales", (L, rows, H, S), fmt.scale_dtype),
-                       ("v_scales", (L, rows, H, S), fmt.scale_dtype)]
-        shapes += [("k_codes", (L, rows, H, W), fmt.code_dtype),
-                   ("v_codes", (L, rows, H, W), fmt.code_dtype)]
+        shapes = region_shapes(spec, rows)
         self.array = array
         self.regions: dict[str, np.ndarray] = {}
         self.offsets: dict[str, int] = {}
@@ -77,14 +88,15 @@ class Storage:
             self.offsets[name] = offset
             offset += nbytes
         r = self.regions
-        self.writer = _cache.RowWriter(fmt, r["k_codes"], r["v_codes"],
+        self.writer = _cache.RowWriter(spec.k_fmt, spec.v_fmt, r["k_codes"], r["v_codes"],
                                        r.get("k_scales"), r.get("v_scales"))
         # Views handed out come from an array over a read-only buffer of the same pages,
         # so that no view (nor any view of a view) can be made writable again.
         frozen = np.frombuffer(memoryview(self.array.data).toreadonly(), np.uint8)
         self.read_only = {
             name: frozen[self.offsets[name]:self.offsets[name] + arr.nbytes]
-            .view(view_dtype(fmt) if name.endswith("codes") else arr.dtype).reshape(arr.shape)
+            .view(view_dtype(spec.fmts[name[0] == "v"]) if name.endswith("codes") else arr.dtype)
+            .reshape(arr.shape)
             for name, arr in r.items()}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Storage":

@@ -192,13 +192,13 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     arr = _out(out, q, cache._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
-    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.fmt.id, n, scale,
-                               bool(causal), arr.reshape(q3.shape),
+    status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.k_fmt.id, spec.v_fmt.id,
+                               n, scale, bool(causal), arr.reshape(q3.shape),
                                None if lse is None else lse.reshape(q3.shape[:2]),
                                **var.kwargs)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
-        raise _overflow_error(q3, spec.fmt, arrays, np.arange(n), n, scale, causal, var, layer)
+        raise _overflow_error(q3, spec.fmts, arrays, np.arange(n), n, scale, causal, var, layer)
     return _result(arr if out is None else out, lse)
 
 
@@ -247,20 +247,20 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
-    status = _attention.attend_paged(q, *arrays, spec.fmt.id, ps, tables, lengths, c, scale,
-                                     bool(causal), arr, lse, **var.kwargs)
+    status = _attention.attend_paged(q, *arrays, spec.k_fmt.id, spec.v_fmt.id, ps, tables,
+                                     lengths, c, scale, bool(causal), arr, lse, **var.kwargs)
     if status != _attention.ATTEND_OK:
         _raise_non_finite(q)
         at = 0   # the cold path: the first sequence whose attention overflows, with its numbers
         for b, (s, t, n) in enumerate(zip(seqs, c.tolist(), lengths.tolist())):
             if t and _attention.attend_paged(
-                    q[at:at + t], *arrays, spec.fmt.id, pool.page_size, tables[b:b + 1],
-                    np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
+                    q[at:at + t], *arrays, spec.k_fmt.id, spec.v_fmt.id, pool.page_size,
+                    tables[b:b + 1], np.array([n], np.int64), np.array([t], np.int64), scale, bool(causal),
                     np.empty((t,) + q.shape[1:], np.float32), **var.kwargs
                     ) != _attention.ATTEND_OK:
                 positions = np.arange(n)
                 rows = tables[b, positions // ps].astype(np.int64) * ps + positions % ps
-                raise _overflow_error(q[at:at + t], spec.fmt, arrays, rows, n, scale, causal,
+                raise _overflow_error(q[at:at + t], spec.fmts, arrays, rows, n, scale, causal,
                                       var, layer, f"sequence {s}, ")
             at += t
         raise AssertionError("the batch overflowed, but no sequence alone does")
@@ -376,7 +376,7 @@ def _check_scale(scale: object, head_dim: int) -> float:
     return float(s32)
 
 
-def _overflow_error(q3: np.ndarray, fmt: Format, arrays: LayerArrays, rows: np.ndarray, n: int,
+def _overflow_error(q3: np.ndarray, fmts: tuple[Format, Format], arrays: LayerArrays, rows: np.ndarray, n: int,
                     scale: float, causal: bool, var: _Variants, layer: int,
                     where: str = "") -> RangeError:
     """The error of an attention call whose float32 computation overflowed, with the
@@ -394,9 +394,9 @@ def _overflow_error(q3: np.ndarray, fmt: Format, arrays: LayerArrays, rows: np.n
         visible &= (j[None, :] > p[:, None] - var.window) | (j[None, :] < var.sink_tokens)
     read = visible.any(0)
     rows, visible = rows[read], visible[:, read]
-    k = dequantize(k_codes[rows], None if k_scales is None else k_scales[rows], fmt
+    k = dequantize(k_codes[rows], None if k_scales is None else k_scales[rows], fmts[0]
                    ).astype(np.float64)     # [positions read, Hkv, D]
-    v = dequantize(v_codes[rows], None if v_scales is None else v_scales[rows], fmt)
+    v = dequantize(v_codes[rows], None if v_scales is None else v_scales[rows], fmts[1])
     Hkv = k.shape[1]
     qg = q3.astype(np.float64).reshape(T, Hkv, Hq // Hkv, D) * scale
     with np.errstate(over="ignore", invalid="ignore"):

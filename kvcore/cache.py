@@ -261,7 +261,7 @@ class KVCache:
             else:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
-            _cache.decode_rows(self._spec.fmt.id, codes,
+            _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
                                None if scales is None else scales[layer, :n], arr)
         return arr if out is None else out
 

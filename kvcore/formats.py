@@ -119,8 +119,50 @@ def get_format(fmt: "str | Format") -> Format:
     try:
         return FORMATS[fmt]
     except (KeyError, TypeError):
-        raise FormatError(
-            f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}") from None
+        pass
+    if isinstance(fmt, str) and PAIR_SEP in fmt:
+        raise FormatError(f"{fmt!r} names a K/V pair, not one format: expected one of "
+                          f"{', '.join(FORMATS)} here (a pair is KVSpec(k_format=, v_format=))")
+    raise FormatError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+PAIR_SEP = "/"
+"""K and V in different formats: the pair's name is "<K format>/<V format>" (e.g.
+"q8_0/q4_0"), what `KVSpec.format` holds when they differ (docs/formats.md, "K/V pairs")."""
+
+
+def pair_name(k: "str | Format", v: "str | Format") -> str:
+    """The name of a K/V format pair: the format's name when both are the same, else
+    "<k>/<v>" (e.g. "q8_0/q4_0")."""
+    kn, vn = get_format(k).name, get_format(v).name
+    return kn if kn == vn else f"{kn}{PAIR_SEP}{vn}"
+
+
+def get_pair(fmt: "str | Format") -> tuple[Format, Format]:
+    """(K format, V format) of a format name (both the same), a Format, or a pair name
+    "<k>/<v>"; FormatError naming the side and the known formats otherwise."""
+    if isinstance(fmt, str) and PAIR_SEP in fmt:
+        parts = fmt.split(PAIR_SEP)
+        if len(parts) != 2:
+            raise FormatError(f"unknown format pair {fmt!r}: expected '<K format>/<V format>', "
+                              f"each one of {', '.join(FORMATS)}")
+        return _side("K", parts[0]), _side("V", parts[1])
+    f = get_format(fmt)
+    return f, f
+
+
+def describe(name: str) -> str:
+    """A format's name for messages: a pair's says each side ("q8_0/q4_0 (K q8_0, V
+    q4_0)"), a single format's is its name."""
+    k, sep, v = name.partition(PAIR_SEP)
+    return f"{name} (K {k}, V {v})" if sep else name
+
+
+def _side(which: str, fmt: object) -> Format:
+    try:
+        return get_format(fmt)  # type: ignore[arg-type]
+    except FormatError as e:
+        raise FormatError(f"{which} format: {e}") from None
 
 
 def _fields(f: Format) -> tuple[object, ...]:

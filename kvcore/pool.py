@@ -42,6 +42,7 @@ from ._window import WindowViews, check_window, restore_need, snapshot_index, sn
 from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
                      StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
+from .formats import describe
 from .spec import KVSpec
 
 if TYPE_CHECKING:
@@ -538,7 +539,7 @@ class KVPool(WindowViews):
             k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
             out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
-            decode_rows(self._spec.fmt.id, codes, scales, out)
+            decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
             return out
 
     # -- snapshots -----------------------------------------------------------------
@@ -807,8 +808,10 @@ def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
                         "cache's lookups")
     for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
         if getattr(store.spec, name) != getattr(spec, name):
-            raise SpecError(f"store {name} {getattr(store.spec, name)} does not match the "
-                            f"pool's {getattr(spec, name)}")
+            have, want = getattr(store.spec, name), getattr(spec, name)
+            if name == "format":
+                have, want = describe(have), describe(want)
+            raise SpecError(f"store {name} {have} does not match the pool's {want}")
     if store.page_size != page_size:
         raise SpecError(f"store page_size {store.page_size} does not match the pool's "
                         f"{page_size}: their content keys would differ")

@@ -34,7 +34,8 @@ from .errors import (DTypeError, FormatError, KVCacheError, OutOfRangeError,
                      SnapshotError, SpecError)
 from ._quant import max_scale
 from ._validate import check_ndarray
-from .formats import Format, get_format
+from .formats import Format, get_pair, pair_name
+from ._storage import region_shapes
 from .spec import KVSpec
 
 if TYPE_CHECKING:
@@ -74,9 +75,10 @@ class Snapshot:
     KVPool that released pages (start > 0), its held positions [0, sink_end) and
     [start, length): N = sink_end + length - start positions in all, in that order.
 
-    k_codes, v_codes: [L, N, Hkv, D], the format's code dtype, C-contiguous.
+    k_codes, v_codes: [L, N, Hkv, W], the format's code dtype, C-contiguous.
     k_scales, v_scales: [L, N, Hkv, S], the format's scale dtype; None when the
-    format has no scales (S = 0).
+    format has no scales (S = 0). K and V each in their own format (spec.k_fmt,
+    spec.v_fmt: the same one, or a K/V pair).
     start, sink_end: 0 <= sink_end < start <= length, or both 0 (all positions held).
     """
 
@@ -98,7 +100,7 @@ class Snapshot:
                 raise DTypeError(f"invalid type of {name}: expected int, got "
                                  f"{type(value).__name__}")
             object.__setattr__(self, name, int(value))
-        s, f = self.spec, self.spec.fmt
+        s = self.spec
         if not 0 <= self.length <= s.capacity:
             raise SnapshotError(
                 f"snapshot length {self.length} out of range: expected 0 <= length <= {s.capacity}")
@@ -106,16 +108,17 @@ class Snapshot:
             raise SnapshotError(f"snapshot start {self.start} and sink_end {self.sink_end} out "
                                 f"of range: expected 0 <= sink_end < start <= length "
                                 f"{self.length}, or both 0")
-        code_shape = (s.num_layers, self.held, s.num_kv_heads, f.code_width(s.head_dim))
-        scale_shape = (s.num_layers, self.held, s.num_kv_heads, f.scales_per_row(s.head_dim))
-        for name in ("k_codes", "v_codes"):
-            _check_part(name, getattr(self, name), code_shape, f.code_dtype)
-        for name in ("k_scales", "v_scales"):
-            arr = getattr(self, name)
+        for which, f in zip("kv", s.fmts):
+            code_shape = (s.num_layers, self.held, s.num_kv_heads, f.code_width(s.head_dim))
+            scale_shape = (s.num_layers, self.held, s.num_kv_heads, f.scales_per_row(s.head_dim))
+            _check_part(f"{which}_codes", getattr(self, f"{which}_codes"), code_shape, f.code_dtype)
+            arr = getattr(self, f"{which}_scales")
             if f.scale_dtype is not None:
-                _check_part(name, arr, scale_shape, f.scale_dtype)
+                _check_part(f"{which}_scales", arr, scale_shape, f.scale_dtype)
             elif arr is not None:
-                raise SnapshotError(f"snapshot of format {f.name} has no scales, got {name}")
+                side = f"{which.upper()} " if s.paired else ""
+                raise SnapshotError(f"snapshot of {side}format {f.name} has no scales, "
+                                    f"got {which}_scales")
 
     @property
     def held(self) -> int:
@@ -276,12 +279,17 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False,
         raise SnapshotError(f"snapshot of {snap.length} positions exceeds the cache's "
                             f"capacity {want.capacity}")
     if have.format != want.format and not requantize:
+        if have.paired or want.paired:
+            raise SnapshotError(
+                f"snapshot formats K {have.k_format} / V {have.v_format} do not match the "
+                f"cache's K {want.k_format} / V {want.v_format} (pass requantize=True to "
+                f"re-encode)")
         raise SnapshotError(f"snapshot format {have.format} does not match the cache's "
                             f"{want.format} (pass requantize=True to re-encode)")
     _check_values(snap)
     if have.format == want.format:
         return snap
-    converted = _requantize(snap, want.fmt)
+    converted = _requantize(snap, want)
     _check_values(converted)
     return converted
 
@@ -337,13 +345,13 @@ def _bad_scales(scales: np.ndarray, fmt: Format, top: float) -> np.ndarray:
 
 def _check_values(snap: Snapshot) -> None:
     """Raises SnapshotError naming the first impossible code or scale (layer by layer, so
-    the temporaries stay one layer's size)."""
-    fmt = snap.spec.fmt
-    top = max_scale(fmt.id)  # inf for q8_0: every finite float16 scale decodes finite
+    the temporaries stay one layer's size); each side (K, V) by its own format."""
     for name in _PART_NAMES:
         arr = getattr(snap, name)
         if arr is None:
             continue
+        fmt = snap.spec.fmts[name[0] == "v"]
+        top = max_scale(fmt.id)  # inf for q8_0: every finite float16 scale decodes finite
         if _all_valid(arr, name, fmt, top):
             continue
         for layer in range(snap.spec.num_layers):
@@ -357,12 +365,14 @@ def _check_values(snap: Snapshot) -> None:
                                     f"format {fmt.name} stores")
 
 
-def _requantize(snap: Snapshot, fmt: Format) -> Snapshot:
-    """snap decoded to float32 and re-encoded in `fmt`, layer by layer."""
+def _requantize(snap: Snapshot, want: KVSpec) -> Snapshot:
+    """snap decoded to float32 and re-encoded in want's formats (K in want.k_fmt, V in
+    want.v_fmt), layer by layer."""
     from .quant import dequantize, quantize
-    spec, src = snap.spec.replace(format=fmt.name), snap.spec.fmt
+    spec = snap.spec.replace(format=want.format)
     parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.held)}
     for which in ("k", "v"):
+        src, fmt = snap.spec.fmts[which == "v"], spec.fmts[which == "v"]
         codes, scales = getattr(snap, f"{which}_codes"), getattr(snap, f"{which}_scales")
         for layer in range(spec.num_layers):
             x = dequantize(codes[layer], None if scales is None else scales[layer], src)
@@ -381,14 +391,10 @@ def _requantize(snap: Snapshot, fmt: Format) -> Snapshot:
 
 def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(name, shape, dtype) of each tensor, in file order: widest element first (scales
-    before codes), so every tensor starts aligned to its element size."""
-    f, s = spec.fmt, spec
-    codes = (s.num_layers, length, s.num_kv_heads, f.code_width(s.head_dim))
-    out: list[tuple[str, tuple[int, ...], np.dtype]] = []
-    if f.scale_dtype is not None:
-        scales = (s.num_layers, length, s.num_kv_heads, f.scales_per_row(s.head_dim))
-        out += [("k_scales", scales, f.scale_dtype), ("v_scales", scales, f.scale_dtype)]
-    return out + [("k_codes", codes, f.code_dtype), ("v_codes", codes, f.code_dtype)]
+    before codes; with a K/V pair, sorted by element size), so every tensor starts
+    aligned to its element size: the storage's own order (_storage.region_shapes)."""
+    return [(name, shape[:1] + (length,) + shape[2:], dtype)
+            for name, shape, dtype in region_shapes(spec, 1)]
 
 
 def _metadata(spec: KVSpec, length: int, start: int = 0, sink_end: int = 0) -> dict[str, str]:
@@ -641,10 +647,12 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, tuple[int, int, int]]
     if version < 1:
         raise SnapshotError(f"unknown file version {version}: expected 1..{FILE_VERSION}")
     try:
-        fmt = get_format(meta.get("format"))  # type: ignore[arg-type]  # None: refused
+        fmts = get_pair(meta.get("format"))  # type: ignore[arg-type]  # None: refused
     except FormatError as e:
         raise SnapshotError(f"metadata format: {e}") from None
-    names = ["k_scales", "v_scales"] * fmt.quantized + ["k_codes", "v_codes"]
+    fmt_name = pair_name(*fmts)
+    names = ([f"{w}_scales" for w, f in zip("kv", fmts) if f.quantized]
+             + ["k_codes", "v_codes"])
     algos = ["sha256"] if version == 1 else list(_DIGESTS)
     expected = {"file_version", "kvcore_version", "format", "length", "sha256",
                 *_SPEC_KEYS, *(f"{algo}_{n}" for algo in algos for n in names)}
@@ -652,12 +660,13 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, tuple[int, int, int]]
         expected |= {"start", "sink_end"}
     if set(meta) != expected:
         missing, extra = sorted(expected - set(meta)), sorted(set(meta) - expected)
-        raise SnapshotError(f"metadata keys differ from a file of format {fmt.name}: "
+        raise SnapshotError(f"metadata keys differ from a file of format {fmt_name}: "
                             f"missing {missing}, unexpected {[k[:40] for k in extra]}")
     if _metadata_digest(meta) != meta["sha256"]:
         raise SnapshotError("the metadata does not match its SHA-256: corrupt header")
     try:
-        spec = KVSpec(**{k: _meta_uint(meta, k) for k in _SPEC_KEYS}, format=fmt.name)
+        sizes: dict[str, Any] = {k: _meta_uint(meta, k) for k in _SPEC_KEYS}
+        spec = KVSpec(**sizes, format=fmt_name)
     except (SpecError, FormatError) as e:
         raise SnapshotError(f"metadata spec: {e}") from None
     length = _meta_uint(meta, "length")

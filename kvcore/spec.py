@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .errors import SpecError
-from .formats import Format, get_format
+from .errors import FormatError, SpecError
+from .formats import FORMATS, Format, get_format, get_pair, pair_name
 
 # Byte counts past this do not fit a Py_ssize_t / a device size_t; refuse them early.
 MAX_BYTES = 2**63 - 1
@@ -26,13 +26,46 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def resolve_formats(format: "str | Format | None", k_format: "str | Format | None" = None,
+                    v_format: "str | Format | None" = None) -> tuple[Format, Format]:
+    """(K format, V format) of KVSpec's arguments: format for both (a name, a Format or a
+    pair name "<k>/<v>"; None: "f16"), k_format / v_format for one side each (a side not
+    given takes format's). FormatError for an unknown name (naming the side), SpecError
+    when format and a side given disagree."""
+    both = get_pair("f16" if format is None else format)
+    sides = []
+    for i, (which, given) in enumerate((("k", k_format), ("v", v_format))):
+        if given is None:
+            sides.append(both[i])
+            continue
+        try:
+            fmt = get_format(given)
+        except FormatError as e:
+            raise FormatError(f"{which}_format: {e}") from None
+        if format is not None and fmt is not both[i]:
+            raise SpecError(
+                f"format={format!r} stores {which.upper()} as {both[i].name}, but "
+                f"{which}_format={fmt.name!r}: give format= alone (both K and V) or "
+                f"k_format= and v_format=")
+        sides.append(fmt)
+    return sides[0], sides[1]
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """Shape and storage format of a KV cache.
 
     num_layers L, num_kv_heads Hkv, head_dim D, capacity N (positions per sequence),
-    num_heads Hq (query heads; defaults to Hkv; GQA needs Hq % Hkv == 0), format (a
-    name from kvcore.FORMATS).
+    num_heads Hq (query heads; defaults to Hkv; GQA needs Hq % Hkv == 0), and the storage
+    formats (names from kvcore.FORMATS): `format` for both K and V (default "f16"), or
+    `k_format` / `v_format` for each side (llama.cpp's -ctk / -ctv: K q8_0 with V q4_0 is
+    KVSpec(..., k_format="q8_0", v_format="q4_0")); a side not given takes `format`
+    (default "f16"). `format` given with a side that disagrees is a SpecError.
+
+    Once built, `k_format` and `v_format` are names, and `format` is the one name when
+    they are the same, else the pair's name "<k>/<v>" (e.g. "q8_0/q4_0"; format= takes
+    such a name too). `fmt` is the Format of both and raises FormatError when they differ;
+    `k_fmt` / `v_fmt` are each side's (docs/formats.md, "K/V pairs").
     """
 
     num_layers: int
@@ -40,7 +73,10 @@ class KVSpec:
     head_dim: int
     capacity: int
     num_heads: int | None = None
-    format: str = "f16"
+    # None when not given; names (str) once built
+    format: str = None        # type: ignore[assignment]
+    k_format: str = None      # type: ignore[assignment]
+    v_format: str = None      # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "capacity"):
@@ -51,17 +87,55 @@ class KVSpec:
                 f"num_heads must be a multiple of num_kv_heads (GQA), got num_heads={hq}, "
                 f"num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "num_heads", hq)
-        fmt = get_format(self.format)
-        object.__setattr__(self, "format", fmt.name)
-        fmt.check_head_dim(self.head_dim)
+        k, v = resolve_formats(self.format, self.k_format, self.v_format)
+        object.__setattr__(self, "k_format", k.name)
+        object.__setattr__(self, "v_format", v.name)
+        object.__setattr__(self, "format", pair_name(k, v))
+        for which, fmt in (("K", k), ("V", v)) if k is not v else (("", k),):
+            try:
+                fmt.check_head_dim(self.head_dim)
+            except FormatError as e:
+                raise FormatError(f"{which} {e}" if which else str(e)) from None
         if self.memory_bytes > MAX_BYTES:
             raise SpecError(
                 f"cache of {self.memory_bytes} bytes overflows a 64-bit size "
                 f"(capacity={self.capacity}, bytes_per_position={self.bytes_per_position})")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """pickle: a spec pickled before K/V pairs (no k_format / v_format) holds one
+        format for both."""
+        if "k_format" not in state:
+            state = dict(state, k_format=state["format"], v_format=state["format"])
+        self.__dict__.update(state)
+
     @property
     def fmt(self) -> Format:
-        return get_format(self.format)
+        """The Format of K and V; FormatError when they differ (use k_fmt / v_fmt)."""
+        if self.k_format != self.v_format:
+            raise FormatError(
+                f"this spec stores K as {self.k_format} and V as {self.v_format}: spec.fmt "
+                f"names one format for both; use spec.k_fmt / spec.v_fmt")
+        return FORMATS[self.k_format]
+
+    @property
+    def k_fmt(self) -> Format:
+        """The Format of the K rows."""
+        return FORMATS[self.k_format]
+
+    @property
+    def v_fmt(self) -> Format:
+        """The Format of the V rows."""
+        return FORMATS[self.v_format]
+
+    @property
+    def fmts(self) -> tuple[Format, Format]:
+        """(K format, V format)."""
+        return self.k_fmt, self.v_fmt
+
+    @property
+    def paired(self) -> bool:
+        """True when K and V are stored in different formats."""
+        return self.k_format != self.v_format
 
     @property
     def group_size(self) -> int:
@@ -76,7 +150,9 @@ class KVSpec:
     @property
     def bytes_per_position(self) -> int:
         """Bytes one position takes across all layers, K and V, codes and scales."""
-        return self.rows_per_position * self.fmt.row_bytes(self.head_dim)
+        D = self.head_dim
+        return self.num_layers * self.num_kv_heads * (self.k_fmt.row_bytes(D)
+                                                      + self.v_fmt.row_bytes(D))
 
     @property
     def memory_bytes(self) -> int:
@@ -93,9 +169,12 @@ class KVSpec:
         return self.fp32_equivalent_bytes / self.memory_bytes
 
     def replace(self, **changes: Any) -> "KVSpec":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). format= changes both K
+        and V; k_format= / v_format= change one side and keep the other."""
         fields: dict[str, Any] = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                       head_dim=self.head_dim, capacity=self.capacity,
                       num_heads=self.num_heads, format=self.format)
+        if ("k_format" in changes or "v_format" in changes) and "format" not in changes:
+            fields.update(format=None, k_format=self.k_format, v_format=self.v_format)
         fields.update(changes)
         return KVSpec(**fields)

@@ -7,8 +7,13 @@ import kvcore
 from kvcore import (DTypeError, KVCache, KVSpec, NonFiniteError, OutOfRangeError, RangeError,
                     ShapeError, StateError, decode_attention)
 
+from _formats import PAIRS, sides
+
 FORMATS = list(kvcore.FORMATS)
 TOL = 1e-5
+# K/V pairs: the scores read K's codes, the weighted sums V's; against the reference over
+# each side's own dequantized values the error is rounding only, as for one format
+WITH_PAIRS = FORMATS + PAIRS
 
 
 def make_cache(rng, fmt, hkv, group, d, n, *, pending=0, layers=2, dist="normal"):
@@ -54,7 +59,7 @@ def rel_err(out, ref):
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", WITH_PAIRS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_formats_gqa_head_dims(rng, fmt, group, d):
@@ -92,7 +97,7 @@ def test_head_dims_off_the_column_blocks(rng, fmt, d):
     assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", WITH_PAIRS)
 @pytest.mark.parametrize("n, T", [(15, 1), (16, 1), (17, 3), (63, 1), (64, 1), (65, 1),
                                   (66, 5), (127, 1), (128, 2), (129, 4)])
 def test_tile_and_vector_boundaries(rng, fmt, n, T):
@@ -104,7 +109,8 @@ def test_tile_and_vector_boundaries(rng, fmt, n, T):
     assert rel_err(decode_attention(q, cache, 0), reference(q, cache, 0)) < TOL
 
 
-@pytest.mark.parametrize("fmt", ["f16", "int8", "fp8_e4m3", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "int8", "fp8_e4m3", "q8_0", "q8_0/q4_0", "f32/q4_0",
+                                 "q4_1/f32"])
 @pytest.mark.parametrize("group, T", [(1, 1), (2, 1), (3, 1), (8, 1), (3, 5), (2, 3)])
 def test_group_sizes_and_row_blocks(rng, fmt, group, T):
     """R = T * G query rows per kv head go in register blocks of 4: 1, 2, 3, 8, 15, 6."""
@@ -131,7 +137,7 @@ def test_splits_with_few_positions(rng, threads, n, T, causal):
     assert rel_err(out, reference(q, cache, 0, causal=causal)) < TOL
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", WITH_PAIRS + ["f32/q4_1"])
 @pytest.mark.parametrize("n, T, group, d", [
     (200, 200, 4, 64),    # a whole prompt (T = n): 800 rows per kv head, blocks of 256
     (150, 150, 1, 96),    # T not a multiple of the 64-position tile, one block of 150 rows
@@ -145,7 +151,7 @@ def test_causal_prefill(rng, fmt, n, T, group, d, threads):
     """Many query rows per kv head (prefill, verification) run as blocks of 256 rows with
     the rows in the vector lanes; the causal mask's hidden tiles are skipped. Against the
     float64 reference, causal and not; the same bits on every call."""
-    if kvcore.FORMATS[fmt].block and d % 32:     # q8_0, q4_0, q4_1: blocks of 32
+    if any(kvcore.FORMATS[f].block for f in sides(fmt)) and d % 32:   # q8_0, q4_*: blocks of 32
         d = 96
     cache = make_cache(rng, fmt, 2, group, d, n, layers=1)
     q = rng.standard_normal((T, 2 * group, d)).astype(np.float32)
@@ -390,7 +396,7 @@ def check_variant(q, cache, layer, kw, threads=(1, 2), scale=None):
         assert np.abs(lse - ref_lse).max() < 1e-5 * max(1, np.abs(ref_lse).max()), (kw, nt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", WITH_PAIRS)
 def test_variants_every_format(rng, fmt):
     """Each variant and its edges, one token and T = 5 (rows 0..4 see windows ending at
     n - 5 .. n - 1), every format, 1 and 2 threads."""

@@ -17,6 +17,7 @@ from kvcore.formats import FORMATS, view_dtype
 from kvcore._quant import input_limit
 from kvcore.quant import Q4_0_LIMIT, Q4_1_LIMIT, Q8_0_LIMIT
 
+from _formats import PAIRS, sides
 from _ggml import gguf_encode
 
 ALL = list(FORMATS)
@@ -73,11 +74,11 @@ FORMATS_RAW = {view_dtype(f): FORMATS[f].code_dtype for f in FORMATS}
 
 
 def assert_held(cache, layer, k, v, *, start=0, pending=False):
-    """Positions [start, start + T) of `layer` hold k, v [T, Hkv, D] encoded exactly."""
-    fmt = cache.spec.format
-    for x, codes, scales in ((k, cache.keys(layer, pending=pending),
+    """Positions [start, start + T) of `layer` hold k, v [T, Hkv, D] encoded exactly (each
+    side in its format)."""
+    for x, fmt, codes, scales in ((k, cache.spec.k_format, cache.keys(layer, pending=pending),
                               cache.key_scales(layer, pending=pending)),
-                             (v, cache.values(layer, pending=pending),
+                             (v, cache.spec.v_format, cache.values(layer, pending=pending),
                               cache.value_scales(layer, pending=pending))):
         want_c, want_s = ref_encode(x, fmt)
         t = len(x)
@@ -102,7 +103,7 @@ def assert_unchanged(cache, before):
 
 # -- round trips --------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", ALL + PAIRS)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_round_trip_every_format(fmt, dtype, rng):
     cache = make(fmt, layers=3, capacity=12)
@@ -138,9 +139,10 @@ def test_quantized_equals_kvcore_quantize(fmt, rng):
                                       kvcore.dequantize(want_c, want_s, fmt))
 
 
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", ALL + PAIRS)
 def test_dequantize_is_a_float32_copy(fmt, rng):
     cache = make(fmt)
+    kf, fmt = sides(fmt)   # fmt: V's
     k, v = randn(rng, (3, 8, 128)), randn(rng, (3, 8, 128))
     cache.append(0, k, v)
     cache.append(1, k, v)
@@ -150,6 +152,8 @@ def test_dequantize_is_a_float32_copy(fmt, rng):
     assert not np.shares_memory(out, cache._storage)
     want = ref_encode(v, fmt)
     np.testing.assert_array_equal(out, kvcore.dequantize(want[0], want[1], fmt))
+    want = ref_encode(k, kf)
+    np.testing.assert_array_equal(cache.dequantize(0, "k"), kvcore.dequantize(*want, kf))
     if fmt == "f32":
         np.testing.assert_array_equal(out, v)
     with pytest.raises(OutOfRangeError, match="which 'q' out of range"):
@@ -228,7 +232,7 @@ def test_any_strides_equal_contiguous(fmt, dtype, rng):
         assert_held(cache, 0, np.ascontiguousarray(x), np.ascontiguousarray(x[::-1]))
 
 
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", ALL + PAIRS)
 def test_two_dim_input_is_one_position(fmt, rng):
     cache = make(fmt, layers=1)
     k, v = randn(rng, (8, 128)), randn(rng, (8, 128), np.float16)[:, ::-1]
@@ -545,6 +549,48 @@ def test_values_past_the_format_range_are_refused(fmt):
     assert_held(cache, 0, k, k, pending=True)
     if stored is not None:
         assert cache.dequantize(0, "k", pending=True)[0, 5, 64] == -stored
+
+
+@pytest.mark.parametrize("fmt", PAIRS + ["f32/q4_1", "q4_0/bf16"])
+def test_pair_views_and_storage(fmt, rng):
+    """Each side's codes and scales in its own format: views, shapes, dtypes, the bytes of
+    the one allocation (spec.memory_bytes), every region aligned to its element size
+    (regions widest element first: K f16 codes after q4_0's float16 V scales)."""
+    kf, vf = (FORMATS[f] for f in sides(fmt))
+    cache = make(fmt, layers=3, heads=3, head_dim=64, capacity=7)   # odd row counts
+    assert cache._storage.nbytes == cache.spec.memory_bytes
+    k, v = randn(rng, (7, 3, 64)), randn(rng, (7, 3, 64))
+    for layer in range(3):
+        cache.append(layer, k, v)
+    cache.advance()
+    for f, codes, scales in ((kf, cache.keys(2), cache.key_scales(2)),
+                             (vf, cache.values(2), cache.value_scales(2))):
+        assert codes.shape == (7, 3, f.code_width(64)) and codes.dtype == view_dtype(f)
+        assert codes.ctypes.data % f.code_bytes == 0
+        if f.quantized:
+            assert scales.shape == (7, 3, f.scales_per_row(64)) and scales.dtype == f.scale_dtype
+            assert scales.ctypes.data % f.scale_dtype.itemsize == 0
+        else:
+            assert scales is None
+    assert_held(cache, 2, k, v)
+    for region in cache._store.layout.values():
+        assert region["offset"] % np.dtype(region["dtype"]).itemsize == 0
+    kc, vc, ks, vs = cache._layer_arrays(0)
+    assert kc.dtype == kf.code_dtype and vc.dtype == vf.code_dtype
+    assert (ks is None) == (not kf.quantized) and (vs is None) == (not vf.quantized)
+
+
+def test_pair_limits_are_each_sides():
+    """K f16 refuses 70000 (past float16), V q4_0 takes it: each side checks its own
+    format's range; a refused call changes nothing."""
+    cache = make("f16/q4_0", layers=1)
+    big = np.full((1, 8, 128), 70000.0, np.float32)
+    before = state(cache)
+    with pytest.raises(FormatError, match=r"out of range of format f16 in k: k\[0, 0, 0\]"):
+        cache.append(0, big, big)
+    assert_unchanged(cache, before)
+    cache.append(0, np.ones_like(big), big)
+    assert_held(cache, 0, np.ones_like(big), big, pending=True)
 
 
 def test_spec_is_required():

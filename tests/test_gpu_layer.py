@@ -180,6 +180,21 @@ def test_formats_without_gpu_kernels_are_refused(fmt):
             make()
 
 
+@pytest.mark.parametrize("fmt", ["q8_0/q4_0", "f16/int8"])
+def test_kv_pairs_are_refused(fmt):
+    """K and V in different formats are CPU-only for now: every GPU object refuses the spec
+    before touching a device, naming both formats."""
+    from kvcore.gpu import GpuKVPool
+    k, v = fmt.split("/")
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=8, format=fmt)
+    msg = rf"K format {k} and V format {v} differ: K/V pairs are not on the GPU yet"
+    for make in (lambda: GpuKVCache(spec), lambda: GpuKVCache.fit(spec), lambda: GpuLayout(spec, 1),
+                 lambda: max_slots_for_memory(spec, 2**30),
+                 lambda: GpuKVPool(spec, 4, 4, max_batch=1, max_pages_per_seq=2)):
+        with pytest.raises(kvcore.FormatError, match=msg):
+            make()
+
+
 def _defines(text: str) -> dict[str, str]:
     return dict(re.findall(r"^#define (KV_\w+) (\S+)", text, re.M))
 

@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward  # 
 
 import kvcore  # noqa: E402
 from kvcore.integrations import transformers as kvhf  # noqa: E402
+from _formats import PAIRS, sides  # noqa: E402
 
 FORMATS = list(kvcore.FORMATS)
 # (Hq, Hkv, D): GQA ratios 1 and 4, head_dim 64 and 128
@@ -51,15 +52,16 @@ def _prompt(n=PROMPT, seed=1):
 
 
 class _RoundTripLayer(DynamicLayer):
-    """HF's own dynamic layer, fed K/V after a kvcore quantize/dequantize round trip."""
+    """HF's own dynamic layer, fed K/V after a kvcore quantize/dequantize round trip (K in
+    K's format, V in V's: a K/V pair "<k>/<v>" too)."""
 
     def __init__(self, fmt):
         super().__init__()
-        self.fmt = fmt
+        self.fmts = sides(fmt)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return super().update(_round_trip(key_states, self.fmt),
-                              _round_trip(value_states, self.fmt))
+        return super().update(_round_trip(key_states, self.fmts[0]),
+                              _round_trip(value_states, self.fmts[1]))
 
 
 def _round_trip(x, fmt):
@@ -122,7 +124,7 @@ def test_f32_matches_eager(shape):
     assert layer.keys is None and layer.values is None      # no tensor copy of the history
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 @pytest.mark.parametrize("shape1", SHAPES[:2], ids=lambda s: f"hq{s[0]}-hkv{s[1]}-d{s[2]}")
 def test_greedy_matches_eager_on_the_same_values(shape1, fmt):
     """One layer, so both runs quantize the very same K/V (with more layers a float32
@@ -138,7 +140,7 @@ def test_greedy_matches_eager_on_the_same_values(shape1, fmt):
     assert cache.layers[0].pool.spec.format == fmt
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 def test_every_layer_matches_eager_on_the_stored_codes(fmt, monkeypatch):
     """In a 2-layer GQA-4 model, at every layer and step (prefill and decode), the kvcore
     attention equals HF's eager attention run on the dequantized codes the layer holds,
@@ -163,6 +165,24 @@ def test_every_layer_matches_eager_on_the_stored_codes(fmt, monkeypatch):
     _generate(model, "kvcore", _kvcore_cache(model, fmt))
     assert len(errors) == 2 * NEW
     assert max(errors) < 16 * np.finfo(np.float32).eps, errors
+
+
+def test_pair_formats_by_side():
+    """KVCoreCache(k_format=, v_format=) as KVSpec takes them (llama.cpp's -ctk / -ctv):
+    every layer's pool stores K and V each in its format; format= with a side that
+    disagrees is refused naming both, an unknown side naming it."""
+    model = _model(4, 4, 64, layers=2)
+    cache = _kvcore_cache(model, None, k_format="q8_0", v_format="q4_0")
+    assert cache.format == "q8_0/q4_0"
+    _generate(model, "kvcore", cache)
+    assert all(layer.pool.spec.fmts == (kvcore.FORMATS["q8_0"], kvcore.FORMATS["q4_0"])
+               for layer in cache.layers)
+    assert _kvcore_cache(model, None, k_format="q8_0").format == "q8_0/f16"
+    with pytest.raises(kvcore.SpecError, match="format='int8' stores K as int8, but "
+                                               "k_format='q8_0'"):
+        _kvcore_cache(model, "int8", k_format="q8_0")
+    with pytest.raises(kvcore.FormatError, match="v_format: unknown format 'q2_k'"):
+        _kvcore_cache(model, None, v_format="q2_k")
 
 
 def test_quantized_formats_differ_from_f32():

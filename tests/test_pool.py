@@ -5,6 +5,7 @@ test_cache.py)."""
 
 import numpy as np
 import pytest
+from _formats import PAIRS
 from _blocking import BlockingLayer
 
 import kvcore
@@ -65,7 +66,7 @@ def test_constructor_checks():
         KVPool({}, num_pages=2)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 @pytest.mark.parametrize("ps", [1, 16, 17])
 def test_writes_store_what_a_cache_stores(rng, fmt, ps):
     s = spec(fmt)
@@ -368,7 +369,7 @@ def test_block_tables_csr_and_slot_mapping(rng):
     assert state(pool) == before
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 def test_snapshots_both_ways(rng, fmt, tmp_path):
     s = spec(fmt)
     pool = KVPool(s, num_pages=30, page_size=3)

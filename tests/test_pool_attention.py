@@ -3,6 +3,7 @@ sequence whatever the page order, against a float64 reference on odd sizes, seve
 query tokens per sequence (causal), log-sum-exp and merge_attention."""
 import numpy as np
 import pytest
+from _formats import PAIRS
 
 import kvcore
 from kvcore import (KVCache, KVPool, KVSpec, NonFiniteError, ShapeError, StateError,
@@ -73,7 +74,7 @@ def rel_err(out, ref):
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 @pytest.mark.parametrize("ps", [1, 16, 17])
 def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, capacity=400, num_heads=8,
@@ -105,7 +106,7 @@ def test_bit_identical_to_a_kvcache_whatever_the_page_order(rng, fmt, ps):
         kvcore.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8_e4m3", "q8_0", "q4_1"] + PAIRS)
 def test_prefill_of_many_sequences(rng, fmt):
     """Prompts of several sequences in one call (T_b * G past 128 rows: row-wise
     jobs, the causal skip), pages shuffled: each sequence bit for bit its KVCache's
@@ -136,7 +137,7 @@ def pool_pages(n, ps):
     return -(-n // ps)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_against_float64_reference(rng, fmt, group, d):
@@ -291,9 +292,9 @@ class _Recorder:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def attend_paged(self, q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts, *args, **kw):
+    def attend_paged(self, q, kc, vc, ks, vs, kf, vf, ps, tables, lengths, counts, *args, **kw):
         self.calls.append((tables.copy(), lengths.copy(), counts.copy()))
-        return self._real.attend_paged(q, kc, vc, ks, vs, fmt, ps, tables, lengths, counts,
+        return self._real.attend_paged(q, kc, vc, ks, vs, kf, vf, ps, tables, lengths, counts,
                                        *args, **kw)
 
 

@@ -139,8 +139,10 @@ def test_fork_of_matched_sequence_and_copy_on_write():
     check_counts(pool)
 
 
-def test_reuse_is_exact_decode_attention_bit_for_bit():
-    pool = make_pool(pages=32)
+@pytest.mark.parametrize("fmt", ["f16", "q8_0/q4_0"])
+def test_reuse_is_exact_decode_attention_bit_for_bit(fmt):
+    """(K q8_0 / V q4_0 too: matched pages hold both sides, each in its format.)"""
+    pool = make_pool(pages=32, fmt=fmt)
     prompt = list(range(200, 223))
     a, _ = prefill(pool, prompt)                # computed everything
     pool.free(a)

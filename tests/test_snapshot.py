@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import pytest
+from _formats import PAIRS, sides
 from safetensors import safe_open
 
 import kvcore
@@ -16,6 +17,7 @@ from kvcore.errors import DTypeError, OutOfRangeError
 from kvcore.snapshot import _metadata_digest
 
 PARTS = ("k_codes", "v_codes", "k_scales", "v_scales")
+ALL = list(FORMATS) + PAIRS   # the formats, and K/V pairs ("<k>/<v>")
 
 
 def small_spec(fmt, **kw):
@@ -69,10 +71,9 @@ def assert_cache_holds(cache, snap: Snapshot):
 def random_snapshot(fmt, rng, length=5, **kw):
     """A Snapshot of valid codes and scales, built without a cache."""
     spec = small_spec(fmt, **kw)
-    f = spec.fmt
     shape = (spec.num_layers, length, spec.num_kv_heads, spec.head_dim)
     parts = {}
-    for which in "kv":
+    for which, f in zip("kv", spec.fmts):
         codes, scales = kvcore.quantize(rng.standard_normal(shape).astype(np.float32), f)
         parts[f"{which}_codes"] = codes.view(f.code_dtype)
         if scales is not None:
@@ -82,7 +83,7 @@ def random_snapshot(fmt, rng, length=5, **kw):
 
 # ---------------------------------------------------------------- take / restore
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL)
 def test_take_copies_committed_positions(fmt, rng):
     cache = filled_cache(fmt, rng, 6)
     full = cache.snapshot()
@@ -114,7 +115,7 @@ def test_take_refuses_bad_n(rng):
     assert cache.snapshot(np.int64(0)).length == 0
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL)
 def test_restore_replaces_content(fmt, rng):
     snap = filled_cache(fmt, rng, 5).snapshot()
     target = filled_cache(fmt, rng, 9)
@@ -123,7 +124,7 @@ def test_restore_replaces_content(fmt, rng):
     assert_cache_holds(target, snap)
     for layer in range(3):
         ref = kvcore.dequantize(snap.k_codes[layer], None if snap.k_scales is None
-                                else snap.k_scales[layer], fmt)
+                                else snap.k_scales[layer], sides(fmt)[0])
         assert np.array_equal(target.dequantize(layer, "k"), ref)
 
 
@@ -185,20 +186,25 @@ def test_restore_refuses_impossible_values(fmt, part, value, shown, rng):
     assert cache._storage.tobytes() == before
 
 
-@pytest.mark.parametrize("src", FORMATS)
-@pytest.mark.parametrize("dst", ["f16", "int8", "fp8_e5m2", "q8_0"])
+@pytest.mark.parametrize("src", ALL)
+@pytest.mark.parametrize("dst", ["f16", "int8", "fp8_e5m2", "q8_0", "q8_0/q4_0", "int8/f16"])
 def test_restore_requantizes(src, dst, rng):
+    """Each side decoded from its format and encoded in the target's (pairs both ways)."""
     snap = random_snapshot(src, rng)
     cache = KVCache(small_spec(dst))
     cache.restore(snap, requantize=True)
     assert cache.length == snap.length
     for layer in range(3):
-        x = kvcore.dequantize(snap.v_codes[layer], None if snap.v_scales is None
-                              else snap.v_scales[layer], src)
-        codes, scales = kvcore.quantize(x, dst)
-        assert cache.values(layer).tobytes() == codes.tobytes()
-        if scales is not None:
-            assert cache.value_scales(layer).tobytes() == scales.tobytes()
+        for which, view, scale_view in (("k", cache.keys, cache.key_scales),
+                                        ("v", cache.values, cache.value_scales)):
+            s, d = (sides(f)[which == "v"] for f in (src, dst))
+            sc = getattr(snap, f"{which}_scales")
+            x = kvcore.dequantize(getattr(snap, f"{which}_codes")[layer],
+                                  None if sc is None else sc[layer], s)
+            codes, scales = kvcore.quantize(x, d)
+            assert view(layer).tobytes() == codes.tobytes()
+            if scales is not None:
+                assert scale_view(layer).tobytes() == scales.tobytes()
 
 
 def test_requantize_refuses_values_past_the_target_range(rng):
@@ -216,7 +222,7 @@ def test_requantize_refuses_values_past_the_target_range(rng):
 
 # ----------------------------------------------------------------------- files
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL)
 @pytest.mark.parametrize("length", [0, 1, 5])
 def test_save_load_round_trip(fmt, length, rng, tmp_path):
     snap = random_snapshot(fmt, rng, length)
@@ -700,3 +706,42 @@ def test_version_3_metadata_is_checked(rng, tmp_path, start, sink_end, match):
     write_file(path, header, data)
     with pytest.raises(SnapshotError, match=r"unexpected \['sink_end', 'start'\]"):
         load_snapshot(path)
+
+
+# ------------------------------------------------------------------- K/V pairs
+
+def test_pair_snapshot_says_both_formats_and_refuses_another_pair(rng, tmp_path):
+    """A K q8_0 / V q4_0 snapshot's file names both formats (metadata format
+    "q8_0/q4_0", each side's tensors in its dtype); a cache of another pair, or of one
+    format, refuses it naming both sides of both (nothing changed) unless requantize."""
+    snap = filled_cache("q8_0/q4_0", rng, 5).snapshot()
+    assert snap.k_codes.dtype == np.int8 and snap.v_codes.shape[-1] == 16   # D 32: 16 bytes
+    path = tmp_path / "pair.safetensors"
+    snap.save(path)
+    with safe_open(path, "np") as f:
+        assert f.metadata()["format"] == "q8_0/q4_0"
+        assert f.get_tensor("v_codes").dtype == np.uint8
+    loaded = load_snapshot(path)
+    assert_same_snapshot(loaded, snap)
+    for other, shown in (("q4_0/q8_0", "K q4_0 / V q8_0"), ("q8_0", "K q8_0 / V q8_0"),
+                         ("q8_0/f16", "K q8_0 / V f16")):
+        cache = filled_cache(other, rng, 2)
+        before = cache._storage.tobytes()
+        with pytest.raises(SnapshotError, match=f"snapshot formats K q8_0 / V q4_0 do not "
+                                                f"match the cache's {shown} \\(pass "
+                                                f"requantize=True"):
+            cache.restore(loaded)
+        assert cache._storage.tobytes() == before and cache.length == 2
+    back = KVCache(small_spec("q8_0/q4_0"))
+    back.restore(loaded)
+    assert_cache_holds(back, snap)
+
+
+def test_pair_snapshot_parts_follow_each_side(rng):
+    """A pair's Snapshot checks each side's parts against its own format."""
+    snap = random_snapshot("f16/q4_0", rng)
+    assert snap.k_scales is None and snap.v_scales.dtype == np.float16
+    with pytest.raises(SnapshotError, match="snapshot of K format f16 has no scales, got k_scales"):
+        Snapshot(snap.spec, snap.length, snap.k_codes, snap.v_codes, snap.v_scales, snap.v_scales)
+    with pytest.raises(SnapshotError, match=r"snapshot v_codes: expected \[3, 5, 2, 16\] uint8"):
+        Snapshot(snap.spec, snap.length, snap.k_codes, snap.k_codes, None, snap.v_scales)

@@ -93,3 +93,60 @@ def test_errors_derive_from_builtins():
     assert issubclass(kvcore.StateError, RuntimeError)
     for name in kvcore.errors.__all__:
         assert issubclass(getattr(kvcore, name), kvcore.KVCacheError)
+
+
+# -- K/V pairs: K and V in different formats ------------------------------------------
+
+def test_pair_formats_and_byte_counts():
+    s = spec(k_format="q8_0", v_format="q4_0")
+    assert (s.k_format, s.v_format, s.format) == ("q8_0", "q4_0", "q8_0/q4_0")
+    assert s.k_fmt is FORMATS["q8_0"] and s.v_fmt is FORMATS["q4_0"] and s.paired
+    assert s.fmts == (FORMATS["q8_0"], FORMATS["q4_0"])
+    # per position and layer and head: K 128 + 4 * 2 bytes, V 64 + 4 * 2 bytes
+    assert s.bytes_per_position == 32 * 8 * ((128 + 8) + (64 + 8))
+    assert s.memory_bytes == 4096 * s.bytes_per_position
+    assert spec(format="q8_0/q4_0") == s == spec(format="q8_0/q4_0", v_format="q4_0")
+    assert s.replace(capacity=8).format == "q8_0/q4_0"
+    assert s.replace(v_format="q8_0") == spec(format="q8_0")
+    assert s.replace(format="int8").format == "int8"
+    with pytest.raises(FormatError, match="stores K as q8_0 and V as q4_0: spec.fmt names one "
+                                          "format for both; use spec.k_fmt / spec.v_fmt"):
+        s.fmt
+    same = spec(k_format="int8", v_format="int8")
+    assert same.format == "int8" and same.fmt is FORMATS["int8"] and not same.paired
+    assert same == spec(format="int8")
+    # a side not given takes format=, whose default is f16 (llama.cpp's -ctk alone)
+    assert spec(k_format="q8_0").format == "q8_0/f16"
+    assert spec(v_format="q4_0").format == "f16/q4_0"
+
+
+def test_pair_errors_name_the_side_and_the_numbers():
+    with pytest.raises(SpecError, match=r"format='int8' stores K as int8, but k_format='q8_0'"):
+        spec(format="int8", k_format="q8_0")
+    with pytest.raises(SpecError, match=r"format='q8_0/q4_0' stores V as q4_0, but "
+                                        r"v_format='f16'"):
+        spec(format="q8_0/q4_0", v_format="f16")
+    with pytest.raises(FormatError, match="v_format: unknown format 'q3_k': expected one of"):
+        spec(k_format="q8_0", v_format="q3_k")
+    with pytest.raises(FormatError, match="K format: unknown format 'int4'"):
+        spec(format="int4/q4_0")
+    with pytest.raises(FormatError, match="unknown format pair 'a/b/c'"):
+        spec(format="a/b/c")
+    with pytest.raises(FormatError, match="V format q4_0 needs head_dim divisible by 32, got 48"):
+        spec(k_format="f16", v_format="q4_0", head_dim=48)
+    with pytest.raises(FormatError, match="K format q4_1 needs head_dim divisible by 32, got 80"):
+        spec(k_format="q4_1", v_format="f16", head_dim=80)
+    with pytest.raises(FormatError, match="'q8_0/q4_0' names a K/V pair, not one format"):
+        get_format("q8_0/q4_0")
+
+
+def test_pickles_of_specs_before_pairs_load():
+    """A KVSpec pickled by a kvcore before K/V pairs (its state has no k_format /
+    v_format) loads as one format for both."""
+    import pickle
+    s = spec(format="q8_0")
+    old = {k: v for k, v in s.__dict__.items() if k not in ("k_format", "v_format")}
+    back = KVSpec.__new__(KVSpec)
+    back.__setstate__(old)
+    assert back == s and back.fmt is FORMATS["q8_0"]
+    assert pickle.loads(pickle.dumps(spec(format="q8_0/q4_0"))) == spec(format="q8_0/q4_0")

@@ -22,6 +22,7 @@ from kvcore.store import (DirectoryBackend, KVStore, RedisBackend, StoreWriter, 
                           encode_chunk)
 from kvcore.store._codec import MAGIC, ChunkKind
 
+from _formats import PAIRS
 from _toy_model import decode, prefill
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +126,7 @@ def _chunk(spec, rng, key="k0"):
     return kind, key, tokens, parts, encode_chunk(kind, key, tokens, parts)
 
 
-@pytest.mark.parametrize("fmt", kvcore.FORMATS)
+@pytest.mark.parametrize("fmt", list(kvcore.FORMATS) + PAIRS)
 def test_chunk_round_trip_every_format(fmt, rng):
     kind, key, tokens, parts, value = _chunk(spec_of(fmt), rng)
     assert value[:8] == MAGIC
@@ -883,3 +884,32 @@ def test_eviction_by_the_server_is_a_miss(server_factory, rng):
             assert same_positions(s, target, result.positions)
         found += result.positions > 0
     assert 0 < found < len(prompts)  # the newest prompts are there, the oldest were evicted
+
+
+def test_pair_chunks_say_both_formats_and_refuse_another(tmp_path, rng):
+    """A K q8_0 / V q4_0 store: its keys and chunks name the pair; a chunk of it is refused
+    by a store of another pair or of one format (ChunkError naming both), and the store
+    refuses a snapshot or a target of another pair (naming each side), nothing written."""
+    spec = spec_of("q8_0/q4_0")
+    store = KVStore(DirectoryBackend(tmp_path), model="m", spec=spec, chunk_tokens=C)
+    tokens = rng.integers(0, 50000, 2 * C)
+    assert ":q8_0/q4_0:" in store.keys(tokens)[0]
+    assert store.save(computed(spec, tokens).snapshot(), tokens) == 2
+    loaded = store.load(np.append(tokens, 7))   # the last token's query is still computed
+    assert loaded.positions == 2 * C and loaded.snapshot.spec.format == "q8_0/q4_0"
+    back = KVCache(spec)
+    back.restore(loaded.snapshot)
+    assert back.length == 2 * C
+    kind, key, toks, parts, value = _chunk(spec, rng)
+    for other in ("q8_0", "q4_0/q8_0"):
+        with pytest.raises(ChunkError, match=rf"format 'q8_0/q4_0' \(expected '{other}'\)"):
+            decode_chunk(ChunkKind(kind.model, spec_of(other), C), key, toks, value)
+    wrong = computed(spec_of("q8_0/f16"), tokens).snapshot()
+    with pytest.raises(SnapshotError, match=r"format q8_0/f16 \(K q8_0, V f16\) does not match "
+                                            r"the store's q8_0/q4_0 \(K q8_0, V q4_0\)"):
+        store.save(wrong, tokens)
+    target = KVCache(spec_of("q8_0"))
+    with pytest.raises(SnapshotError, match=r"target's format q8_0 does not match the store's "
+                                            r"q8_0/q4_0 \(K q8_0, V q4_0\)"):
+        store.load_into(target, tokens)
+    assert target.length == 0

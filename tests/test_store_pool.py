@@ -14,7 +14,7 @@ from test_store import C, share_through_server, spec_of
 PAGE = 8
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "q8_0/q4_0"])
 def test_a_pool_sequence_is_saved_and_loaded_into_a_new_sequence(fmt, tmp_path, rng):
     spec = spec_of(fmt)
     prompt = rng.integers(0, 50000, 3 * C + 3)

@@ -53,7 +53,7 @@ def test_chunk_keys_are_the_prefix_cache_page_keys(tmp_path, rng):
     assert ".C16.P8:" in store.keys(prompt)[0]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "f16/q4_0"])
 def test_a_miss_is_loaded_from_another_pools_store_and_decodes_bit_identically(fmt, tmp_path,
                                                                                rng):
     spec = spec_of(fmt)
@@ -178,6 +178,9 @@ def test_attaching_a_store_is_checked(tmp_path):
         KVPool(spec, 8, 16, prefix_cache=True, store=store)
     with pytest.raises(SpecError, match="store format int8 does not match the pool's bf16"):
         KVPool(spec_of("bf16"), 8, PAGE, prefix_cache=True, store=store)
+    with pytest.raises(SpecError, match=r"store format int8 does not match the pool's "
+                                        r"int8/q4_0 \(K int8, V q4_0\)"):
+        KVPool(spec_of("int8/q4_0"), 8, PAGE, prefix_cache=True, store=store)
     with StoreWriter(_store(tmp_path, spec)) as other:
         with pytest.raises(SpecError, match="StoreWriter of the same store"):
             KVPool(spec, 8, PAGE, prefix_cache=True, store=store, store_writer=other)

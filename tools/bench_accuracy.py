@@ -9,7 +9,10 @@
   a cache of that many positions in each format, keys Gaussian with 4 channels per head
   10x larger (as real keys have), values Student-t(3), against softmax(q K^T / sqrt(D)) V
   computed in float64 from the unquantized K and V; peer: the same attention in numpy
-  float32 (a plain same-precision implementation).
+  float32 (a plain same-precision implementation);
+- K/V pairs (KVSpec(k_format=, v_format=), llama.cpp's -ctk / -ctv): the attention of a
+  cache storing K in one format and V in another ("K q8_0 / V q4_0"), no round trip of
+  their own (each side's is its format's row).
 Deterministic (seeded data): the figures do not move between runs.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from _benchlib import print_table  # noqa: E402
 import kvcore  # noqa: E402
 
 HQ, HKV, D, OUTLIERS = 32, 8, 128, 4
+PAIRS = ("q8_0/q4_0", "f16/q4_0")   # K format / V format
 
 
 def rel_rms(approx: np.ndarray, exact: np.ndarray) -> float:
@@ -66,17 +70,20 @@ def measure(positions: int = 4096) -> dict[str, dict[str, float]]:
     v = rng.standard_t(3, (positions, HKV, D)).astype(np.float32)
     ref = _attention64(q, k, v)
     out: dict[str, dict[str, float]] = {}
-    for fmt in kvcore.FORMATS:
+    for fmt in (*kvcore.FORMATS, *PAIRS):
         row = {}
-        for label, x in (("round trip gauss", gauss), ("round trip t(3)", heavy)):
-            codes, scales = kvcore.quantize(x, fmt)
-            row[label] = rel_rms(kvcore.dequantize(codes, scales, fmt), x)
-        cache = kvcore.KVCache(kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D,
-                                             capacity=positions, num_heads=HQ, format=fmt))
+        if fmt in kvcore.FORMATS:
+            for label, x in (("round trip gauss", gauss), ("round trip t(3)", heavy)):
+                codes, scales = kvcore.quantize(x, fmt)
+                row[label] = rel_rms(kvcore.dequantize(codes, scales, fmt), x)
+        spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=positions,
+                             num_heads=HQ, format=fmt)
+        cache = kvcore.KVCache(spec)
         cache.append(0, k, v)
         cache.advance()
         row["attention"] = rel_rms(kvcore.decode_attention(q, cache, 0), ref)
-        out[f"kvcore {fmt}"] = row
+        name = fmt if not spec.paired else f"K {spec.k_format} / V {spec.v_format}"
+        out[f"kvcore {name}"] = row
     out["numpy f32 attention"] = {"attention": rel_rms(_attention32(q, k, v), ref)}
     return out
 

@@ -222,7 +222,7 @@ def _step_row(fmt: str, ctx: int, rng, B: int = 32, steps: int = 4) -> list:
     def attention_kernels():
         for t in range(steps):
             for layer in range(L):
-                _attention.attend_paged(q, *arrays[layer], spec.fmt.id, PAGE, tables,
+                _attention.attend_paged(q, *arrays[layer], spec.k_fmt.id, spec.v_fmt.id, PAGE, tables,
                                         lengths[t], ones, scale, True, out, None)
 
     rewind()

@@ -42,9 +42,9 @@ from transformers.utils import logging
 from .._parallel import limit
 from ..attention import decode_attention
 from ..errors import DTypeError, OutOfRangeError, ShapeError, StateError
-from ..formats import get_format
+from ..formats import get_pair, pair_name
 from ..pool import KVPool
-from ..spec import KVSpec
+from ..spec import KVSpec, resolve_formats
 
 logger = logging.get_logger(__name__)
 
@@ -112,7 +112,8 @@ class KVCoreLayer(CacheLayerMixin):
     """One decoder layer's K/V in a one-layer `kvcore.KVPool`: batch row b is pool
     sequence `seqs[b]` (CPU).
 
-    format: a name of kvcore.FORMATS. num_heads: the model's query heads (Hq).
+    format: a name of kvcore.FORMATS, or a K/V pair's "<k>/<v>" (KVSpec.format). num_heads:
+    the model's query heads (Hq).
     max_cache_len: positions one row holds at most; None: unbounded. window: None (full
     attention) or W, a sliding-window layer: its pool has window W, so the query at
     position p sees p - W < j <= p and a row holds about W + 16 positions, whatever its
@@ -139,7 +140,7 @@ class KVCoreLayer(CacheLayerMixin):
     def __init__(self, format: str, num_heads: int, max_cache_len: int | None = None,
                  window: int | None = None):
         super().__init__()
-        self.format = get_format(format).name
+        self.format = pair_name(*get_pair(format))   # one name, or a K/V pair "<k>/<v>"
         self.num_heads = num_heads
         self.max_cache_len = max_cache_len
         self.window = window
@@ -476,7 +477,9 @@ class KVCoreCache(Cache):
 
     config: the model's config (its text config is used); the model must run with
     attn_implementation "kvcore". format: a name of kvcore.FORMATS ("f32", "f16", "bf16",
-    "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"). max_cache_len: positions per row at most;
+    "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1"; default "f16") for K and V;
+    k_format / v_format: one side each (llama.cpp's -ctk / -ctv: k_format="q8_0",
+    v_format="q4_0"), as KVSpec takes them. max_cache_len: positions per row at most;
     None grows as needed. The layers follow config's layer types: "full_attention" and
     "sliding_attention" (a pool with the config's sliding_window: it holds about W
     positions a row); any other type (chunked, linear or shared-KV layers) is refused.
@@ -484,7 +487,8 @@ class KVCoreCache(Cache):
     prompt reuse recipe: prefill once, deepcopy per request).
     """
 
-    def __init__(self, config, format: str = "f16", max_cache_len: int | None = None):
+    def __init__(self, config, format: str | None = None, max_cache_len: int | None = None, *,
+                 k_format: str | None = None, v_format: str | None = None):
         config = config.get_text_config(decoder=True)
         if config._attn_implementation != ATTN_IMPLEMENTATION:
             raise StateError(f"KVCoreCache needs the kvcore attention, the model runs "
@@ -506,7 +510,7 @@ class KVCoreCache(Cache):
                                           or not isinstance(max_cache_len, int)
                                           or max_cache_len <= 0):
             raise ShapeError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
-        self.format = get_format(format).name
+        self.format = pair_name(*resolve_formats(format, k_format, v_format))
         super().__init__(layers=[KVCoreLayer(self.format, config.num_attention_heads,
                                              max_cache_len, w) for w in windows])
 

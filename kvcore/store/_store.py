@@ -19,6 +19,7 @@ from .._prefix_keys import Extra, encode_extra, chain_key, token_array, ROOT
 from ..errors import (ChunkError, DTypeError, KVCacheError, RangeError, SnapshotError,
                       StateError, StoreError)
 from ..snapshot import Snapshot
+from ..formats import describe
 from ..spec import KVSpec
 from ._backends import Backend, RefusedValue
 from ._codec import LAYOUT, ChunkKind, decode_chunk, encode_chunk
@@ -147,8 +148,10 @@ class KVStore:
         have, want = snapshot.spec, self.spec
         for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(have, name) != getattr(want, name):
-                raise SnapshotError(f"snapshot {name} {getattr(have, name)} does not match the "
-                                    f"store's {getattr(want, name)}")
+                a, b = getattr(have, name), getattr(want, name)
+                if name == "format":
+                    a, b = describe(a), describe(b)
+                raise SnapshotError(f"snapshot {name} {a} does not match the store's {b}")
         ids, keys = self._chunks(tokens, extra, snapshot.length)
         start = self.backend.contains_prefix(keys)
         c = self.chunk_tokens
@@ -253,6 +256,8 @@ class KVStore:
         for name in ("format", "num_layers", "num_kv_heads", "head_dim"):
             have, want = getattr(spec, name), getattr(self.spec, name)
             if have != want:
+                if name == "format":
+                    have, want = describe(have), describe(want)
                 raise SnapshotError(f"load_into: the target's {name} {have} does not match "
                                     f"the store's {want}: its chunks cannot be restored "
                                     f"there (nothing was changed)")
