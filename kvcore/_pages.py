@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from ._validate import check_index, check_seq_id
-from ._prefix import PrefixIndex
+from ._prefix import Entry, PrefixIndex
 from ._prefix_keys import ROOT, chain_key, encode_extra
 from .errors import CapacityError, OutOfRangeError, ShapeError, StateError
 
@@ -625,7 +625,7 @@ class PageTable:
         seq.length += len(pages) * ps
         self._drop()
 
-    def admit(self, pages: list[int], evicted: list[int], entries) -> None:
+    def admit(self, pages: list[int], evicted: list[int], entries: list[Entry]) -> None:
         """(a host pool) Registers `pages` (from plan_take, `evicted` the cached ones among
         them, with no change to the table since) as cached pages, page i under entries[i]
         (a PrefixIndex Entry of another pool: key, parent, ids, extra), most recent last;

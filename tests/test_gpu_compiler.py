@@ -129,8 +129,11 @@ c.free()
     assert got == {"error": None, "compiler": wrapper, "lengths": [0], "emulating": True}
     builds = [line for line in log.read_text().splitlines() if "module.cpp" in line]
     assert len(builds) == 1 and '-DKVEMU_SOURCE="kv_append.cu"' in builds[0], log.read_text()
+    stubs = [line for line in log.read_text().splitlines() if "libcuda.cpp" in line]
+    assert len(stubs) == 1 and "-Wl,-soname,libcuda.so.1" in stubs[0]   # the emulated libcuda
     by_wrapper = sorted(os.listdir(cache / "kvcore" / "emu"))
-    assert len(by_wrapper) == 1 and by_wrapper[0].startswith("kv_append-")
+    assert len(by_wrapper) == 2 and by_wrapper[0].startswith("kv_append-")
+    assert by_wrapper[1].startswith("libcuda-")
 
     # g++ itself (same version line) does not reuse the wrapper's build
     monkeypatch.delenv("CXX")

@@ -42,17 +42,12 @@ class Kernel:
     params: tuple[int, ...]
 
 
-_texts: dict[str, bytes] = {}    # module -> its shipped PTX, read once per process
-
-
 def _load(ctx: Context, module: str, kernel: str):
     """(CUmodule, .entry parameter sizes) of `kernel` alone, cut out of `module`'s PTX
     (_ptx.entry_image): the driver JIT-compiles what it loads, and an attention module
     holds 32 kernel instances of which a model uses one or two."""
-    text = _texts.get(module)
-    if text is None:
-        with open(ptx_path(module), "rb") as f:
-            text = _texts[module] = f.read()
+    with open(ptx_path(module), "rb") as f:
+        text = f.read()
     try:
         image = _ptx.entry_image(text, kernel) + b"\0"
     except _ptx.PtxError as e:
