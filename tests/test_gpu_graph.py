@@ -14,7 +14,7 @@ from kvcore.snapshot import Snapshot
 
 from test_gpu_attention import dequantize, random_parts, reference, rel_err
 
-STEPS = 200
+STEPS = 130   # slot lengths 0/5/40 grow past the 64- and 128-position tiles
 
 
 def _fill(graph, layer, q, k, v):
