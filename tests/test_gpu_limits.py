@@ -20,6 +20,8 @@ from kvcore import KVCache, KVPool, KVSpec
 from kvcore.gpu.cache import MAX_PITCH, CopySide, GpuLayout, plan_copy3d
 from kvcore.gpu.pool import page_pieces
 
+from test_gpu_pool import spy_copies
+
 
 @pytest.fixture(scope="module")
 def gpu():
@@ -145,21 +147,10 @@ def low_pitch(gpu, monkeypatch):
     (srcPitch, dstPitch, WidthInBytes, Height, Depth) of every cuMemcpy3DAsync kvcore issues."""
     if not gpu.using_emulator():
         pytest.skip("lowers the emulated device's largest pitch: emulator only")
-    from kvcore.gpu import driver
     from kvcore.gpu._emu import driver as emu
     monkeypatch.setattr(emu, "MAX_PITCH", LOW)
     monkeypatch.setitem(emu._ATTRIBUTES, "MAX_PITCH", LOW)
-    seen, real = [], driver.call
-
-    def spy(name, *args):
-        if name == "cuMemcpy3DAsync":
-            p = args[0]
-            seen.append((int(p.srcPitch), int(p.dstPitch), int(p.WidthInBytes), int(p.Height),
-                         int(p.Depth)))
-        return real(name, *args)
-
-    monkeypatch.setattr(driver, "call", spy)
-    return seen
+    return spy_copies(monkeypatch)
 
 
 def cpu_cache(spec, rng, n):

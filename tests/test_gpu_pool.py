@@ -103,6 +103,23 @@ def step(gpu, gp, cp, seqs, counts, rng, dtype, keep):
     cp.advance(seqs)
 
 
+def spy_copies(monkeypatch):
+    """The (srcPitch, dstPitch, WidthInBytes, Height, Depth) of every cuMemcpy3DAsync
+    kvcore issues from now on."""
+    from kvcore.gpu import driver
+    seen, real = [], driver.call
+
+    def spy(name, *args):
+        if name == "cuMemcpy3DAsync":
+            p = args[0]
+            seen.append((int(p.srcPitch), int(p.dstPitch), int(p.WidthInBytes), int(p.Height),
+                         int(p.Depth)))
+        return real(name, *args)
+
+    monkeypatch.setattr(driver, "call", spy)
+    return seen
+
+
 def pools(gpu, fmt, pages=24, **kw):
     kw = {"max_batch": 4, "max_pages_per_seq": 8, "max_tokens": 3, **kw}
     return gpu.GpuKVPool(spec(fmt), pages, PS, **kw), KVPool(spec(fmt), pages, PS)
@@ -433,18 +450,7 @@ def test_page_copies_pitch_is_one_page_however_large_the_pool(gpu, rng, monkeypa
     pitch on each side is one page of the region (the page is its y, the layer its z), so
     a pool whose layer region passes 2^31 - 1 bytes (the driver's largest pitch) copies
     as a small one does."""
-    from kvcore.gpu import driver
-    seen = []
-    real = driver.call
-
-    def spy(name, *args):
-        if name == "cuMemcpy3DAsync":
-            p = args[0]
-            seen.append((int(p.srcPitch), int(p.dstPitch), int(p.WidthInBytes), int(p.Height),
-                         int(p.Depth)))
-        return real(name, *args)
-
-    monkeypatch.setattr(driver, "call", spy)
+    seen = spy_copies(monkeypatch)
     gp, cp = pools(gpu, "q8_0")
     a = gp.new_sequence()
     cp.new_sequence()

@@ -9,6 +9,7 @@ from kvcore import KVPool, KVSpec, ShapeError, StateError
 from kvcore.gpu.cache import GPU_FORMATS
 
 from test_gpu_pool import captured, dev
+from test_prefix import kv_of as prefix_kv_of
 
 pytestmark = pytest.mark.gpu
 
@@ -26,12 +27,8 @@ def spec(fmt):
 
 
 def kv_of(tokens, extra=None):
-    """K/V [T, H, D] of each position: a function of (extras, ids up to it), as a model's."""
-    out = np.empty((len(tokens), H, D), np.float32)
-    for p in range(len(tokens)):
-        seed = abs(hash((repr(extra), tuple(int(t) for t in tokens[:p + 1])))) % 2**63
-        out[p] = np.random.default_rng(seed).standard_normal((H, D))
-    return out
+    """K/V [T, H, D] of each position (test_prefix.kv_of at this file's sizes)."""
+    return prefix_kv_of(tokens, extra, H, D)
 
 
 class Pair:

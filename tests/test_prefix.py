@@ -21,12 +21,13 @@ def make_pool(pages=16, fmt="f16", capacity=64):
     return KVPool(spec, num_pages=pages, page_size=PS, prefix_cache=True)
 
 
-def kv_of(tokens, extra=None):
-    """K/V [T, H, D] of each position: a function of (extras, ids up to it), as a model's."""
-    out = np.empty((len(tokens), H, D), np.float32)
+def kv_of(tokens, extra=None, heads=H, head_dim=D):
+    """K/V [T, heads, head_dim] of each position: a function of (extras, ids up to it), as a
+    model's."""
+    out = np.empty((len(tokens), heads, head_dim), np.float32)
     for p in range(len(tokens)):
         seed = abs(hash((repr(extra), tuple(int(t) for t in tokens[:p + 1])))) % 2**63
-        out[p] = np.random.default_rng(seed).standard_normal((H, D))
+        out[p] = np.random.default_rng(seed).standard_normal((heads, head_dim))
     return out
 
 
