@@ -625,7 +625,7 @@ def test_launch_checks_against_the_entry(machine):
 
 
 def test_launch_parameters_take_what_the_real_bindings_take(machine):
-    # cuda-python 12.6-13.x: a raw pointer is (int, c_void_p); type None only for a binding
+    # cuda-bindings 12.9-13.x (real, here): a raw pointer is (int, c_void_p); type None only for a binding
     # object (CUdeviceptr); kernelParams a tuple of two tuples; extra an int (0)
     d = machine()
     mod = ok(d.cuModuleLoadData(_image("kv_append")))
