@@ -173,6 +173,16 @@ class PageTable:
         """Pages a write may take: free ones, then cached ones (evicted)."""
         return len(self.free) + (len(self.prefix.lru) if self.prefix is not None else 0)
 
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        """(free, cached, in use, hits, misses, evictions): the pages of each kind (they add
+        up to num_pages; a page held by several sequences counts once), then the prefix
+        cache's counters (zeros without one)."""
+        idx = self.prefix
+        cached = len(idx.lru) if idx is not None else 0
+        used = self.num_pages - len(self.free) - cached
+        return (len(self.free), cached, used,
+                *((idx.hits, idx.misses, idx.evictions) if idx is not None else (0, 0, 0)))
+
     def _short(self) -> str:
         """'3 of 8 are free' (and ', 2 cached' with a prefix cache): for CapacityError."""
         cached = f", {len(self.prefix.lru)} cached" if self.prefix is not None else ""

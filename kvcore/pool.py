@@ -386,22 +386,17 @@ class KVPool(WindowViews):
     @property
     def num_cached_pages(self) -> int:
         """Pages of the prefix cache that no sequence holds (taken back when needed)."""
-        return self.num_pages - len(self._table.free) - self.num_used_pages
+        return self._table.counts()[1]
 
     @property
     def num_used_pages(self) -> int:
         """Pages held by at least one sequence (a shared page counts once)."""
-        t = self._table
-        return t.num_pages - t.available()
+        return self._table.counts()[2]
 
     @property
     def stats(self) -> PoolStats:
         """Free, cached and in-use pages, and the prefix cache's counters (PoolStats)."""
-        t, idx = self._table, self._table.prefix
-        cached = len(idx.lru) if idx is not None else 0
-        return PoolStats(len(t.free), cached, t.num_pages - len(t.free) - cached,
-                         *((idx.hits, idx.misses, idx.evictions) if idx is not None
-                           else (0, 0, 0)), self._store_hits, self._store_faults,
+        return PoolStats(*self._table.counts(), self._store_hits, self._store_faults,
                          self._last_fault)
 
     @property

@@ -330,12 +330,12 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     @property
     def num_cached_pages(self) -> int:
         """Pages of the prefix cache that no sequence holds (taken back when needed)."""
-        return self._table.available() - len(self._table.free)
+        return self._table.counts()[1]
 
     @property
     def num_used_pages(self) -> int:
         """Pages held by at least one sequence (a shared page counts once)."""
-        return self._table.num_pages - self._table.available()
+        return self._table.counts()[2]
 
     @property
     def tier_stats(self) -> TierStats:
@@ -348,9 +348,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def stats(self) -> PoolStats:
         """Free, cached and in-use pages, and the prefix cache's counters (PoolStats, as
         KVPool's; no store is attached to a GpuKVPool)."""
-        idx = self._table.prefix
-        return PoolStats(self.num_free_pages, self.num_cached_pages, self.num_used_pages,
-                         *((idx.hits, idx.misses, idx.evictions) if idx is not None else (0, 0, 0)))
+        return PoolStats(*self._table.counts())
 
     @property
     def sequences(self) -> list[int]:
