@@ -115,12 +115,8 @@ class KVPool(WindowViews):
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         win, sinks = check_window(window, sink_tokens)
-        if win is not None and store_writer is not None:
-            raise SpecError(f"store_writer= needs a pool without a window: a store saves chunks "
-                            f"from position 0, and window={win} releases the pages a query no "
-                            f"longer sees (store= alone, for lookups, is taken)")
         ps = int(page_size)
-        kv, writer = _attached(spec, ps, prefix_cache, store, store_writer)
+        kv, writer = _attached(spec, ps, prefix_cache, store, store_writer, win)
         self._attach(spec, ps, Storage(spec, int(num_pages) * ps),
                      PageTable(int(num_pages), ps, spec.num_layers, spec.capacity,
                                PrefixIndex() if prefix_cache else None, win, sinks), kv, writer)
@@ -227,7 +223,7 @@ class KVPool(WindowViews):
             fetch = None if self._kv is None else self._store_fetch(ids, extra_bytes)
             if fetch is None:
                 return self._table.match(ids, extra_bytes)
-        chunks = self._consult_store(fetch)       # without the guard: the round trip
+        chunks = consult_store(fetch)       # without the guard: the round trip
         try:
             with self._guard("match_prefix"):
                 return self._place_stored(ids, extra_bytes, fetch, chunks)
@@ -613,19 +609,6 @@ class KVPool(WindowViews):
                                 min(ids.size - 1, self._spec.capacity), keys)
         return fetch if fetch.first < len(fetch.keys) else None
 
-    def _consult_store(self, fetch: Any) -> list[tuple[int, dict[str, np.ndarray]]]:
-        """(match_prefix, without the guard) The chunks of a store fetch, read and checked:
-        a lookup that fails (StoreError, or any other exception of the store) keeps the
-        chunks checked before it and is the fetch's fault (logged), as a refused chunk
-        is."""
-        chunks: list[tuple[int, dict[str, np.ndarray]]] = []
-        try:
-            fetch.collect(chunks)
-        except Exception as e:  # noqa: BLE001 (a fault of the store: counted, never raised)
-            fetch.fault = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
-            log.warning("prefix cache: store lookup failed: %s", fetch.fault)
-        return chunks
-
     def _place_stored(self, ids: np.ndarray, extra: bytes, fetch: Any,
                       chunks: list[tuple[int, dict[str, np.ndarray]]]) -> tuple[int, int]:
         """(match_prefix, the guard held again) A new sequence on the cached pages that
@@ -728,20 +711,14 @@ class KVPool(WindowViews):
 
     def _queue_chunks(self, s: int, added: int) -> None:
         """Queues to the store writer the whole chunks of sequence s that its last
-        `added` committed positions completed (a keyed sequence: its page keys name
-        them), each copied out of the pages now (decoding may reuse them later)."""
+        `added` committed positions completed, each copied out of the pages now (decoding
+        may reuse them later)."""
         assert self._writer is not None and self._kv is not None
-        seq = self._table.get(s)
         c = self._kv.chunk_tokens
-        if seq.ids is None or not added:
-            return
-        per = c // self._ps
-        for j in range((seq.length - added) // c, seq.length // c):
-            ids = np.frombuffer(bytes(seq.ids[8 * j * c:8 * (j + 1) * c]), "<i8")
+        for j, key, ids, parent in completed_chunks(self._table, s, added, c):
             rows = np.array(self._table.rows(s, j * c, (j + 1) * c), np.int64)
-            self._writer._submit_chunk(seq.keys[(j + 1) * per - 1], ids,
-                                       functools.partial(self._chunk_parts, rows),
-                                       parent=seq.keys[j * per - 1] if j else None)
+            self._writer._submit_chunk(key, ids, functools.partial(self._chunk_parts, rows),
+                                       parent=parent)
 
     def _chunk_parts(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """The parts of the given rows, [L, rows, Hkv, D or S] each, copied."""
@@ -788,9 +765,41 @@ class KVPool(WindowViews):
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
 
+def consult_store(fetch: Any) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """(match_prefix, without the pool's guard) The chunks of a store fetch, read and
+    checked: a lookup that fails (StoreError, or any other exception of the store) keeps
+    the chunks checked before it and is the fetch's fault (logged), as a refused chunk is."""
+    chunks: list[tuple[int, dict[str, np.ndarray]]] = []
+    try:
+        fetch.collect(chunks)
+    except Exception as e:  # noqa: BLE001 (a fault of the store: counted, never raised)
+        fetch.fault = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+        log.warning("prefix cache: store lookup failed: %s", fetch.fault)
+    return chunks
+
+
+def completed_chunks(table: PageTable, s: int, added: int, c: int
+                     ) -> list[tuple[int, bytes, np.ndarray, bytes | None]]:
+    """The whole chunks of c positions that the last `added` committed positions of keyed
+    sequence s completed: (chunk index j, the content key of its last page, its c token
+    ids, the key of the chunk before it or None), for a store writer."""
+    seq = table.get(s)
+    if seq.ids is None or not added:
+        return []
+    per = c // table.page_size
+    return [(j, seq.keys[(j + 1) * per - 1],
+             np.frombuffer(bytes(seq.ids[8 * j * c:8 * (j + 1) * c]), "<i8"),
+             seq.keys[j * per - 1] if j else None)
+            for j in range((seq.length - added) // c, seq.length // c)]
+
+
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,
-              writer: Any) -> tuple[Any, Any]:
-    """(store, writer) checked against the pool's spec and page size (SpecError)."""
+              writer: Any, window: int | None) -> tuple[Any, Any]:
+    """(store, writer) checked against the pool's spec, page size and window (SpecError)."""
+    if window is not None and writer is not None:
+        raise SpecError(f"store_writer= needs a pool without a window: a store saves chunks "
+                        f"from position 0, and window={window} releases the pages a query no "
+                        f"longer sees (store= alone, for lookups, is taken)")
     if store is None and writer is None:
         return None, None
     from .store import KVStore, StoreWriter

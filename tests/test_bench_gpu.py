@@ -18,7 +18,7 @@ def test_bench_gpu_smoke_sizes_run(capsys):
     from kvcore import gpu
     assert bench_gpu.main(["--smoke"]) == 0
     text = capsys.readouterr().out
-    paged = text[text.index("### paged"):]
+    paged = text[text.index("### paged"):text.index("### tiers")]
     lines = [line for line in paged.splitlines() if line.startswith("| ") and "---" not in line]
     header, rows = lines[0], [r.strip("| ").split(" | ") for r in lines[1:]]
     assert "paged / contiguous" in header and "decode / copy" in header and "decode / SDPA" in header
@@ -29,7 +29,7 @@ def test_bench_gpu_smoke_sizes_run(capsys):
     if gpu.using_emulator():
         assert "EMULATOR: times are CPU times" in paged
         assert all(r[10] == r[11] == "n/a" for r in rows)
-    assert "### append" in text
+    assert "### append" in text and "### tiers: prefix hit" in text and "### tiers: serving trace" in text
     assert bench_gpu.main(["--smoke", "attention"]) == 2     # no smoke size there
 
 

@@ -300,6 +300,23 @@ def test_async_copies_touch_host_memory_when_they_run(machine):
     ok(d.cuMemFree(p))
 
 
+def test_host_registration_is_checked_and_held_by_queued_copies(machine):
+    d = machine()
+    p = int(ok(d.cuMemAlloc(64)))
+    s = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    host = np.arange(64, dtype=np.uint8)
+    fails(d.cuMemHostGetFlags(host.ctypes.data), R.CUDA_ERROR_INVALID_VALUE, "not in registered")
+    fails(d.cuMemHostUnregister(host.ctypes.data), R.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+    ok(d.cuMemHostRegister(host.ctypes.data, 64, 0))
+    assert ok(d.cuMemHostGetFlags(host.ctypes.data + 63)) == 0
+    fails(d.cuMemHostRegister(host.ctypes.data + 8, 8, 0),
+          R.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "overlaps")
+    fails(d.cuMemHostUnregister(host.ctypes.data + 8), R.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+    ok(d.cuMemcpyHtoDAsync(p, host.ctypes.data, 64, s))       # queued, not run yet
+    ok(d.cuMemHostUnregister(host.ctypes.data))
+    fails(d.cuStreamSynchronize(s), R.CUDA_ERROR_ILLEGAL_ADDRESS, "was unregistered")
+
+
 def test_a_3d_copy_pitch_past_the_devices_largest_is_refused(machine):
     """cuMemcpy3D takes pitches up to CU_DEVICE_ATTRIBUTE_MAX_PITCH (2^31 - 1 bytes):
     a larger one is CUDA_ERROR_INVALID_VALUE naming it, and nothing is copied."""

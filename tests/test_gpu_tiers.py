@@ -2,10 +2,14 @@
 host pool under their keys, match_prefix brings them back, copies run on a transfer stream
 ordered by events, and a step waits only for the pages it touches. The reference is a CPU
 KVPool that computed every prompt and never evicts: its page for a key holds the bytes."""
+import pathlib
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 
-from kvcore import CapacityError, CudaError, KVPool, KVSpec, SpecError
+from kvcore import CapacityError, CudaError, KVPool, KVSpec, SpecError, StateError
 
 from test_gpu_pool import dev
 from test_gpu_prefix import kv_of
@@ -28,11 +32,11 @@ def spec(fmt="int8"):
 class Tiers:
     """A GpuKVPool of few pages over a host KVPool, and a large CPU reference pool."""
 
-    def __init__(self, gpu, fmt="int8", pages=6, host_pages=16):
+    def __init__(self, gpu, fmt="int8", pages=6, host_pages=16, **store):
         self.gpu = gpu
-        self.host = KVPool(spec(fmt), host_pages, PS, prefix_cache=True)
+        self.host = KVPool(spec(fmt), host_pages, PS, prefix_cache=True) if host_pages else None
         self.g = gpu.GpuKVPool(spec(fmt), pages, PS, max_batch=2, max_pages_per_seq=8,
-                               max_tokens=16, prefix_cache=True, host=self.host)
+                               max_tokens=16, prefix_cache=True, host=self.host, **store)
         self.ref = KVPool(spec(fmt), 64, PS, prefix_cache=True)
         self.keep = []
 
@@ -61,22 +65,26 @@ class Tiers:
             self.g.append(layer, self.keep[-2], self.keep[-1])
         self.g.advance(tokens=news)
 
-    def same_bytes(self, s, pages=None):
-        """Every page of GPU sequence s holds the reference's bytes for its key."""
-        gt, rt = self.g._table, self.ref._table
-        seq = gt.get(s)
+    def same_bytes(self, s, pool=None):
+        """Every page of sequence s of the GPU pool (or of CPU `pool`) holds the
+        reference's bytes for its key."""
+        pool = self.g if pool is None else pool
+        seq, rt = pool._table.get(s), self.ref._table
         for g, key in zip(seq.pages, seq.keys):
             r = rt.prefix.by_key[key]
             for layer in range(L):
-                views = [self.g.keys(layer), self.g.values(layer)]
-                if self.g.spec.fmt.quantized:
-                    views += [self.g.key_scales(layer), self.g.value_scales(layer)]
-                for v, want in zip(views, self.ref._layer_arrays(layer)):
-                    got = v.to_numpy()[g]
+                if pool is self.g:
+                    views = [self.g.keys(layer), self.g.values(layer)]
+                    if self.g.spec.fmt.quantized:
+                        views += [self.g.key_scales(layer), self.g.value_scales(layer)]
+                    pages = [v.to_numpy()[g] for v in views]
+                else:
+                    pages = [a[g * PS:(g + 1) * PS] for a in pool._layer_arrays(layer) if a is not None]
+                for got, want in zip(pages, self.ref._layer_arrays(layer)):
                     assert got.tobytes() == want[r * PS:(r + 1) * PS].tobytes(), (g, key.hex()[:8])
 
     def counts(self):
-        for pool in (self.g, self.host):
+        for pool in (self.g, self.host) if self.host else (self.g,):
             st = pool.stats
             assert st.free + st.cached + st.in_use == pool.num_pages
 
@@ -162,7 +170,7 @@ def test_a_page_in_flight_is_never_read_before_its_copy(gpu, monkeypatch):
         t.g.truncate(s, 7)
         with monkeypatch.context() as m:
             if broken:
-                m.setattr(type(t.g), "_await", lambda self, pages: None)
+                m.setattr(type(t.g), "_await", lambda self, pages, ready=None: None)
             outs.append(attend(t.g, s, [[5]]))
         t.g.free()
     fresh = gpu.GpuKVPool(spec("int8"), 6, PS, max_batch=1, max_pages_per_seq=8, max_tokens=16)
@@ -259,6 +267,144 @@ def test_host_tier_refusals(gpu):
                           **{"prefix_cache": True, **kw}, host=host)
 
 
+
+def test_the_host_tier_is_page_locked_while_attached(gpu):
+    from cuda.bindings import driver as drv
+    t = Tiers(gpu)
+    ptr = t.host._storage.ctypes.data
+
+    def locked():
+        return drv.cuMemHostGetFlags(ptr)[0] == drv.CUresult.CUDA_SUCCESS
+    assert locked()
+    used = t.g.ctx.live_bytes
+    with pytest.raises(StateError, match="page-locked already"):   # one GPU pool per host
+        gpu.GpuKVPool(spec(), 6, PS, max_batch=1, max_pages_per_seq=4, prefix_cache=True,
+                      host=t.host)
+    assert t.g.ctx.live_bytes == used        # the refused pool left no device memory
+    for start in (0, 100, 200):              # demotions: copies into the locked pages
+        s, _ = t.prefill(list(range(start, start + 12)))
+        t.g.free_sequence(s)
+    s, n = t.prefill(list(range(12)))       # ... and back
+    assert n == 8 and t.g.tier_stats.demoted and t.g.tier_stats.host_hits == 2
+    t.same_bytes(s)
+    t.g.free()
+    assert not locked()
+
+
+
+# ------------------------------------------------------------------ the store tier
+
+C = 2 * PS   # positions per stored chunk
+
+
+def store_of(tmp_path, fmt="int8"):
+    from kvcore.store import DirectoryBackend, KVStore
+    return KVStore(DirectoryBackend(tmp_path), model="m", spec=spec(fmt), chunk_tokens=C,
+                   page_size=PS)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+def test_chunks_go_to_the_store_and_come_back_through_any_pool(gpu, tmp_path, fmt):
+    """A GPU pool saves the chunks its steps complete (copied out on the transfer stream,
+    submitted once copied); a CPU pool finds them under the same keys, and a GPU pool
+    finds a CPU pool's, bit for bit."""
+    from kvcore.store import StoreWriter
+    store = store_of(tmp_path, fmt)
+    with StoreWriter(store) as writer:
+        t = Tiers(gpu, fmt, host_pages=0, store=store, store_writer=writer)
+        s, _ = t.prefill(PROMPTS[0] + PROMPTS[1][:8])   # 17 positions: 2 chunks
+        t.g.free()                                      # submits the copied chunks
+    assert writer.stats.chunks_written == 2 and writer.stats.failed == 0
+    cpu = KVPool(spec(fmt), 16, PS, prefix_cache=True, store=store)
+    c, n = cpu.match_prefix(PROMPTS[0] + PROMPTS[1][:8] + [7])
+    assert n == 2 * C and cpu.stats.store_hits == 4
+    t.same_bytes(c, cpu)
+
+    with StoreWriter(store) as writer:                  # and the other way
+        cpu = KVPool(spec(fmt), 16, PS, prefix_cache=True, store=store, store_writer=writer)
+        c, _ = cpu.match_prefix(PROMPTS[2])
+        kv = kv_of(PROMPTS[2])
+        for layer in range(L):
+            cpu.append(kv, -kv, seq=c, layer=layer)
+        cpu.advance(c, tokens=PROMPTS[2])
+    t.ref_prefill(PROMPTS[2])
+    t2 = Tiers(gpu, fmt, host_pages=0, store=store)
+    t2.ref = t.ref
+    s, n = t2.g.match_prefix(PROMPTS[2] + [5])
+    assert n == C and t2.g.stats.store_hits == 2 and t2.g.tier_stats.gpu_pending == 2
+    t2.step([s], [PROMPTS[2][C:] + [5]], [PROMPTS[2] + [5]])
+    t2.same_bytes(s)
+    t2.g.free()
+
+
+def test_three_tiers_and_a_corrupt_chunk(gpu, tmp_path):
+    """Pages leave the GPU for the host and the host for good; the store still has them:
+    a lookup goes GPU -> host -> store. A corrupt stored value is a counted fault (the
+    lookup stops there), never an exception."""
+    from kvcore.store import StoreWriter
+    store = store_of(tmp_path)
+    with StoreWriter(store) as writer:
+        t = Tiers(gpu, "int8", host_pages=2, store=store, store_writer=writer)
+        for prompt in PROMPTS:
+            t.g.free_sequence(t.prefill(prompt)[0])
+        t.g._settle()
+        writer.flush()
+        assert writer.stats.chunks_written == len(PROMPTS)
+        assert t.host.stats.evictions > 0             # the host was too small for them all
+        s, n = t.g.match_prefix(PROMPTS[0] + [5])
+        assert n == 8 and t.g.stats.store_faults == 0   # page 0 on the host, 1 in the store
+        assert t.g.tier_stats.host_hits == 1 and t.g.stats.store_hits == 1
+        t.step([s], [[PROMPTS[0][8], 5]], [PROMPTS[0] + [5]])
+        t.ref_prefill(PROMPTS[0] + [5])
+        t.same_bytes(s)
+        t.g.free_sequence(s)
+        t.counts()
+        path = store.backend._path(store.keys(PROMPTS[1])[0])
+        with open(path, "r+b") as f:
+            f.seek(-3, 2)
+            f.write(b"bad")
+        for prompt in PROMPTS[2:]:                    # PROMPTS[1] leaves the GPU again
+            t.g.free_sequence(t.prefill(prompt)[0])
+        s, n = t.g.match_prefix(PROMPTS[1] + [5])
+        assert n < 8 and t.g.stats.store_faults == 1 and t.g.stats.last_store_fault
+        t.counts()
+        t.g.free()
+
+
+def test_a_page_is_not_reused_before_its_copy_to_the_store(gpu, tmp_path, monkeypatch):
+    """Emulated queued streams, copies never seen done when asked (a slow transfer): a
+    chunk's copy out waits on the transfer stream while the next step takes its pages
+    back; the step waits for it, and the store gets the chunk's bytes. With that wait left
+    out (a bug injected) the stored chunk holds the new step's."""
+    if not gpu.using_emulator():
+        pytest.skip("on a device the copy may have finished anyway")
+    from kvcore.store import StoreWriter
+    got = []
+    monkeypatch.setattr(gpu.driver.Event, "done", lambda self: False)
+    for broken in (False, True):
+        store = store_of(tmp_path / str(broken))
+        with StoreWriter(store) as writer:
+            t = Tiers(gpu, "int8", pages=2, host_pages=0, store=store, store_writer=writer)
+            s, _ = t.prefill(PROMPTS[0][:8])           # one chunk: its 2 pages, copied out
+            t.g.free_sequence(s)
+            real = type(t.g)._await
+            with monkeypatch.context() as m:
+                if broken:
+                    m.setattr(type(t.g), "_await", lambda self, pages, ready=None:
+                              None if ready is not None else real(self, pages))
+                s, _ = t.prefill(PROMPTS[1][:8])       # takes both pages back
+            t.g.free()
+        cpu = KVPool(spec("int8"), 4, PS, prefix_cache=True, store=store)
+        c, n = cpu.match_prefix(PROMPTS[0][:8] + [1])
+        assert n == 8
+        try:
+            t.same_bytes(c, cpu)
+            got.append(True)
+        except AssertionError:
+            got.append(False)
+    assert got == [True, False]
+
+
 # ------------------------------------------------------------------ a hostile sequence of calls
 
 from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
@@ -270,15 +416,21 @@ STARTS = [list(range(1000 + 20 * i, 1000 + 20 * i + 12)) for i in range(4)]
 
 class TierMachine(RuleBasedStateMachine):
     """Prefills (match_prefix, then a step), decode steps and frees on a GpuKVPool of 6
-    pages over a host pool of 5. After every call: each live sequence reads back (snapshot,
-    which waits for its copies) the reference's K/V of its tokens; every key either tier
-    holds keeps its bytes once the copies ran; free + cached + in use = pages, per tier."""
+    pages over a host pool of 2 and a store. After every call: each live sequence reads
+    back (snapshot, which waits for its copies) the reference's K/V of its tokens; every
+    key either pool holds keeps its bytes once the copies ran; free + cached + in use =
+    pages, per pool; at the end every chunk the store holds has the reference's bytes."""
 
     gpu = None
 
     def __init__(self):
         super().__init__()
-        self.t = Tiers(self.gpu, "int8", pages=6, host_pages=5)
+        from kvcore.store import StoreWriter
+        self.dir = tempfile.mkdtemp()
+        self.store = store_of(pathlib.Path(self.dir))
+        self.writer = StoreWriter(self.store)
+        self.t = Tiers(self.gpu, "int8", pages=6, host_pages=2, store=self.store,
+                       store_writer=self.writer)
         self.live: dict[int, list[int]] = {}     # sequence -> its tokens
 
     @rule(start=st.integers(0, 3), cut=st.integers(2, 12), tail=st.lists(st.integers(0, 9), max_size=3),
@@ -330,6 +482,13 @@ class TierMachine(RuleBasedStateMachine):
     def teardown(self):
         never_lies(self.t)
         self.t.g.free()
+        self.writer.close()
+        cpu = KVPool(spec("int8"), 16, PS, prefix_cache=True, store=self.store)
+        for start in STARTS:
+            c, _ = cpu.match_prefix(start + [0])
+            self.t.same_bytes(c, cpu)
+            cpu.free(c)
+        shutil.rmtree(self.dir)
 
 
 def test_tiers_under_a_hostile_sequence_of_calls(gpu):

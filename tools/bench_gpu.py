@@ -27,6 +27,15 @@ family.
           memset) before every timed launch. Needs torch with CUDA for the SDPA column
           (else "n/a"). The copy reads and writes the bytes, the decode only reads them:
           compare the GB/s columns (decode / copy = 0.5 is the copy's rate of bytes moved).
+  tiers:  GpuKVPool's prefix hit of a 4096-token prompt (32 layers, Hkv 8, D 128, f16,
+          pages of 16) from each tier: the GPU's own cache (no copy), the host tier (a
+          page-locked KVPool: cuMemcpy3DAsync per page and region on the transfer stream)
+          and the store (a DirectoryBackend: read, checked, copied in), as wall time of
+          match_prefix until its copies ran, and GB/s of the prompt's bytes, against one
+          cuMemcpyHtoDAsync of the same bytes from page-locked memory. Then a serving
+          trace: requests over a few shared system prompts and unique tails, the GPU
+          holding a few prompts, the host a few more, the store all: the share of the
+          requests' full pages found on each tier (and computed: misses).
   attention, step: the GpuKVCache decode attention and DecodeGraph step against torch
           (tools/bench_gpu_attention.py; need torch with CUDA).
 """
@@ -48,6 +57,7 @@ from kvcore import KVSpec  # noqa: E402
 from kvcore import gpu  # noqa: E402
 from kvcore.gpu import driver  # noqa: E402
 from kvcore.gpu.attention import AttentionPlan  # noqa: E402
+from kvcore.gpu.memory import PinnedHost  # noqa: E402
 
 
 def time_ms(fn, stream: gpu.Stream, *, repeat: int = 20, warmup: int = 3,
@@ -302,6 +312,121 @@ def bench_paged(opts) -> None:
                  "decode / SDPA"], rows)
 
 
+def _tier_pools(spec, pages: int, host_pages: int, store, writer=None):
+    from kvcore import KVPool
+    host = KVPool(spec, host_pages, 16, prefix_cache=True) if host_pages else None
+    return gpu.GpuKVPool(spec, pages, 16, max_batch=4, max_pages_per_seq=spec.capacity // 16,
+                         max_tokens=spec.capacity, prefix_cache=True, host=host, store=store,
+                         store_writer=writer)
+
+
+def _prefill(pool, tokens, kv) -> None:
+    """Computes the positions of tokens that match_prefix did not find (K = V = kv(n, m),
+    the device rows n..m-1)."""
+    s, n = pool.match_prefix(tokens)
+    if n < len(tokens):
+        pool.begin_step([s], [len(tokens) - n])
+        for layer in range(pool.spec.num_layers):
+            pool.append(layer, kv(n, len(tokens)), kv(n, len(tokens)))
+        pool.advance(tokens=[tokens[n:]])
+    pool.free_sequence(s)
+
+
+def bench_tiers(opts) -> None:
+    import tempfile
+    from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+    L, H, D, N = (2, 2, 64, 64) if opts.smoke else (32, 8, 128, 4096)
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N + 16, format="f16")
+    pages = N // 16
+    rng = np.random.default_rng(0)
+    host_kv = rng.standard_normal((N + 16, H, D)).astype(np.float16)
+    buf = gpu.DeviceBuffer.from_numpy(host_kv)
+
+    def kv(a: int, b: int):
+        return buf.view((b - a, H, D), np.float16, offset=a * H * D * 2)
+    prompt = rng.integers(0, 50000, N).tolist()
+    nbytes = N * spec.bytes_per_position
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = KVStore(DirectoryBackend(tmp), model="bench", spec=spec, chunk_tokens=256 if N >= 256 else 16,
+                        page_size=16)
+        with StoreWriter(store, max_pending=pages) as writer:
+            pool = _tier_pools(spec, pages, pages + 1, store, writer)
+            _prefill(pool, prompt, kv)
+            pool._settle()
+        # the peer: the same bytes in one copy from page-locked memory
+        peer = np.zeros(nbytes, np.uint8)
+        dst = gpu.DeviceBuffer.alloc(nbytes)
+        pinned = PinnedHost(peer, pool.ctx)
+        copy_ms = time_ms(lambda: dst.copy_from_host(peer, stream=pool.stream), pool.stream,
+                          repeat=opts.repeat or 5, warmup=1)
+        pinned.unpin()
+        dst.free()
+
+        def hit(tier: str) -> float:
+            """ms of match_prefix(prompt) with its copies, the prompt cached on `tier` only
+            (pushed off the GPU, which holds one prompt, by another first)."""
+            times = []
+            for _ in range(opts.repeat or 5):
+                if tier != "GPU":
+                    _prefill(pool, rng.integers(50000, 90000, N).tolist(), kv)
+                before = (pool.stats.hits, pool.tier_stats.host_hits, pool.stats.store_hits)
+                t0 = time.perf_counter()
+                s, n = pool.match_prefix(prompt + [0])
+                pool.stream.synchronize()
+                pool._settle()
+                times.append((time.perf_counter() - t0) * 1e3)
+                after = (pool.stats.hits, pool.tier_stats.host_hits, pool.stats.store_hits)
+                found = [b - a for a, b in zip(before, after)]
+                assert n == N and found[["GPU", "host", "store"].index(tier)] == pages, (tier, found)
+                pool.free_sequence(s)
+            return float(np.median(times))
+
+        for tier in ("GPU", "host", "store"):
+            if tier == "store":
+                pool.free()
+                pool = _tier_pools(spec, pages, 0, store)
+            ms = hit(tier)
+            rows.append([tier, N, f"{nbytes / 2**20:.0f}", ms, nbytes / ms / 1e6, copy_ms,
+                         nbytes / copy_ms / 1e6, copy_ms / ms if ms else 0.0])
+        pool.free()
+    note = " (EMULATOR: CPU times, not device figures)" if gpu.using_emulator() else ""
+    print_table(f"tiers: prefix hit of a {N}-token prompt{note}",
+                ["tier", "tokens", "MiB", "hit ms", "hit GB/s", "pinned copy ms", "copy GB/s",
+                 "hit / copy (speed)"], rows)
+    _serving_trace(opts, spec, kv)
+    buf.free()
+
+
+def _serving_trace(opts, spec, kv) -> None:
+    """Requests over shared system prompts with unique tails: pages found per tier."""
+    import tempfile
+    from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+    rng = np.random.default_rng(1)
+    N = spec.capacity - 16
+    systems = [rng.integers(0, 50000, N * 3 // 4).tolist() for _ in range(6)]
+    pages = N // 16
+    with tempfile.TemporaryDirectory() as tmp:
+        store = KVStore(DirectoryBackend(tmp), model="bench", spec=spec,
+                        chunk_tokens=256 if N >= 256 else 16, page_size=16)
+        with StoreWriter(store, max_pending=4 * pages) as writer:
+            pool = _tier_pools(spec, 2 * pages + 4, 2 * pages, store, writer)
+            requests = 0
+            for i in rng.integers(0, len(systems), 12 if opts.smoke else 40):
+                tail = rng.integers(50000, 60000, N - len(systems[i])).tolist()
+                _prefill(pool, systems[i] + tail, kv)
+                requests += 1
+            pool._settle()
+            st, ts = pool.stats, pool.tier_stats
+            pool.free()
+    found = {"GPU": st.hits, "host": ts.host_hits, "store": st.store_hits, "computed": st.misses}
+    total = sum(found.values())
+    print_table(f"tiers: serving trace ({requests} requests of {N} tokens over {len(systems)} "
+                f"system prompts of {len(systems[0])}; GPU {2 * pages + 4} pages, host {2 * pages})",
+                ["tier", "full pages", "share"],
+                [[k, v, v / total if total else 0.0] for k, v in found.items()])
+
+
 def _attention(opts) -> None:
     import bench_gpu_attention
     bench_gpu_attention.bench_attention()
@@ -312,8 +437,9 @@ def _step(opts) -> None:
     bench_gpu_attention.bench_step()
 
 
-SECTIONS = {"append": bench_append, "paged": bench_paged, "attention": _attention, "step": _step}
-SMOKE = ("append", "paged")     # the sections with a --smoke size (no torch needed)
+SECTIONS = {"append": bench_append, "paged": bench_paged, "tiers": bench_tiers,
+            "attention": _attention, "step": _step}
+SMOKE = ("append", "paged", "tiers")     # the sections with a --smoke size (no torch needed)
 
 
 def _ints(text: str) -> tuple[int, ...]:

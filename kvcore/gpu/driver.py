@@ -456,6 +456,15 @@ class Event(DeviceOwner):
         call("cuEventSynchronize", self.handle)
 
     @in_context
+    def done(self) -> bool:
+        """Whether the work before the event's record has run (cuEventQuery)."""
+        err = cuda().cuEventQuery(self.handle)[0]
+        if err == cuda().CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check("cuEventQuery", (err,))
+        return True
+
+    @in_context
     def elapsed_ms(self, end: "Event") -> float:
         """Milliseconds from this event to `end` (both recorded and complete)."""
         return call("cuEventElapsedTime", self.handle, end.handle)

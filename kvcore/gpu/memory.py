@@ -10,6 +10,8 @@ memory (ours or another library's) that torch, CuPy and JAX can wrap without a c
 3. Interop, both ways: `__cuda_array_interface__` (v3) and DLPack (`__dlpack__`,
    `__dlpack_device__`, a "dltensor" PyCapsule holding a DLManagedTensor built with
    ctypes); `as_device_array(obj)` reads either from a foreign array.
+4. PinnedHost page-locks an existing numpy array's bytes (cuMemHostRegister) so that
+   async copies to and from it run by DMA, without the driver's staging copy.
 """
 from __future__ import annotations
 
@@ -166,6 +168,41 @@ class DeviceBuffer(driver.DeviceOwner):
 
 
 # ------------------------------------------------------------------------- arrays
+
+def _unpin(ctx: Context, ptr: int, array: np.ndarray) -> None:
+    with ctx:
+        call("cuMemHostUnregister", ptr)
+    del array   # the bytes stay alive until they are unregistered
+
+
+class PinnedHost:
+    """The bytes of a C-contiguous numpy array page-locked (cuMemHostRegister, flags 0) for
+    `ctx`'s copies while this lives: async copies to and from them are DMA, not staged.
+    Holds the array (its memory cannot go away while registered). `unpin()` (or garbage
+    collection) unregisters: the caller waits first for the copies that use the bytes.
+    StateError when the range is already page-locked (by another PinnedHost, say)."""
+
+    def __init__(self, array: np.ndarray, ctx: Context):
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
+            raise ShapeError("PinnedHost needs a non-empty C-contiguous numpy array")
+        self.ptr, self.nbytes = array.ctypes.data, array.nbytes
+        with ctx:
+            driver.refuse_while_capturing("PinnedHost")
+            if driver.cuda().cuMemHostGetFlags(self.ptr)[0] == driver.cuda().CUresult.CUDA_SUCCESS:
+                raise StateError(f"host memory at 0x{self.ptr:x} ({self.nbytes} bytes) is "
+                                 f"page-locked already (attached to another GpuKVPool?)")
+            call("cuMemHostRegister", self.ptr, self.nbytes, 0)
+        self._finalizer = weakref.finalize(self, _unpin, ctx, self.ptr, array)
+        self._finalizer.atexit = False
+
+    @property
+    def pinned(self) -> bool:
+        return self._finalizer.alive
+
+    def unpin(self) -> None:
+        """Unregisters the bytes; a second call does nothing."""
+        self._finalizer()
+
 
 class DeviceArray(driver.DeviceOwner):
     """A typed view of device memory: `ptr`, `shape`, `dtype`, `strides` (bytes; C order

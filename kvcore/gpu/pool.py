@@ -34,6 +34,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from dataclasses import dataclass
@@ -47,13 +48,13 @@ from .._pages import PageTable
 from .._prefix import PrefixIndex
 from .._prefix_keys import ROOT, chain_key, encode_extra, token_array
 from .._quant import input_limit
-from .._storage import zeroed_pages
+from .._storage import region_shapes, zeroed_pages
 from .._validate import check_index, check_seq_ids
 from .._window import (WindowViews, check_window, positions, restore_need, snapshot_index,
                        snapshot_span)
-from ..errors import (CapacityError, FormatError, NonFiniteError,
+from ..errors import (CapacityError, CudaError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
-from ..pool import KVPool, PoolStats, _counts
+from ..pool import KVPool, PoolStats, _attached, _counts, completed_chunks, consult_store
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
@@ -62,7 +63,7 @@ from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, c
                         launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
 from .driver import Context, Event, Stream
-from .memory import DeviceArray, DeviceBuffer, as_device_array
+from .memory import DeviceArray, DeviceBuffer, PinnedHost, as_device_array
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
 ERR_NONFINITE, ERR_RANGE, ERR_SLOT, ERR_ROWS = 2, 4, 8, 16   # status bits (cuda/paged.cu)
@@ -119,8 +120,10 @@ class _Tier:
     def __init__(self, stream: Stream | None):
         self.stream = stream
         self.ready: dict[int, Event] = {}     # GPU page -> the copy that writes it
-        # (event, host pages a copy writes, host pages a copy reads: held until it ran)
-        self.pending: list[tuple[Event, list[int], list[int]]] = []
+        self.reading: dict[int, Event] = {}   # GPU page -> the last copy out of it (store)
+        # (event, host pages a copy writes, host pages a copy reads: held until it ran,
+        #  what to do once it ran: submit a chunk to the store writer, release a fetch)
+        self.pending: list[tuple[Event, list[int], list[int], list]] = []
         self.awaited: set[int] = set()       # events the pool's stream waits for (ids)
         self.known: set[int] = set()         # ... and has passed: done (no query needed)
         self.host_hits = self.demoted = self.dropped = 0
@@ -169,8 +172,16 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     GPU takes back go to it (same keys) instead of being dropped, and `match_prefix` goes
     on from the GPU's cached pages with the host's, bringing them back. Copies run on a
     transfer stream of their own, ordered by events: a step waits only for the pages it
-    touches (`tier_stats`). The host pool is the GPU pool's while attached: use it only
-    through the GPU pool.
+    touches (`tier_stats`). The host pool's memory is page-locked (cuMemHostRegister)
+    while attached, until `free()`, so that the copies are DMA. The host pool is the GPU
+    pool's while attached: use it only through the GPU pool.
+
+    store=KVStore, store_writer=StoreWriter (as KVPool's, prefix_cache=True): the store
+    tier. `match_prefix` goes on past the GPU's and the host's pages with the stored
+    chunks that follow (read and checked on the host, copied in on the transfer stream;
+    a failed lookup is a counted fault, `stats`), and each whole chunk a step completes
+    is copied out on the transfer stream and submitted to the writer once the copy ran
+    (at a later advance or match_prefix, or at free).
 
     window=W, sink_tokens=S: a sliding-window pool, as KVPool's (the same PageTable): each
     advance releases the pages no later query sees (-1 in the block tables), so a
@@ -190,7 +201,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
                  max_pages_per_seq: int, max_tokens: int = 1, window: int | None = None,
                  sink_tokens: int = 0, prefix_cache: bool = False, host: KVPool | None = None,
-                 device: int = 0):
+                 store=None, store_writer=None, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
         check_gpu_format(spec, "GpuKVPool")
@@ -206,6 +217,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._table = PageTable(P, ps, spec.num_layers, spec.capacity,
                                 PrefixIndex() if prefix_cache else None, win, sinks)
         self._host = _check_host(host, spec, ps, prefix_cache, win)
+        self._kv, self._writer = _attached(spec, ps, prefix_cache, store, store_writer, win)
+        self._store_hits = self._store_faults = 0
+        self._last_fault: str | None = None
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
         # region -> (row bytes, bytes of one layer, offset)
         rows = P * ps
@@ -244,7 +258,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                             f"{free} free")
         self.stream = Stream.create(self.ctx)
         self.generation = 0
-        self._tier = _Tier(Stream.create(self.ctx, non_blocking=True) if self._host else None)
+        tiered = self._host is not None or self._kv is not None
+        self._tier = _Tier(Stream.create(self.ctx, non_blocking=True) if tiered else None)
         self._ws: DeviceBuffer | None = None
         self._sinks: dict[bytes, DeviceBuffer] = {}   # host sinks uploaded, by content
         try:
@@ -252,9 +267,11 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             self._meta = DeviceBuffer.zeros(meta_bytes, ctx=self.ctx)
             if ws_bytes:
                 self._ws = DeviceBuffer.alloc(ws_bytes, ctx=self.ctx)
+            # the host tier's pages page-locked: its copies are DMA on the transfer stream
+            self._pinned = PinnedHost(self._host._storage, self.ctx) if self._host else None
         except BaseException:
-            for buf in ("_meta", "_data"):
-                if hasattr(self, buf):
+            for buf in ("_ws", "_meta", "_data"):
+                if getattr(self, buf, None) is not None:
                     getattr(self, buf).free()
             self.stream.destroy()
             if self._tier.stream is not None:
@@ -342,13 +359,14 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """The host tier's counters (TierStats; zeros without one)."""
         t = self._tier
         return TierStats(t.host_hits, t.demoted, t.dropped, len(t.ready),
-                         sum(len(w) + len(r) for _, w, r in t.pending))
+                         sum(len(w) + len(r) for _, w, r, _ in t.pending))
 
     @property
     def stats(self) -> PoolStats:
-        """Free, cached and in-use pages, and the prefix cache's counters (PoolStats, as
-        KVPool's; no store is attached to a GpuKVPool)."""
-        return PoolStats(*self._table.counts())
+        """Free, cached and in-use pages, the prefix cache's counters and the store's
+        (PoolStats, as KVPool's)."""
+        return PoolStats(*self._table.counts(), self._store_hits, self._store_faults,
+                         self._last_fault)
 
     @property
     def sequences(self) -> list[int]:
@@ -493,20 +511,28 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         pool's stream waited for and then passed (`_sync`), since the transfer stream runs
         its copies in order. The host pool's bytes are its own again once all are
         retired. Needed by no copy: a host page a queued copy reads is held (never taken
-        back) until it is retired, and copies into host pages run in order."""
+        back) until it is retired, and copies into host pages run in order. Copies out to
+        the store (no step waits for them) are asked for (cuEventQuery) once the copies
+        before them are retired; retiring one submits its chunks to the store writer."""
         t = self._tier
         if wait and t.pending:
             t.pending[-1][0].synchronize()
             last = len(t.pending)
         else:
-            last = max((i + 1 for i, (ev, _, _) in enumerate(t.pending) if id(ev) in t.known),
+            last = max((i + 1 for i, (ev, *_) in enumerate(t.pending) if id(ev) in t.known),
                        default=0)
+            while last < len(t.pending) and t.pending[last][3] and t.pending[last][0].done():
+                last += 1
         done = t.pending[:last]
-        for ev, _, held in done:
-            self._host._table.release(held)
-        gone = {id(ev) for ev, _, _ in done}
+        for ev, _, held, then in done:
+            if held:
+                self._host._table.release(held)
+            for fn in then:
+                fn()
+        gone = {id(ev) for ev, *_ in done}
         t.ready = {g: e for g, e in t.ready.items() if id(e) not in gone}
-        for ev, _, _ in done:
+        t.reading = {g: e for g, e in t.reading.items() if id(e) not in gone}
+        for ev, *_ in done:
             ev.destroy()
         t.pending = t.pending[last:]
         t.known -= gone
@@ -518,23 +544,26 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._tier.known |= self._tier.awaited
 
     def _transfer(self, moves, *, to_host: bool, written: list[int], read: list[int],
-                  touched: list[tuple[int, int]]) -> Event:
+                  touched: list, then: list | None = None) -> Event:
         """Copies (GPU page, host page) pairs on the transfer stream, after the pool's work
         so far (which may still use the GPU pages), every region and layer; returns the
-        event that marks them done (kept in pending with the host pages they write/read).
-        `touched` gets each pair as soon as a copy of it is queued (what a failure left
-        written)."""
-        t, regions = self._tier, self._host._store.regions
+        event that marks them done (kept in pending with the host pages they write/read
+        and `then`, run once they ran). A host page is page h of the host tier, or
+        (arrays, h): page h of [L][pages * page_size][Hkv][W] arrays by region name (a
+        store chunk's). `touched` gets each pair as soon as a copy of it is queued (what
+        a failure left written)."""
+        t = self._tier
         driver.order_after(self.stream.ptr, t.stream, self.ctx, "the pool's work")
         for g, h in moves:
+            regions, index = (self._host._store.regions, h) if isinstance(h, int) else h
             for region in self._regions():
-                self._copy_page(region, g, host=regions[region], index=h, to_host=to_host,
+                self._copy_page(region, g, host=regions[region], index=index, to_host=to_host,
                                 stream=t.stream)
                 if not touched or touched[-1] != (g, h):
                     touched.append((g, h))
         ev = Event.create(self.ctx, timing=False)
         ev.record(stream=t.stream)
-        t.pending.append((ev, written, read))
+        t.pending.append((ev, written, read, then or []))
         return ev
 
     def _demote(self, pages: list[int]):
@@ -608,36 +637,123 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             return seq.length
         held = [h for h, _, _ in chain]
         order = host.hold(held)
-        touched: list[tuple[int, int]] = []
+        self._copy_in(s, pages, evicted, held, [(key, block) for _, key, block in chain],
+                      read=held, failed=lambda: host.release(held, order))
+        self._tier.host_hits += len(chain)
+        return seq.length
+
+    def _copy_in(self, s: int, pages: list[int], evicted: list[int], sources: list,
+                 blocks: list[tuple[bytes, bytes]], *, failed, read: Sequence[int] = (),
+                 then: Sequence = ()) -> None:
+        """Copies `sources` (host tier pages, or (arrays, index): _transfer) into GPU
+        `pages` taken by plan_take (the cached ones among them, `evicted`, demoted first)
+        on the transfer stream, then extends sequence s with them under `blocks` ((key,
+        token bytes) each) as hits; no step of s runs before the copies (`ready`). A
+        failed copy: `failed()` runs, cached GPU pages a queued copy overwrote are
+        dropped, s is freed, and it raises."""
+        table, touched = self._table, []
         try:
             commit, undo = self._demote(evicted)
             try:
-                ev = self._transfer(list(zip(pages, held)), to_host=False, written=[],
-                                    read=held, touched=touched)
+                ev = self._transfer(list(zip(pages, sources)), to_host=False, written=[],
+                                    read=list(read), touched=touched, then=list(then))
             except BaseException:
                 undo()
                 raise
-        except BaseException:      # cached GPU pages a queued copy overwrote: dropped
-            host.release(held, order)
+        except BaseException:
+            failed()
             table.drop([g for g, _ in touched if g in evicted])
             table.free_seq(s)
             raise
         commit(wait=False)
         for g in pages:
             self._tier.ready[g] = ev
-        table.extend(s, pages, evicted, [(key, block) for _, key, block in chain])
-        self._tier.host_hits += len(chain)
-        return seq.length
+        table.extend(s, pages, evicted, blocks)
+        table.prefix.misses -= len(pages)
 
-    def _await(self, pages) -> None:
-        """The pool's stream waits for the copies that bring `pages` back (an event each)."""
-        ready = self._tier.ready
+    def _await(self, pages, ready: dict[int, Event] | None = None) -> None:
+        """The pool's stream waits for the copies that bring `pages` back (an event each);
+        given `ready` = the tier's `reading`: for the copies out of pages about to be
+        written."""
+        ready = self._tier.ready if ready is None else ready
         if not ready:
             return
         events = {id(e): e for e in (ready.pop(g, None) for g in pages) if e is not None}
         for e in events.values():
             driver.call("cuStreamWaitEvent", self.stream.handle, e.handle, 0)
             self._tier.awaited.add(id(e))
+
+    # ------------------------------------------------------------------ the store
+
+    def _load_stored(self, s: int, ids: np.ndarray, extra: bytes) -> int:
+        """After the GPU's and the host's pages: the store's chunks that go on with the
+        prefix, read and checked (a failed lookup or a refused chunk is a counted fault, as
+        KVPool's), copied into GPU pages taken as a step takes them (cached ones demoted
+        first), as many as the GPU and the block tables have room for; returns s's
+        committed positions. The copies run on the transfer stream (no step of s runs
+        before their event); the fetch's buffers are released once they ran. A failed
+        copy raises with no sequence made, as _bring_back."""
+        table, ps = self._table, self.page_size
+        seq = table.get(s)
+        limit = min(ids.size - 1, self.spec.capacity, self.max_pages_per_seq * ps)
+        fetch = self._kv._fetch(ids, extra, seq.length, limit, seq.keys)
+        if fetch.first >= len(fetch.keys):
+            return seq.length
+        chunks = consult_store(fetch)
+        c, start = fetch.chunk_tokens, seq.length
+        moves, blocks = [], []          # (arrays, page in chunk), (key, token bytes) per page
+        parent = seq.keys[-1] if seq.keys else ROOT
+        raw = ids.astype("<i8", copy=False).tobytes()
+        for i, parts in chunks:
+            if i * c > start + len(moves) * ps:
+                break                   # a gap
+            for j in range(c // ps):
+                p = i * c + j * ps      # the page's first position
+                if p < start + len(moves) * ps:
+                    continue            # held already
+                key = chain_key(parent, ids[p:p + ps], extra)
+                moves.append((parts, j))
+                blocks.append((key, raw[8 * p:8 * (p + ps)]))
+                parent = key
+        pages, evicted = table.plan_take(len(moves))
+        moves, blocks = moves[:len(pages)], blocks[:len(pages)]
+        if fetch.fault is not None:
+            self._store_faults += 1
+            self._last_fault = fetch.fault
+        if not moves:
+            fetch.release()
+            return seq.length
+        def failed():
+            with contextlib.suppress(CudaError):
+                self._tier.stream.synchronize()   # the copies queued still read the fetch's
+            fetch.release()
+
+        self._copy_in(s, pages, evicted, moves, blocks, then=[fetch.release],
+                      failed=failed)
+        self._store_hits += len(pages)
+        return seq.length
+
+    def _save_chunks(self, seqs: list[int], added: list[int]) -> None:
+        """(advance) The whole chunks the step completed, copied out of their GPU pages into
+        host arrays on the transfer stream, after the step; each is submitted to the store
+        writer once its copy ran (`_settle`). Until then a step that writes one of those
+        pages waits for the copy (`reading`)."""
+        assert self._kv is not None and self._writer is not None
+        c, ps = self._kv.chunk_tokens, self.page_size
+        moves, then = [], []
+        for s, n in zip(seqs, added):
+            pages = self._table.get(s).pages
+            for j, key, ids, parent in completed_chunks(self._table, s, n, c):
+                parts = {name: np.empty(shape, dtype)
+                         for name, shape, dtype in region_shapes(self.spec, c)
+                         if name in self._regions()}
+                moves += [(g, (parts, k)) for k, g in enumerate(pages[j * c // ps:(j + 1) * c // ps])]
+                then.append(functools.partial(self._writer._submit_chunk, key, ids,
+                                              functools.partial(dict, parts), parent=parent))
+        if moves:
+            ev = self._transfer(moves, to_host=True, written=[], read=[], touched=[], then=then)
+            for g, _ in moves:
+                self._tier.reading[g] = ev
 
     # ------------------------------------------------------------------ sequences
 
@@ -671,9 +787,12 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if self._table.prefix is None:
             raise StateError("match_prefix needs a pool made with prefix_cache=True")
         ids = token_array(tokens)
-        s, n = self._table.match(ids, encode_extra(extra))
+        extra_bytes = encode_extra(extra)
+        s, n = self._table.match(ids, extra_bytes)
         if self._host is not None:
             n = self._bring_back(s, ids)
+        if self._kv is not None:
+            n = self._load_stored(s, ids, extra_bytes)
         return s, n
 
     @_one_call
@@ -733,6 +852,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._sync()
         self._demote(plan.evict)[0](wait=True)   # before the step's copies and writes reuse them
         self._await([g for s in seqs for g in self._table.get(s).pages])
+        self._await([r // self.page_size for r in plan.rows] + [d for _, d in plan.copies],
+                    self._tier.reading)
         self._copy_pages(plan.copies)
         self._table.commit_write(plan)
         self._host_tables[:] = -1
@@ -980,7 +1101,12 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         table = self._table
         for s, c in zip(seqs, counts):
             table.get(s).pending = [c] * self.spec.num_layers
-        return table.advance(seqs, arrays)
+        done = table.advance(seqs, arrays)
+        if self._writer is not None:
+            self._save_chunks(seqs, done)
+        if self._tier.stream is not None:
+            self._settle(wait=False)
+        return done
 
     def _unmap_slots(self) -> None:
         """Sets the device slot mapping to -1 (padding) once a step ends (ordered on the
@@ -1097,6 +1223,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if self._tier.stream is not None:
             self._settle()
             self._tier.stream.destroy()
+            if self._pinned is not None:
+                self._pinned.unpin()
         self._meta.free()
         self._data.free()
         if self._ws is not None:

@@ -429,6 +429,7 @@ class _Emulator:
         self.freed: dict[int, _Alloc] = {}        # recently freed, by ptr (for messages)
         self.released_leaks: list[Leak] = []
         self.captures: list[_Capture] = []
+        self.pinned: dict[int, tuple[int, int]] = {}   # cuMemHostRegister: start -> (bytes, flags)
 
     # ------------------------------------------------------------------ handles
 
@@ -1048,10 +1049,67 @@ def cuMemFree(emu, p):
         emu.check_fault(ctx)
 
 
+# host memory registered (page-locked) by cuMemHostRegister: start -> (bytes, flags)
+_HOST_REGISTER_FLAGS = 0xF   # PORTABLE 1, DEVICEMAP 2, IOMEMORY 4, READ_ONLY 8
+
+
+@_api(_H, _Z, _U, since=4000)
+def cuMemHostRegister(emu, p, n, flags):
+    ctx = emu.current()
+    emu.refuse_unsafe(ctx, "cuMemHostRegister")
+    if not p or n == 0:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemHostRegister of {n} bytes at 0x{p or 0:x}")
+    if flags & ~_HOST_REGISTER_FLAGS:
+        _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemHostRegister flags 0x{flags:x}")
+    for start, (size, _) in emu.pinned.items():
+        if start < p + n and p < start + size:
+            _fail(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+                  f"[0x{p:x}, 0x{p + n:x}) overlaps the registered [0x{start:x}, 0x{start + size:x})")
+    emu.pinned[p] = (n, flags)
+
+
+@_api(_H, since=4000)
+def cuMemHostUnregister(emu, p):
+    ctx = emu.current()
+    emu.refuse_unsafe(ctx, "cuMemHostUnregister")
+    if p not in emu.pinned:
+        _fail(CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+              f"0x{p or 0:x} is not the start of a registered host range")
+    del emu.pinned[p]
+
+
+def _unpinned_check(emu, p: int, n: int, what: str):
+    """For a copy queued now with host side [p, p + n): a check its run makes, failing when
+    the registration that held the range then is gone (the driver would copy from pages it
+    no longer pins, or fault)."""
+    start = next((a for a, (size, _) in emu.pinned.items() if a <= p and p + n <= a + size), None)
+
+    def check():
+        if start is not None and start not in emu.pinned:
+            raise _Fault(CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,
+                         f"{what}: host [0x{p:x}, 0x{p + n:x}) was unregistered "
+                         f"(cuMemHostUnregister) before the copy ran")
+    return check
+
+
+@_api(_P(_U), _H, since=2030)
+def cuMemHostGetFlags(emu, flags, p):
+    for start, (size, f) in emu.pinned.items():
+        if start <= (p or 0) < start + size:
+            _put(flags, f, "pFlags")
+            return
+    _fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"0x{p or 0:x} is not in registered host memory")
+
+
 def _copy_op(emu, ctx, dst, src, n, dst_dev: bool, src_dev: bool, what: str):
     """The run function of a copy: re-checks device ranges when it runs (a graph may replay
-    after a free), then moves the bytes."""
+    after a free) and that the host side is still registered if it was, then moves the bytes."""
+    pinned = [_unpinned_check(emu, q, n, what) for q, dev in ((dst, dst_dev), (src, src_dev))
+              if not dev]
+
     def run():
+        for check in pinned:
+            check()
         for p, is_dev in ((dst, dst_dev), (src, src_dev)):
             a = emu.find(p) if is_dev else None
             if is_dev and (a is None or a.ctx is not ctx or a.ptr + a.size < p + n):
@@ -1209,8 +1267,12 @@ def _memcpy3d(emu, p, stream: int | None):
             emu.range(ctx, start, last - start, f"{name} {side}")
         sides[side] = (start, pitch * height, pitch, dev)
     (src, sslice, spitch, sdev), (dst, dslice, dpitch, ddev) = sides["src"], sides["dst"]
+    span = (depth - 1) * max(sslice, dslice) + (h - 1) * max(spitch, dpitch) + w
+    pinned = [_unpinned_check(emu, q, span, name) for q, dev in ((src, sdev), (dst, ddev)) if not dev]
 
     def run():
+        for check in pinned:
+            check()
         for q, is_dev in ((src, sdev), (dst, ddev)):
             if is_dev and emu.find(q) is None:
                 raise _Fault(CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,
