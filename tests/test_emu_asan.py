@@ -1,6 +1,6 @@
 """The AddressSanitizer + UBSan build of the emulated kernels, in every test run: a fast
 subset of the gpu tests (the append encoders, the int8 and q8_0 decode kernels, contiguous
-and paged, the paged append) runs
+and paged, the paged append, the GPU pool's three tiers under a hostile sequence of calls) runs
 clean under it, and an overrun of shared and of device memory is reported with its
 source line (`tools/emu_asan.py --self-check`). `python3 tools/emu_asan.py` runs every gpu
 test that way."""
@@ -35,8 +35,8 @@ def test_the_sanitizer_reports_shared_and_device_memory_overruns():
 
 
 @pytest.mark.child([sys.executable, TOOL, "tests/test_emu_kernels.py", "tests/test_gpu_pool.py",
-                    "-q", "-x", "-p", "no:cacheprovider", "-k",
-                    "kv_append or append_fork_truncate or "
+                    "tests/test_gpu_tiers.py", "-q", "-x", "-p", "no:cacheprovider", "-k",
+                    "kv_append or append_fork_truncate or hostile_sequence or "
                     "((against_float64 or full_slots or equals_cpu_pool) and (int8 or q8_0))"])
 def test_kernels_are_clean_under_the_sanitizer(child):
     out = child.stdout + child.stderr

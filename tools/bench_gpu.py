@@ -35,7 +35,8 @@ family.
           cuMemcpyHtoDAsync of the same bytes from page-locked memory. Then a serving
           trace: requests over a few shared system prompts and unique tails, the GPU
           holding a few prompts, the host a few more, the store all: the share of the
-          requests' full pages found on each tier (and computed: misses).
+          requests' full pages found on each tier (and computed: misses), and the time the
+          compute stream spent waiting for transfers (CUDA events around its waits).
   attention, step: the GpuKVCache decode attention and DecodeGraph step against torch
           (tools/bench_gpu_attention.py; need torch with CUDA).
 """
@@ -411,13 +412,18 @@ def _serving_trace(opts, spec, kv) -> None:
                         chunk_tokens=256 if N >= 256 else 16, page_size=16)
         with StoreWriter(store, max_pending=4 * pages) as writer:
             pool = _tier_pools(spec, 2 * pages + 4, 2 * pages, store, writer)
+            waits = _time_waits(pool)
             requests = 0
+            t0 = time.perf_counter()
             for i in rng.integers(0, len(systems), 12 if opts.smoke else 40):
                 tail = rng.integers(50000, 60000, N - len(systems[i])).tolist()
                 _prefill(pool, systems[i] + tail, kv)
                 requests += 1
+            pool.stream.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
             pool._settle()
             st, ts = pool.stats, pool.tier_stats
+            waited_ms = sum(a.elapsed_ms(b) for a, b in waits)
             pool.free()
     found = {"GPU": st.hits, "host": ts.host_hits, "store": st.store_hits, "computed": st.misses}
     total = sum(found.values())
@@ -425,6 +431,24 @@ def _serving_trace(opts, spec, kv) -> None:
                 f"system prompts of {len(systems[0])}; GPU {2 * pages + 4} pages, host {2 * pages})",
                 ["tier", "full pages", "share"],
                 [[k, v, v / total if total else 0.0] for k, v in found.items()])
+    print(f"compute stream waiting for transfers: {waited_ms:.3g} ms of {wall_ms:.3g} ms "
+          f"({waited_ms / wall_ms:.1%})" + (" (EMULATOR: CPU times)" if gpu.using_emulator() else ""))
+
+
+def _time_waits(pool) -> list:
+    """Times every wait of the pool's stream for transfers: an event pair recorded around
+    each `_await` (the stall: the copy's end past the stream's own work); the pairs are
+    read at the end, so nothing synchronises meanwhile."""
+    pairs, real = [], pool._await
+
+    def timed(pages, ready=None):
+        a, b = gpu.Event.create(pool.ctx), gpu.Event.create(pool.ctx)
+        a.record(stream=pool.stream)
+        real(pages, ready)
+        b.record(stream=pool.stream)
+        pairs.append((a, b))
+    pool._await = timed
+    return pairs
 
 
 def _attention(opts) -> None:

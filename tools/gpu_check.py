@@ -20,7 +20,7 @@ derived from the time left (its share of the budget, less what the later stages 
     memcheck, racecheck, synccheck: compute-sanitizer over gpu_kernels_check.py --small
                --formats q8_0                                            04_sanitizer.log
     bench      tools/bench_gpu.py append paged at batch 32/1/128 x 16k/4k (the goals' shapes
-               first; each paged row is printed as measured)            05_bench.log
+               first; each paged row is printed as measured), then tiers 05_bench.log
 
 A stage that cannot start in the time left (or needs what is missing, or is left out by
 --only) is SKIPPED with the reason; the summary table comes last (also summary.txt). Each log keeps at most its first
@@ -51,7 +51,8 @@ MIN_START = 5                 # a stage given less than this many seconds does n
 HEAD_BYTES, TAIL_BYTES = 4 << 20, 256 << 10
 GPU_TESTS = ["tests/test_gpu_host.py", "tests/test_gpu_cache.py", "tests/test_gpu_copy.py",
              "tests/test_gpu_pool.py", "tests/test_gpu_attention.py", "tests/test_gpu_graph.py",
-             "tests/test_gpu_pool_graph.py", "tests/test_bench_gpu.py"]
+             "tests/test_gpu_pool_graph.py", "tests/test_gpu_prefix.py", "tests/test_gpu_tiers.py",
+             "tests/test_bench_gpu.py"]
 EMU_TESTS = ["tests/test_gpu_graph.py", "-k", "stale or int8"]   # a dry run's few tests
 SANITIZE = [PY, "tools/gpu_kernels_check.py", "--small", "--formats", "q8_0"]
 ENV = {"CUDA_CACHE_MAXSIZE": str(4 << 30),          # the JIT cache keeps every module warmed
@@ -106,8 +107,9 @@ def stages(emulate: bool, pytest_args: list[str]) -> list[Stage]:
         why = no_device if emulate else "compute-sanitizer is not on PATH"
         out.append(Stage(tool, "04_sanitizer.log", argv, want, keep,
                          r"(ERROR|RACECHECK) SUMMARY|^gpu_kernels_check: ", why))
-    bench = (["--emulate", "--smoke", "append", "paged"] if emulate else
-             ["append", "paged", "--batches", "32,1,128", "--contexts", "16384,4096", "--repeat", "10"])
+    bench = (["--emulate", "--smoke", "append", "paged", "tiers"] if emulate else
+             ["append", "paged", "tiers", "--batches", "32,1,128", "--contexts", "16384,4096",
+              "--repeat", "10"])
     out.append(Stage("bench", "05_bench.log", [PY, "tools/bench_gpu.py", *bench], 150, 0,
                      r"^bench_gpu: |no usable"))
     return out
