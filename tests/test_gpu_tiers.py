@@ -371,6 +371,55 @@ def test_three_tiers_and_a_corrupt_chunk(gpu, tmp_path):
         t.g.free()
 
 
+@pytest.mark.parametrize("way", ["in", "out"])
+def test_a_failed_store_copy_says_so_and_changes_nothing(gpu, tmp_path, monkeypatch, way):
+    """A copy in from the store that fails raises CudaError with the GPU table as it was
+    (no sequence made); a copy out that fails is a counted store fault of a committed step
+    (advance does not raise after committing). Either way the pool goes on."""
+    from kvcore.store import StoreWriter
+    store = store_of(tmp_path)
+    with StoreWriter(store) as writer:
+        t = Tiers(gpu, "int8", host_pages=0, store=store, store_writer=writer)
+        for prompt in PROMPTS[:2]:
+            t.g.free_sequence(t.prefill(prompt)[0])
+        t.g._settle()
+        writer.flush()
+        for prompt in PROMPTS[2:]:                    # PROMPTS[0] leaves the GPU
+            t.g.free_sequence(t.prefill(prompt)[0])
+        real = type(t.g)._copy_page
+
+        def failing(self, region, page, **kw):
+            if kw.get("host") is not None and bool(kw.get("to_host")) == (way == "out"):
+                raise CudaError("cuMemcpy3DAsync: CUDA_ERROR_ILLEGAL_ADDRESS: injected")
+            return real(self, region, page, **kw)
+
+        table = t.g._table
+        before = (list(table.refs), list(table.free), list(table.prefix.lru),
+                  dict(table.prefix.by_key), sorted(table.seqs))
+        with monkeypatch.context() as m:
+            m.setattr(type(t.g), "_copy_page", failing)
+            if way == "in":
+                with pytest.raises(CudaError, match="injected"):
+                    t.g.match_prefix(PROMPTS[0] + [5])
+                assert (list(table.refs), list(table.free), list(table.prefix.lru),
+                        dict(table.prefix.by_key), sorted(table.seqs)) == before
+            else:
+                s, _ = t.prefill(list(range(500, 510)))    # a chunk completes: not saved
+                assert t.g.stats.store_faults == 1
+                assert "copy out to the store failed" in t.g.stats.last_store_fault
+                assert t.g.length(s) == 10
+                t.g.free_sequence(s)
+                t.g._settle()
+                writer.flush()
+                assert store.lookup(list(range(500, 510))) == 0
+        s, n = t.g.match_prefix(PROMPTS[0] + [5])       # and now it goes through
+        assert n == 8
+        t.step([s], [[PROMPTS[0][8], 5]], [PROMPTS[0] + [5]])
+        t.ref_prefill(PROMPTS[0] + [5])
+        t.same_bytes(s)
+        t.g.free()
+
+
 def test_a_page_is_not_reused_before_its_copy_to_the_store(gpu, tmp_path, monkeypatch):
     """Emulated queued streams, copies never seen done when asked (a slow transfer): a
     chunk's copy out waits on the transfer stream while the next step takes its pages

@@ -737,7 +737,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """(advance) The whole chunks the step completed, copied out of their GPU pages into
         host arrays on the transfer stream, after the step; each is submitted to the store
         writer once its copy ran (`_settle`). Until then a step that writes one of those
-        pages waits for the copy (`reading`)."""
+        pages waits for the copy (`reading`). A copy that cannot be queued: CudaError (the
+        caller counts it as a store fault; the step stays committed)."""
         assert self._kv is not None and self._writer is not None
         c, ps = self._kv.chunk_tokens, self.page_size
         moves, then = [], []
@@ -1103,7 +1104,13 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             table.get(s).pending = [c] * self.spec.num_layers
         done = table.advance(seqs, arrays)
         if self._writer is not None:
-            self._save_chunks(seqs, done)
+            try:
+                self._save_chunks(seqs, done)
+            except CudaError as e:   # the step is committed: its chunks are not saved
+                with contextlib.suppress(CudaError):
+                    self._tier.stream.synchronize()   # copies queued still write the arrays
+                self._store_faults += 1
+                self._last_fault = f"copy out to the store failed: {e}"
         if self._tier.stream is not None:
             self._settle(wait=False)
         return done
