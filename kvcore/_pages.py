@@ -728,3 +728,43 @@ def _ranges(xs: list[int]) -> str:
             out.append(str(start) if start == a else f"{start}-{a}")
             start = b
     return ", ".join(out)
+
+
+class TableViews:
+    """What a pool whose bookkeeping is `self._table` (a PageTable) tells of its pages and
+    sequences: KVPool's and GpuKVPool's, the same."""
+
+    _table: PageTable
+
+    @property
+    def num_pages(self) -> int:
+        return self._table.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no sequence holds and no cache keeps."""
+        return len(self._table.free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages of the prefix cache that no sequence holds (taken back when needed)."""
+        return self._table.counts()[1]
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence (a shared page counts once)."""
+        return self._table.counts()[2]
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the live sequences, oldest first."""
+        return list(self._table.seqs)
+
+    def length(self, seq: int) -> int:
+        """Committed positions of seq, the same in every layer."""
+        return self._table.get(seq).length
+
+    def page_table(self, seq: int) -> np.ndarray:
+        """The page ids seq holds, in position order: int32 [ceil(held / page_size)] (a
+        copy); -1 for a page a window released."""
+        return np.array(self._table.get(seq).pages, np.int32)

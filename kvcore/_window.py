@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._pages import PageTable
+from ._pages import PageTable, TableViews
 from .errors import CapacityError, DTypeError, OutOfRangeError, RangeError, SnapshotError, SpecError
 from .snapshot import Snapshot
 
@@ -30,8 +30,9 @@ def check_window(window: object, sink_tokens: object) -> tuple[int | None, int]:
     return (None if window is None else int(window)), int(sink_tokens)
 
 
-class WindowViews:
-    """What a pool whose bookkeeping is `self._table` (a PageTable) tells of its window."""
+class WindowViews(TableViews):
+    """What a pool whose bookkeeping is `self._table` (a PageTable) tells of its window (and,
+    TableViews, of its pages and sequences)."""
 
     _table: PageTable
 

@@ -371,47 +371,14 @@ class KVPool(WindowViews):
         return self._ps
 
     @property
-    def num_pages(self) -> int:
-        return self._table.num_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages no sequence holds and no cache keeps."""
-        return len(self._table.free)
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages of the prefix cache that no sequence holds (taken back when needed)."""
-        return self._table.counts()[1]
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages held by at least one sequence (a shared page counts once)."""
-        return self._table.counts()[2]
-
-    @property
     def stats(self) -> PoolStats:
         """Free, cached and in-use pages, and the prefix cache's counters (PoolStats)."""
         return PoolStats(*self._table.counts(), self._store_hits, self._store_faults,
                          self._last_fault)
 
-    @property
-    def sequences(self) -> list[int]:
-        """Ids of the live sequences, oldest first."""
-        return list(self._table.seqs)
-
-    def length(self, seq: int) -> int:
-        """Committed positions of seq, the same in every layer."""
-        return self._table.get(seq).length
-
     def pending(self, seq: int, layer: int) -> int:
         """Positions appended to `layer` of seq since its last advance."""
         return self._table.get(seq).pending[check_index("layer", layer, self._num_layers)]
-
-    def page_table(self, seq: int) -> np.ndarray:
-        """The page ids seq holds, in position order: int32 [ceil(held / page_size)] (a copy);
-        -1 for a page a window released."""
-        return np.array(self._table.get(seq).pages, np.int32)
 
     def pages_for(self, n: int) -> int:
         """Pages that n positions of one sequence take: ceil(n / page_size)."""

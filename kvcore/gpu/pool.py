@@ -337,24 +337,6 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             raise StateError("GpuKVPool used after free()")
 
     @property
-    def num_pages(self) -> int:
-        return self._table.num_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._table.free)
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages of the prefix cache that no sequence holds (taken back when needed)."""
-        return self._table.counts()[1]
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages held by at least one sequence (a shared page counts once)."""
-        return self._table.counts()[2]
-
-    @property
     def tier_stats(self) -> TierStats:
         """The host tier's counters (TierStats; zeros without one)."""
         t = self._tier
@@ -367,20 +349,6 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         (PoolStats, as KVPool's)."""
         return PoolStats(*self._table.counts(), self._store_hits, self._store_faults,
                          self._last_fault)
-
-    @property
-    def sequences(self) -> list[int]:
-        """Ids of the live sequences, oldest first."""
-        return list(self._table.seqs)
-
-    def length(self, seq: int) -> int:
-        """Committed positions of seq."""
-        return self._table.get(seq).length
-
-    def page_table(self, seq: int) -> np.ndarray:
-        """The page ids seq holds, in position order: int32 (a copy); -1 for a page a
-        window released."""
-        return np.array(self._table.get(seq).pages, np.int32)
 
     @property
     def memory_bytes(self) -> int:
