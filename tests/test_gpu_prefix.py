@@ -1,11 +1,13 @@
 """The prefix cache of a GpuKVPool, on a device or under the emulator: the CPU KVPool's
 bookkeeping (PageTable, PrefixIndex), so the same calls give the same pages, keys, hits,
-evictions and bytes on both; a hit reads back exactly what recomputing the prompt writes;
-a graph captured once replays over a sequence found in the cache."""
+evictions and bytes on both, also under a hypothesis machine of prefills, decode steps,
+forks, truncations and frees with the CPU pool as the oracle; a hit reads back exactly
+what recomputing the prompt writes; a graph captured once replays over a sequence found
+in the cache."""
 import numpy as np
 import pytest
 
-from kvcore import KVPool, KVSpec, ShapeError, StateError
+from kvcore import CapacityError, KVPool, KVSpec, ShapeError, StateError
 from kvcore.gpu.cache import GPU_FORMATS
 
 from test_gpu_pool import captured, dev
@@ -223,3 +225,120 @@ def test_a_captured_graph_replays_over_a_cached_prefix(gpu, monkeypatch):
         gpu.driver.call("cuGraphDestroy", made[1])
     x.free(), qo.free()
     p.g.free(), eager.g.free()
+
+
+# ------------------------------------------------------------------ a hostile sequence of calls
+
+from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+# prompts over a few shared starts of 3 pages, with and without extras
+STARTS = [list(range(1000 + 20 * i, 1000 + 20 * i + 12)) for i in range(3)]
+
+
+class PairMachine(RuleBasedStateMachine):
+    """The prefix cache's calls (prefills through match_prefix, decode steps of several
+    sequences, forks, truncations, frees, failing steps) on a GpuKVPool of 10 pages and on
+    the CPU KVPool beside it, the oracle: after every call the same page tables, free
+    list, LRU, keys and counters, and every held page the same bytes (`Pair.same`); a call
+    one refuses the other refuses too, changing nothing."""
+
+    gpu = None
+    fmt = "q8_0"
+
+    def __init__(self):
+        super().__init__()
+        self.p = Pair(self.gpu, self.fmt, pages=10)
+        self.live: list[int] = []
+
+    def both(self, call, *args):
+        """call(pool, *args) on both pools: the same result, or the same error type."""
+        out = []
+        for pool in (self.p.g, self.p.c):
+            try:
+                out.append(("ok", call(pool, *args)))
+            except (CapacityError, StateError, ShapeError) as e:
+                out.append((type(e), None))
+        assert out[0] == out[1], out
+        return out[0]
+
+    @rule(start=st.integers(0, 2), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 9), max_size=3),
+          extra=st.sampled_from([None, {"adapter": "x"}]))
+    def prefill(self, start, cut, tail, extra):
+        tokens = STARTS[start][:cut] + tail
+        got = self.both(lambda pool: pool.match_prefix(tokens, extra=extra))
+        if got[0] != "ok":
+            return
+        s, n = got[1]
+        self.live.append(s)
+        if n < len(tokens):
+            self.step_or_refuse([s], [tokens[n:]], extra)
+
+    def step_or_refuse(self, seqs, token_lists, extra=None):
+        """One step on both; a step the GPU pool refuses at begin_step (no free page) must
+        be refused by the CPU pool's writes too, and leaves both tables as they were."""
+        counts = [len(t) for t in token_lists]
+        try:
+            self.p.g.begin_step(seqs, counts)
+        except CapacityError:
+            kv = np.zeros((sum(counts), H, D), np.float32)
+            with pytest.raises(CapacityError):
+                self.p.c.append_batch(kv, kv, seqs=seqs, layer=0, counts=counts)
+            return
+        kv = np.concatenate([kv_of(self.p.full(s, t), extra)[-len(t):] for s, t in zip(seqs, token_lists)])
+        for layer in range(L):
+            self.p.keep += [dev(self.gpu, kv), dev(self.gpu, -kv)]
+            self.p.g.append(layer, self.p.keep[-2], self.p.keep[-1])
+            self.p.c.append_batch(kv, -kv, seqs=seqs, layer=layer, counts=counts)
+        assert self.p.g.advance(tokens=token_lists) == counts
+        self.p.c.advance(seqs, tokens=token_lists)
+        self.p.keep.clear()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 9), min_size=1, max_size=2))
+    def decode(self, data, tokens):
+        seqs = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=2, unique=True))
+        extras = {s: self.p.c._table.get(s).extra for s in seqs}
+        if len(set(extras.values())) > 1:
+            return                                 # kv_of takes one extra per step here
+        extra = next(iter(extras.values()))
+        self.step_or_refuse(seqs, [tokens] * len(seqs), {"adapter": "x"} if extra else None)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        s = data.draw(st.sampled_from(self.live))
+        got = self.both(lambda pool: pool.fork(s))
+        if got[0] == "ok":
+            self.live.append(got[1])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), back=st.integers(0, 6))
+    def truncate(self, data, back):
+        s = data.draw(st.sampled_from(self.live))
+        n = max(0, self.p.c.length(s) - back)
+        self.both(lambda pool: pool.truncate(s, n))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        s = data.draw(st.sampled_from(self.live))
+        self.p.g.free_sequence(s)
+        self.p.c.free(s)
+        self.live.remove(s)
+
+    @invariant()
+    def the_same_on_both(self):
+        self.p.same()
+
+    def teardown(self):
+        self.p.g.free()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+def test_the_gpu_pool_keeps_the_cpu_pools_books_under_a_hostile_sequence_of_calls(gpu, fmt):
+    PairMachine.gpu, PairMachine.fmt = gpu, fmt
+    run = PairMachine.TestCase
+    run.settings = settings(max_examples=10, stateful_step_count=16, deadline=None, derandomize=True,
+                            database=None, suppress_health_check=list(HealthCheck))
+    run().runTest()
