@@ -255,6 +255,25 @@ def test_a_failed_transfer_says_so_and_no_tier_lies(gpu, monkeypatch, where):
     t.g.free()
 
 
+def test_store_tier_refusals(gpu, tmp_path):
+    from kvcore.store import StoreWriter
+    store = store_of(tmp_path)
+    with pytest.raises(SpecError, match="needs prefix_cache=True"):
+        gpu.GpuKVPool(spec(), 6, PS, max_batch=1, max_pages_per_seq=4, store=store)
+    with pytest.raises(SpecError, match="store page_size 4 does not match the pool's 8"):
+        gpu.GpuKVPool(spec(), 6, 8, max_batch=1, max_pages_per_seq=4, prefix_cache=True,
+                      store=store)
+    with pytest.raises(SpecError, match="format"):
+        gpu.GpuKVPool(spec("f16"), 6, PS, max_batch=1, max_pages_per_seq=4, prefix_cache=True,
+                      store=store)
+    with pytest.raises(SpecError, match="sliding window"):
+        gpu.GpuKVPool(spec(), 6, PS, max_batch=1, max_pages_per_seq=4, prefix_cache=True,
+                      store=store, window=8)
+    with StoreWriter(store) as writer, pytest.raises(SpecError, match="store_writer= needs a pool without a window"):
+        gpu.GpuKVPool(spec(), 6, PS, max_batch=1, max_pages_per_seq=4, prefix_cache=True,
+                      store=store, store_writer=writer, window=8)
+
+
 def test_host_tier_refusals(gpu):
     bad = [(KVPool(spec("f16"), 8, PS, prefix_cache=True), {}, "format"),
            (KVPool(spec("int8"), 8, 8, prefix_cache=True), {}, "page_size"),

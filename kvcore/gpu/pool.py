@@ -218,6 +218,10 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                                 PrefixIndex() if prefix_cache else None, win, sinks)
         self._host = _check_host(host, spec, ps, prefix_cache, win)
         self._kv, self._writer = _attached(spec, ps, prefix_cache, store, store_writer, win)
+        if self._kv is not None and win is not None:
+            raise SpecError("a store tier under a sliding window is not supported on the GPU "
+                            "pool (its lookups would place pages the window then releases "
+                            "while their copies run)")
         self._store_hits = self._store_faults = 0
         self._last_fault: str | None = None
         f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
@@ -788,6 +792,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._await(self._table.get(seq).pages)
         t, copy = self._table.fork(seq)
         if copy is not None:
+            self._await([copy[1]], self._tier.reading)
             self._copy_pages([copy])
         return t
 
@@ -1152,6 +1157,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             self._demote(table.plan_take(-(-snap.length // self.page_size))[1])[0](wait=True)
         table.place(seq, snap.length, start)
         restored = table.get(seq)
+        self._await([g for g in restored.pages if g >= 0], self._tier.reading)
         at = positions(table.held(restored))      # the positions it holds, in order
         index = snapshot_index(snap, table.held(restored))
         hosts = []
