@@ -118,8 +118,50 @@ cdef extern from *:
     static inline void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) {}
     static inline void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) {}
     #endif
+    /* min and max of n finite floats, as vector reductions (which of two equal zeros
+       each gives is unspecified: callers that care look again). */
+    static inline void kv_minmax(const float* x, int n, float* mn, float* mx) {
+        float a = x[0], b = x[0];
+        #pragma omp simd reduction(min:a) reduction(max:b)
+        for (int j = 0; j < n; j++) {
+            a = x[j] < a ? x[j] : a;
+            b = x[j] > b ? x[j] : b;
+        }
+        *mn = a;
+        *mx = b;
+    }
+    /* The 16 bytes of a 4-bit block (ggml's order: byte j = value j | value 16 + j << 4)
+       of q = min(trunc((x - sub) * id + add), 15) over 32 floats that all give a value
+       in [0, 16.5]: vectors of the widest registers (16 lanes with AVX-512, else 8: GCC
+       keeps a vector wider than any register on the stack, 5x slower), one truncating
+       conversion each (the arithmetic of the scalar rule, one rounding per operation). */
+    #if defined(__AVX512F__)
+    #define KV_Q4W 16
+    #else
+    #define KV_Q4W 8
+    #endif
+    typedef float kv_q4f __attribute__((vector_size(4 * KV_Q4W)));
+    typedef int32_t kv_q4i __attribute__((vector_size(4 * KV_Q4W)));
+    typedef uint8_t kv_q4b __attribute__((vector_size(KV_Q4W)));
+    static inline void kv_round_pack_u4(const float* x, float sub, float id, float add,
+                                        uint8_t* codes) {
+        for (int j = 0; j < 16; j += KV_Q4W) {
+            kv_q4f lo, hi;
+            memcpy(&lo, x + j, sizeof lo);
+            memcpy(&hi, x + 16 + j, sizeof hi);
+            kv_q4i a = __builtin_convertvector((lo - sub) * id + add, kv_q4i);
+            kv_q4i b = __builtin_convertvector((hi - sub) * id + add, kv_q4i);
+            kv_q4i ma = a < 15, mb = b < 15;
+            a = (a & ma) | (15 & ~ma);
+            b = (b & mb) | (15 & ~mb);
+            kv_q4b out = __builtin_convertvector(a | (b << 4), kv_q4b);
+            memcpy(codes + j, &out, sizeof out);
+        }
+    }
     """
     int KV_HAVE_F16C
+    void kv_minmax(const float* x, int n, float* mn, float* mx) noexcept nogil
+    void kv_round_pack_u4(const float* x, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
     void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil
 
@@ -426,30 +468,44 @@ cdef inline void _pack_q4_block(const uint8_t* q, uint8_t* codes) noexcept nogil
         codes[j] = q[j] | (q[j + QK // 2] << 4)
 
 
+cdef inline bint _finite(float v) noexcept nogil:
+    return (_as_u32(v) & ABS_MASK) < F32_INF
+
+
 cdef inline void _encode_q4_0(const float* x, Py_ssize_t d, uint8_t* codes,
                               uint16_t* scales) noexcept nogil:
     # gguf-py Q4_0.quantize_blocks (= ggml quantize_row_q4_0_ref), block by block:
     # max = the value of largest |x| (its first index), d = max / -8, id = 1/d (0 when
     # d == 0), q = trunc(x * id + 8.5) clipped to [0, 15].
     cdef Py_ssize_t b
-    cdef int j, jm
-    cdef uint32_t a, am
+    cdef int j, jm, c
+    cdef uint32_t am
     cdef float dd, idd
     cdef const float* xb
     cdef uint8_t q[QK]
     for b in range(d // QK):
         xb = x + b * QK
-        am, jm = 0, 0
-        for j in range(QK):
-            a = _as_u32(xb[j]) & ABS_MASK
-            if a > am:
-                am, jm = a, j
+        am, jm = _amax_bits(xb, QK), QK
+        for j in range(QK):     # the first index of max |x|: a vectorised min, no branch
+            c = j if (_as_u32(xb[j]) & ABS_MASK) == am else QK
+            jm = c if c < jm else jm
         dd = xb[jm] / <float>-8.0
         idd = <float>1.0 / dd if dd != 0 else <float>0.0
-        for j in range(QK):
-            q[j] = _np_to_u4(xb[j] * idd + <float>8.5)
-        _pack_q4_block(q, codes + b * (QK // 2))
+        if _finite(idd):    # every value in [0, 16.5]: a plain truncating conversion
+            kv_round_pack_u4(xb, 0, idd, <float>8.5, codes + b * (QK // 2))
+        else:       # 1/d overflows: x * id is inf or NaN (0 * inf), numpy's conversions
+            for j in range(QK):
+                q[j] = _np_to_u4(xb[j] * idd + <float>8.5)
+            _pack_q4_block(q, codes + b * (QK // 2))
         scales[b] = _f32_to_f16(dd)
+
+
+cdef inline float _last_zero(const float* xb) noexcept nogil:
+    # the last zero (+0.0 or -0.0) of a block that holds one
+    cdef int j = QK - 1
+    while xb[j] != 0:
+        j -= 1
+    return xb[j]
 
 
 cdef inline void _encode_q4_1(const float* x, Py_ssize_t d, uint8_t* codes,
@@ -464,18 +520,21 @@ cdef inline void _encode_q4_1(const float* x, Py_ssize_t d, uint8_t* codes,
     cdef uint8_t q[QK]
     for b in range(d // QK):
         xb = x + b * QK
-        mn = xb[0]
-        mx = xb[0]
-        for j in range(1, QK):
-            # the last of equal values, as numpy's min/max reductions give them: only the
-            # sign of a zero min or max can differ, and with it fp16(m) or d = -0.0
-            mn = xb[j] if xb[j] <= mn else mn
-            mx = xb[j] if xb[j] >= mx else mx
+        kv_minmax(xb, QK, &mn, &mx)
+        # numpy's min/max reductions give the last of equal values: only the sign of a
+        # zero min or max can differ from the first's, and with it fp16(m) or d = -0.0
+        if mn == 0:
+            mn = _last_zero(xb)
+        if mx == 0:
+            mx = _last_zero(xb)
         dd = (mx - mn) / <float>15.0
         idd = <float>1.0 / dd if dd != 0 else <float>0.0
-        for j in range(QK):
-            q[j] = _np_to_u4((xb[j] - mn) * idd + <float>0.5)
-        _pack_q4_block(q, codes + b * (QK // 2))
+        if _finite(idd):    # every value in [0, 16.5]: a plain truncating conversion
+            kv_round_pack_u4(xb, mn, idd, <float>0.5, codes + b * (QK // 2))
+        else:       # 1/d overflows: (x - m) * id is inf or NaN (0 * inf)
+            for j in range(QK):
+                q[j] = _np_to_u4((xb[j] - mn) * idd + <float>0.5)
+            _pack_q4_block(q, codes + b * (QK // 2))
         scales[2 * b] = _f32_to_f16(dd)
         scales[2 * b + 1] = _f32_to_f16(mn)
 

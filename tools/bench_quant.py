@@ -7,6 +7,8 @@ float32 (bytes of the float side per second), so columns compare directly:
 - `np.copyto`: copying the same float32 array into an existing one (the bandwidth
   ceiling; it reads and writes 16 MiB, more traffic than a quantizer's 16 + 4 MiB);
 - `numpy`: a vectorised numpy implementation of the same rule (numpy runs one thread);
+  for q4_0 / q4_1 gguf-py's own numpy quantizer (`gguf.quants`, llama.cpp's reference
+  implementation in Python, the bytes kvcore matches) when it is installed;
 - `ml_dtypes`: `astype` of the same float32 array to the FP8 / bfloat16 type (the
   conversion alone, without the scale);
 - `torch`: `copy_` of the same float32 tensor into an existing float8 / float16 /
@@ -61,10 +63,30 @@ def _numpy_quantize(name: str):
         return run
     if name == "f16":
         return lambda x: x.astype(np.float16)
+    if name in ("q4_0", "q4_1"):
+        quants = _gguf()
+        if quants is not None:
+            kind = getattr(quants.GGMLQuantizationType, name.upper())
+            return lambda x: quants.quantize(x.reshape(-1, x.shape[-1]), kind)
     return None
 
 
-def _numpy_dequantize(name: str, codes, scales):
+def _gguf():
+    try:
+        import gguf.quants as quants
+    except ImportError:
+        return None
+    return quants
+
+
+def _numpy_dequantize(name: str, codes, scales, x=None):
+    if name in ("q4_0", "q4_1"):
+        quants = _gguf()
+        if quants is None:
+            return None
+        kind = getattr(quants.GGMLQuantizationType, name.upper())
+        blocks = quants.quantize(x.reshape(-1, x.shape[-1]), kind)
+        return lambda: quants.dequantize(blocks, kind)
     if name == "q8_0":
         q = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // 32, 32)).astype(F32)
         return lambda: (q * scales.astype(F32)[..., None]).reshape(codes.shape)
@@ -102,16 +124,17 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
     x = np.random.default_rng(0).standard_normal(shape).astype(F32)
     gbs = lambda t: x.nbytes / t / 1e9  # noqa: E731
     dst = np.empty_like(x)
-    names = ["int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "f16", "bf16"]
+    names = ["int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1", "f16", "bf16"]
 
     peers = {}      # numpy and ml_dtypes run one thread: measure once
     for name in names:
         codes, scales = kvcore.quantize(x, name)
         nq = _numpy_quantize(name)
         dt = _ml_dtypes_type(name)
+        ndq = _numpy_dequantize(name, codes, scales, x)
         peers[name] = (
             gbs(median_time(lambda: nq(x), repeat=repeat)) if nq else None,
-            gbs(median_time(_numpy_dequantize(name, codes, scales), repeat=repeat)),
+            gbs(median_time(ndq, repeat=repeat)) if ndq else None,
             gbs(median_time(lambda: x.astype(dt), repeat=repeat)) if dt else None,
         )
 
@@ -130,7 +153,7 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
                     torch.set_num_threads(n)
                 tc = gbs(median_time(convert, repeat=repeat)) if convert else None
                 ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
-                rows.append([name, q, dq, nq or "-", ndq, ml or "-", tc or "-", ratio(q, copy),
+                rows.append([name, q, dq, nq or "-", ndq or "-", ml or "-", tc or "-", ratio(q, copy),
                              ratio(q, nq), ratio(q, ml), ratio(q, tc)])
             print_table(
                 f"quantize / dequantize {list(shape)} float32, {n} thread(s) "
