@@ -8,7 +8,7 @@ from typing import Any, Literal, NamedTuple, Sequence, cast, overload
 
 import numpy as np
 
-from . import _attention
+from . import _attention, _grouped
 from ._pages import Batch
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
@@ -192,6 +192,10 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     arr = _out(out, q, cache._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
+    if cache._groups is not None:
+        _attend_grouped(q3, cache, layer, n, scale, causal, arr.reshape(q3.shape),
+                        None if lse is None else lse.reshape(q3.shape[:2]), var)
+        return _result(arr if out is None else out, lse)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.k_fmt.id, spec.v_fmt.id,
                                n, scale, bool(causal), arr.reshape(q3.shape),
                                None if lse is None else lse.reshape(q3.shape[:2]),
@@ -200,6 +204,32 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
         _raise_non_finite(q)
         raise _overflow_error(q3, spec.fmts, arrays, np.arange(n), n, scale, causal, var, layer)
     return _result(arr if out is None else out, lse)
+
+
+def _attend_grouped(q3: np.ndarray, cache: KVCache, layer: int, n: int, scale: float,
+                    causal: bool, out: np.ndarray, lse: np.ndarray | None,
+                    var: _Variants) -> None:
+    """decode_attention over a K stored by channel in groups (q4_1ch, _grouped.pyx): q3
+    float32 [T, Hq, D]; OUT out [T, Hq, D], lse [T, Hq] or None, written only when every
+    value is finite (else RangeError or NonFiniteError, out untouched)."""
+    if var is not _NO_VARIANTS:
+        raise FormatError(f"K format {cache.spec.k_format}: decode_attention has no window, "
+                          f"sinks or softcap over it yet")
+    k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
+    res = cache._groups.residual[layer]
+    o = np.empty(out.shape, np.float32)
+    m = None if lse is None else np.empty(lse.shape, np.float32)
+    _grouped.attend_grouped(np.ascontiguousarray(q3), k_codes, k_scales.view(np.uint16),
+                            res.view(np.uint16), v_codes, v_scales, cache.spec.v_fmt.id, n,
+                            scale, causal, o, m)
+    if not (np.isfinite(o).all() and (m is None or np.isfinite(m).all())):
+        _raise_non_finite(q3)
+        raise RangeError(f"decode_attention of layer {layer} overflows float32 (K format "
+                         f"{cache.spec.k_format}): a score scale * q.k or a weighted sum of V "
+                         f"passes 3.4028235e+38")
+    out[...] = o
+    if lse is not None:
+        lse[...] = m
 
 
 def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] | None,

@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 
 from . import _cache
+from ._groups import KeyGroups
 from ._guard import CallGuard
 from ._pages import _count_groups, pending_hint
 from ._storage import Storage as _Storage
 from ._storage import LayerArrays
 from ._validate import AnyArray, OutArray, check_index, check_out
-from .errors import CapacityError, OutOfRangeError, ShapeError, SpecError, StateError
+from .errors import (CapacityError, FormatError, OutOfRangeError, ShapeError, SpecError,
+                     StateError)
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
@@ -81,10 +83,12 @@ class KVCache:
         self._attach(spec, _Storage(spec, spec.capacity))  # one page of `capacity` rows
 
     def _attach(self, spec: KVSpec, store: _Storage, length: int = 0,
-                pending: list[int] | None = None) -> None:
+                pending: list[int] | None = None, residual: np.ndarray | None = None) -> None:
         """Sets every attribute: the storage, what is derived from it (views, writer),
-        the positions and a fresh guard (also after a copy: nothing derived is copied)."""
+        the positions, a grouped K format's residual (_groups.py; residual: a copy's, or
+        None for zeros) and a fresh guard (also after a copy: nothing derived is copied)."""
         self._spec = spec
+        self._groups = KeyGroups(spec, residual) if spec.k_fmt.group else None
         self._store = store
         self._storage = store.array
         self._regions = store.regions
@@ -114,7 +118,7 @@ class KVCache:
             memo[id(self)] = new
             cells = self._cells
             new._attach(self._spec, copy.deepcopy(self._store, memo), cells.length,
-                        list(cells.pending))
+                        list(cells.pending), self._residual_copy())
             return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -124,10 +128,15 @@ class KVCache:
         with self._guard("pickle"):
             cells = self._cells
             return {"spec": self._spec, "storage": self._store, "length": cells.length,
-                    "pending": list(cells.pending)}
+                    "pending": list(cells.pending), "residual": self._residual_copy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._attach(state["spec"], state["storage"], state["length"], state["pending"])
+        self._attach(state["spec"], state["storage"], state["length"], state["pending"],
+                     state.get("residual"))
+
+    def _residual_copy(self) -> np.ndarray | None:
+        """A copy of the grouped K format's residual (None without one)."""
+        return None if self._groups is None else self._groups.residual.copy()
 
     # -- writing -------------------------------------------------------------------
 
@@ -152,7 +161,11 @@ class KVCache:
             # _Cells.end / _Cells.add written out inline
             cells = self._cells
             pending = cells.pending
-            pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+            pos = cells.length + pending[layer]
+            pending[layer] += self._writer.write(layer, pos, k, v)
+            if self._groups is not None:    # K by channel: its groups (_groups.py)
+                kc, _, ks, _ = self._store.layer_arrays(layer)
+                self._groups.write(layer, pos, k, kc, ks)
         except CapacityError as e:
             if not pending[layer]:
                 raise
@@ -176,7 +189,13 @@ class KVCache:
         """Keeps the first n committed positions (0 <= n <= length) and drops every pending
         one. Storage is not cleared: positions past n are simply no longer held."""
         with self._guard("truncate"):
-            self._cells.truncate(n)
+            cells = self._cells
+            ends = [cells.end(layer) for layer in range(self._num_layers)]
+            cells.truncate(n)
+            if self._groups is not None:
+                for layer, end in enumerate(ends):
+                    kc, _, ks, _ = self._store.layer_arrays(layer)
+                    self._groups.truncate(layer, end, n, kc, ks)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
@@ -191,6 +210,7 @@ class KVCache:
         [L, n, Hkv, S] plus the spec (docs/snapshots.md). OutOfRangeError unless
         0 <= n <= length."""
         with self._guard("snapshot"):
+            self._refuse_grouped("snapshot")
             return take_snapshot(self, n)
 
     def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> None:
@@ -201,7 +221,14 @@ class KVCache:
         requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache).
         A snapshot whose arrays lie in this cache's own storage is copied first."""
         with self._guard("restore"):
+            self._refuse_grouped("restore")
             restore_snapshot(self, snapshot, requantize=requantize)
+
+    def _refuse_grouped(self, op: str) -> None:
+        """FormatError for what a grouped K format (q4_1ch) does not have yet."""
+        if self._groups is not None:
+            raise FormatError(f"{op}: K format {self._spec.k_format} (by channel, with a "
+                              f"float16 residual) has no snapshots yet")
 
     # -- state ---------------------------------------------------------------------
 
@@ -261,8 +288,11 @@ class KVCache:
             else:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
-            _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
-                               None if scales is None else scales[layer, :n], arr)
+            if which == "k" and self._groups is not None:
+                self._groups.dequantize(layer, n, *self._store.layer_arrays(layer)[::2], arr)
+            else:
+                _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
+                                   None if scales is None else scales[layer, :n], arr)
         return arr if out is None else out
 
     def _check_outside(self, name: str, arr: np.ndarray) -> None:
