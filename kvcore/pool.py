@@ -39,8 +39,8 @@ from ._storage import LayerArrays, Storage
 from ._validate import (AnyArray, OutArray, check_index, check_int32, check_ndarray, check_out,
                         check_seq_id, check_seq_ids, is_array)
 from ._window import WindowViews, check_window, restore_need, snapshot_index, snapshot_span
-from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
-                     StateError, StoreError)
+from .errors import (CapacityError, DTypeError, FormatError, OutOfRangeError, ShapeError,
+                     SpecError, StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
 from .formats import describe
 from .spec import KVSpec
@@ -109,6 +109,9 @@ class KVPool(WindowViews):
                  store_writer: StoreWriter | None = None):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVPool needs a KVSpec, got {type(spec).__name__}")
+        if spec.k_fmt.group:
+            raise FormatError(f"KVPool does not hold K format {spec.k_format} (by channel over "
+                              f"groups of {spec.k_fmt.group} positions) yet: KVCache does")
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,178 @@
+"""q4_1ch in a KVCache: K by channel over groups of 32 positions (KIVI's K layout), the
+open group in a float16 residual, attention reading the codes (docs/formats.md, q4_1ch)."""
+import copy
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import (FormatError, KVCache, KVPool, KVSpec, NonFiniteError, ShapeError,
+                    decode_attention)
+
+F32 = np.float32
+G = 32
+
+
+def kivi_spec(H=2, D=64, N=160, Hq=None, v="q4_1", L=2):
+    return KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N, num_heads=Hq,
+                  k_format="q4_1ch", v_format=v)
+
+
+def filled(spec, k, v, step=None):
+    """A cache holding k, v [n, Hkv, D] in every layer, appended `step` positions at a
+    time (all at once when None)."""
+    cache = KVCache(spec)
+    step = step or len(k)
+    for t in range(0, len(k), step):
+        for layer in range(spec.num_layers):
+            cache.append(layer, k[t:t + step], v[t:t + step])
+        cache.advance()
+    return cache
+
+
+def want_keys(k):
+    """K of positions [0, n) as the cache holds them: complete groups by the format's
+    rule on their float16 values (kvcore.quantize of each head's group), the open group
+    as float16."""
+    n, full = len(k), len(k) // G * G
+    k16 = k.astype(np.float16)
+    out = k16.astype(F32)
+    for g in range(0, full, G):
+        codes, scales = kvcore.quantize(k16[g:g + G].swapaxes(0, 1), "q4_1ch")
+        out[g:g + G] = kvcore.dequantize(codes, scales, "q4_1ch").swapaxes(0, 1)
+    return out[:n]
+
+
+def reference(q, k, v, scale, causal=True):
+    """float64 attention of q [T, Hq, D] over k, v [n, Hkv, D]: (out, lse)."""
+    T, Hq, D = q.shape
+    n, H = k.shape[:2]
+    qg = q.astype(np.float64).reshape(T, H, Hq // H, D) * scale
+    s = np.einsum("thgd,nhd->thgn", qg, k.astype(np.float64))
+    if causal:
+        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]
+        s = np.where(visible[:, None, None, :], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    w = np.exp(s - m)
+    total = w.sum(-1, keepdims=True)
+    out = np.einsum("thgn,nhd->thgd", w / total, v.astype(np.float64))
+    return out.reshape(T, Hq, D), (m + np.log(total)).reshape(T, Hq)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 64, 97])
+@pytest.mark.parametrize("gqa", [1, 8])
+def test_attention_reads_the_groups_and_the_residual(n, gqa, rng):
+    H, D = 2, 64
+    spec = kivi_spec(H=H, D=D, Hq=H * gqa)
+    k = rng.standard_normal((n, H, D)).astype(F32)
+    v = rng.standard_t(3, (n, H, D)).astype(F32)
+    cache = filled(spec, k, v, step=None if n % 2 else 7)
+    kd = cache.dequantize(1, "k")
+    np.testing.assert_array_equal(kd, want_keys(k))
+    vd = cache.dequantize(1, "v")
+    for T, causal in ((1, True), (min(n, 5), True), (3, False)):
+        q = rng.standard_normal((T, H * gqa, D)).astype(F32)
+        out, lse = decode_attention(q, cache, 1, causal=causal, return_lse=True)
+        want, want_lse = reference(q, kd, vd, F32(1 / np.sqrt(D)), causal)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_groups_are_gguf_q4_1_of_each_channel(rng):
+    # the stored rows of a complete group are quantize's bytes of it (to the byte), and
+    # the open group's rows are not written until it completes
+    H, D = 3, 64
+    spec = kivi_spec(H=H, D=D, L=1, v="f16")
+    k = (rng.standard_t(2, (70, H, D)) * 10).astype(F32)
+    cache = filled(spec, k, k, step=5)
+    codes, scales = cache.keys(0), cache.key_scales(0)
+    for g in (0, 32):
+        want_c, want_s = kvcore.quantize(k[g:g + G].astype(np.float16).swapaxes(0, 1), "q4_1ch")
+        assert codes[g:g + G].swapaxes(0, 1).tobytes() == want_c.tobytes()
+        assert scales[g:g + G].swapaxes(0, 1).tobytes() == want_s.tobytes()
+    assert not codes[64:].any() and not scales[64:].any()
+
+
+def test_input_dtypes_and_edges(rng):
+    # float16 / bfloat16 input, zeros and values next to the 65520 limit
+    H, D = 1, 32
+    spec = kivi_spec(H=H, D=D, L=1)
+    k = np.zeros((40, H, D), F32)
+    k[:, 0, 1] = rng.uniform(-65000, 65000, 40)
+    k[:, 0, 2] = np.float32(65000.0)            # one value: d = 0 (bfloat16: 65024)
+    for dtype in (F32, np.float16, ml_dtypes.bfloat16):
+        cache = filled(spec, k.astype(dtype), k.astype(dtype), step=3)
+        np.testing.assert_array_equal(cache.dequantize(0, "k"), want_keys(k.astype(dtype).astype(F32)))
+        assert np.isfinite(cache.dequantize(0, "k")).all()
+    q = np.zeros((1, H, D), F32)
+    np.testing.assert_allclose(decode_attention(q, cache, 0), cache.dequantize(0, "v").mean(0)[None],
+                               rtol=1e-5, atol=0.1)
+
+
+def test_bad_input_changes_nothing(rng):
+    H, D = 2, 64
+    spec = kivi_spec(H=H, D=D, L=1)
+    k = rng.standard_normal((40, H, D)).astype(F32)
+    cache = filled(spec, k[:30], k[:30])
+    before = (cache._storage.copy(), cache._groups.residual.copy())
+    for bad, err in ((np.nan, NonFiniteError), (np.inf, NonFiniteError), (70000.0, FormatError)):
+        x = k[30:40].copy()
+        x[4, 1, 9] = bad
+        with pytest.raises(err, match=r"k\[4, 1, 9\]"):
+            cache.append(0, x, k[30:40])
+        assert (cache.length, cache.pending(0)) == (30, 0)
+        np.testing.assert_array_equal(cache._storage, before[0])
+        np.testing.assert_array_equal(cache._groups.residual, before[1])
+    with pytest.raises(ShapeError):
+        cache.append(0, k[30:40, :, :32], k[30:40, :, :32])
+
+
+def test_truncate_into_an_encoded_group(rng):
+    # back into the open group: nothing lost; back into a group the residual no longer
+    # holds: its kept positions hold their decoded values (what attention read)
+    H, D = 2, 64
+    spec = kivi_spec(H=H, D=D)
+    k = rng.standard_normal((100, H, D)).astype(F32)
+    cache = filled(spec, k[:70], k[:70])
+    cache.truncate(66)
+    np.testing.assert_array_equal(cache.dequantize(0, "k"), want_keys(k[:66]))
+    decoded = cache.dequantize(0, "k")
+    cache.truncate(40)
+    np.testing.assert_array_equal(cache.dequantize(0, "k")[:32], decoded[:32])
+    np.testing.assert_array_equal(cache.dequantize(0, "k")[32:],
+                                  decoded[32:40].astype(np.float16).astype(F32))
+    for layer in range(2):
+        cache.append(layer, k[40:64], k[40:64])
+    cache.advance()
+    redone = np.concatenate([decoded[32:40].astype(np.float16).astype(F32), k[40:64]])
+    np.testing.assert_array_equal(cache.dequantize(1, "k")[32:64], want_keys(redone))
+    # a pending step dropped with the rest: truncate(length) after appends to one layer
+    cache.append(0, k[64:70], k[64:70])
+    cache.truncate(64)
+    np.testing.assert_array_equal(cache.dequantize(0, "k")[32:64], want_keys(redone))
+
+
+def test_copies_carry_the_residual(rng):
+    H, D = 2, 64
+    k = rng.standard_normal((45, H, D)).astype(F32)
+    cache = filled(kivi_spec(H=H, D=D), k, k)
+    q = rng.standard_normal((1, H, D)).astype(F32)
+    want = decode_attention(q, cache, 0)
+    for other in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert other._groups.residual is not cache._groups.residual
+        np.testing.assert_array_equal(decode_attention(q, other, 0), want)
+        np.testing.assert_array_equal(other.dequantize(1, "k"), cache.dequantize(1, "k"))
+
+
+def test_what_is_refused_names_the_format(rng):
+    spec = kivi_spec()
+    with pytest.raises(FormatError, match="KVPool does not hold K format q4_1ch"):
+        KVPool(spec, 4, 32)
+    cache = filled(spec, *(rng.standard_normal((2, 5, 2, 64)).astype(F32)))
+    with pytest.raises(FormatError, match="snapshot: K format q4_1ch .* has no snapshots yet"):
+        cache.snapshot()
+    q = rng.standard_normal((2, 64)).astype(F32)
+    with pytest.raises(FormatError, match="no window, sinks or softcap over it yet"):
+        decode_attention(q, cache, 0, softcap=30.0)
