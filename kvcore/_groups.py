@@ -16,8 +16,11 @@ completes anew.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
+from ._storage import Storage
 from ._validate import AnyArray, check_ndarray
 from .quant import dequantize, quantize
 from .spec import KVSpec
@@ -25,20 +28,21 @@ from .spec import KVSpec
 
 class KeyGroups:
     """The residual of one sequence's K (module comment), and the encoding of its
-    groups into the K regions of the caller's storage (rows = positions)."""
+    groups into the K regions of its storage (rows = positions: a KVCache's)."""
 
-    def __init__(self, spec: KVSpec, residual: np.ndarray | None = None):
-        """residual: float16 [L, G, Hkv, D] to take over (a copy's), else zeros."""
+    def __init__(self, spec: KVSpec, store: Storage, residual: np.ndarray | None = None):
+        """store: the storage whose K regions (codes uint8 [L, N, Hkv, D/2], scales
+        float16 [L, N, Hkv, D/16]) hold the complete groups; residual: float16
+        [L, G, Hkv, D] to take over (a copy's), else zeros."""
         self.fmt = spec.k_fmt
+        self.codes, self.scales = store.regions["k_codes"], store.regions["k_scales"]
         shape = (spec.num_layers, self.fmt.group, spec.num_kv_heads, spec.head_dim)
         self.residual = np.zeros(shape, np.float16) if residual is None else residual
 
-    def write(self, layer: int, pos: int, k: AnyArray, codes: np.ndarray,
-              scales: np.ndarray) -> None:
+    def write(self, layer: int, pos: int, k: AnyArray) -> None:
         """K of positions [pos, pos + T) of `layer` into the residual, encoding each
         group it completes. k: [T, Hkv, D] or [Hkv, D], float32/float16/bfloat16, any
-        strides, already checked (finite, below the format's limit) by the append;
-        codes uint8 [N, Hkv, D/2], scales float16 [N, Hkv, D/16]: the layer's K regions."""
+        strides, already checked (finite, below the format's limit) by the append."""
         x = check_ndarray("k", k)
         x = x.reshape((-1,) + self.residual.shape[2:]).astype(np.float16, copy=False)
         G, res = self.fmt.group, self.residual[layer]
@@ -49,35 +53,34 @@ class KeyGroups:
             res[slot:slot + take] = x[t:t + take]
             t += take
             if slot + take == G:
-                self._encode(res, pos + t - G, codes, scales)
+                self._encode(layer, pos + t - G)
 
-    def _encode(self, res: np.ndarray, start: int, codes: np.ndarray,
-                scales: np.ndarray) -> None:
-        """The group of res float16 [G, Hkv, D] into rows [start, start + G)."""
-        c, s = quantize(res.swapaxes(0, 1), self.fmt)      # [Hkv, G, W], [Hkv, G, S]
-        codes[start:start + self.fmt.group] = c.swapaxes(0, 1)
-        scales[start:start + self.fmt.group] = s.swapaxes(0, 1)
+    def _encode(self, layer: int, start: int) -> None:
+        """The layer's residual, a complete group, into rows [start, start + G)."""
+        rows = slice(start, start + self.fmt.group)
+        codes, scales = quantize(self.residual[layer].swapaxes(0, 1), self.fmt)
+        self.codes[layer, rows] = codes.swapaxes(0, 1)       # [Hkv, G, W] -> [G, Hkv, W]
+        self.scales[layer, rows] = cast(np.ndarray, scales).swapaxes(0, 1)   # q4_1ch has scales
 
-    def truncate(self, layer: int, end: int, n: int, codes: np.ndarray,
-                 scales: np.ndarray) -> None:
+    def truncate(self, layer: int, end: int, n: int) -> None:
         """The layer keeps positions [0, n) of [0, end): its residual then holds the
         group of position n - 1, decoded from its codes when it held another one."""
         G = self.fmt.group
         start = (n - 1) // G * G
         if n == 0 or start == (end - 1) // G * G:
             return
-        group = dequantize(codes[start:start + G].swapaxes(0, 1),
-                           scales[start:start + G].swapaxes(0, 1), self.fmt)   # [Hkv, G, D]
+        rows = slice(start, start + G)
+        group = dequantize(self.codes[layer, rows].swapaxes(0, 1),
+                           self.scales[layer, rows].swapaxes(0, 1), self.fmt)   # [Hkv, G, D]
         self.residual[layer] = group.swapaxes(0, 1)
 
-    def dequantize(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
-                   out: np.ndarray) -> None:
+    def dequantize(self, layer: int, n: int, out: np.ndarray) -> None:
         """OUT out float32 [n, Hkv, D]: K of positions [0, n) of the layer, complete
-        groups decoded from codes [>= n, Hkv, D/2] / scales, the open group from the
-        residual."""
+        groups decoded from the codes, the open group from the residual."""
         G = self.fmt.group
         full = n - n % G
         if full:
+            codes, scales = self.codes[layer], self.scales[layer]
             _by_group(out, full, G)[...] = dequantize(_by_group(codes, full, G),
                                                       _by_group(scales, full, G), self.fmt)
         out[full:n] = self.residual[layer, :n - full]

@@ -9,6 +9,7 @@ from typing import Any, Literal, NamedTuple, Sequence, cast, overload
 import numpy as np
 
 from . import _attention, _grouped
+from ._groups import KeyGroups
 from ._pages import Batch
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
@@ -193,8 +194,9 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
     if cache._groups is not None:
-        _attend_grouped(q3, cache, layer, n, scale, causal, arr.reshape(q3.shape),
-                        None if lse is None else lse.reshape(q3.shape[:2]), var)
+        _attend_grouped(q3, cache, cache._groups, layer, n, scale, causal,
+                        arr.reshape(q3.shape), None if lse is None else lse.reshape(q3.shape[:2]),
+                        var)
         return _result(arr if out is None else out, lse)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.k_fmt.id, spec.v_fmt.id,
                                n, scale, bool(causal), arr.reshape(q3.shape),
@@ -206,8 +208,8 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     return _result(arr if out is None else out, lse)
 
 
-def _attend_grouped(q3: np.ndarray, cache: KVCache, layer: int, n: int, scale: float,
-                    causal: bool, out: np.ndarray, lse: np.ndarray | None,
+def _attend_grouped(q3: np.ndarray, cache: KVCache, groups: KeyGroups, layer: int, n: int,
+                    scale: float, causal: bool, out: np.ndarray, lse: np.ndarray | None,
                     var: _Variants) -> None:
     """decode_attention over a K stored by channel in groups (q4_1ch, _grouped.pyx): q3
     float32 [T, Hq, D]; OUT out [T, Hq, D], lse [T, Hq] or None, written only when every
@@ -215,13 +217,13 @@ def _attend_grouped(q3: np.ndarray, cache: KVCache, layer: int, n: int, scale: f
     if var is not _NO_VARIANTS:
         raise FormatError(f"K format {cache.spec.k_format}: decode_attention has no window, "
                           f"sinks or softcap over it yet")
-    k_codes, v_codes, k_scales, v_scales = cache._layer_arrays(layer)
-    res = cache._groups.residual[layer]
+    _, v_codes, _, v_scales = cache._layer_arrays(layer)
     o = np.empty(out.shape, np.float32)
     m = None if lse is None else np.empty(lse.shape, np.float32)
-    _grouped.attend_grouped(np.ascontiguousarray(q3), k_codes, k_scales.view(np.uint16),
-                            res.view(np.uint16), v_codes, v_scales, cache.spec.v_fmt.id, n,
-                            scale, causal, o, m)
+    _grouped.attend_grouped(np.ascontiguousarray(q3), groups.codes[layer],
+                            groups.scales[layer].view(np.uint16),
+                            groups.residual[layer].view(np.uint16), v_codes, v_scales,
+                            cache.spec.v_fmt.id, n, scale, causal, o, m)
     if not (np.isfinite(o).all() and (m is None or np.isfinite(m).all())):
         _raise_non_finite(q3)
         raise RangeError(f"decode_attention of layer {layer} overflows float32 (K format "

@@ -88,7 +88,7 @@ class KVCache:
         the positions, a grouped K format's residual (_groups.py; residual: a copy's, or
         None for zeros) and a fresh guard (also after a copy: nothing derived is copied)."""
         self._spec = spec
-        self._groups = KeyGroups(spec, residual) if spec.k_fmt.group else None
+        self._groups = KeyGroups(spec, store, residual) if spec.k_fmt.group else None
         self._store = store
         self._storage = store.array
         self._regions = store.regions
@@ -164,8 +164,7 @@ class KVCache:
             pos = cells.length + pending[layer]
             pending[layer] += self._writer.write(layer, pos, k, v)
             if self._groups is not None:    # K by channel: its groups (_groups.py)
-                kc, _, ks, _ = self._store.layer_arrays(layer)
-                self._groups.write(layer, pos, k, kc, ks)
+                self._groups.write(layer, pos, k)
         except CapacityError as e:
             if not pending[layer]:
                 raise
@@ -194,8 +193,7 @@ class KVCache:
             cells.truncate(n)
             if self._groups is not None:
                 for layer, end in enumerate(ends):
-                    kc, _, ks, _ = self._store.layer_arrays(layer)
-                    self._groups.truncate(layer, end, n, kc, ks)
+                    self._groups.truncate(layer, end, n)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
@@ -289,7 +287,7 @@ class KVCache:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
             if which == "k" and self._groups is not None:
-                self._groups.dequantize(layer, n, *self._store.layer_arrays(layer)[::2], arr)
+                self._groups.dequantize(layer, n, arr)
             else:
                 _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
                                    None if scales is None else scales[layer, :n], arr)

@@ -114,6 +114,8 @@ FORMATS: dict[str, Format] = {
 }
 
 QUANTIZED_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)
+ROW_FORMATS = tuple(n for n, f in FORMATS.items() if not f.group)
+"""The formats that encode each row alone: they store K and V (q4_1ch stores K only)."""
 
 
 def get_format(fmt: "str | Format") -> Format:

@@ -5,7 +5,7 @@ The rules and byte layouts are in docs/formats.md; the kernels in _quant.pyx.
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -109,7 +109,7 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     rows = x
     if f.group:   # the kernel's rows are the channels of each group: [..., D, group]
         rows = np.swapaxes(x, -1, -2)
-        codes, scales = _channel_major(codes, d), _channel_major(scales, d)
+        codes, scales = _channel_major(codes, d), _channel_major(cast(np.ndarray, scales), d)
     work = np.empty((max_threads(), rows.shape[-1]), dtype=np.float32)
     walk = (rows, *_row_walk(rows), rows.strides[-1], _input_kind(x), f.id, codes, scales, work)
     bad = _quant.quantize_rows(*walk, encode=out is None)
@@ -129,11 +129,11 @@ def _check_group(name: str, shape: tuple[int, ...], f: Format) -> None:
                          f"{f.group} positions, expected [..., {f.group}, {shape[-1]}], got [{got}]")
 
 
-def _channel_major(a: np.ndarray | None, d: int) -> np.ndarray | None:
+def _channel_major(a: np.ndarray, d: int) -> np.ndarray:
     """A grouped format's codes [..., group, W] or scales [..., group, S], C-contiguous,
     as the channel rows they hold: [..., D, group / 2] or [..., D, 2] (the same bytes,
     docs/formats.md, q4_1ch)."""
-    return None if a is None else a.reshape(a.shape[:-2] + (d, -1))
+    return a.reshape(a.shape[:-2] + (d, -1))
 
 
 def _check_quantize_out(out: object, f: Format, code_shape: tuple[int, ...],
@@ -195,7 +195,7 @@ def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
     c = np.ascontiguousarray(c).view(f.code_dtype)
     if f.group:   # decoded channel by channel, [..., D, group], then laid out by position
         channels = np.empty(lead[:-1] + (d, f.group), np.float32)
-        _quant.dequantize_rows(f.id, _channel_major(c, d), _channel_major(s, d),
+        _quant.dequantize_rows(f.id, _channel_major(c, d), _channel_major(cast(np.ndarray, s), d),
                                channels.reshape(-1, f.group))
         arr[...] = np.swapaxes(channels, -1, -2)
     else:

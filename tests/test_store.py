@@ -126,7 +126,7 @@ def _chunk(spec, rng, key="k0"):
     return kind, key, tokens, parts, encode_chunk(kind, key, tokens, parts)
 
 
-@pytest.mark.parametrize("fmt", list(kvcore.FORMATS) + PAIRS)
+@pytest.mark.parametrize("fmt", list(kvcore.formats.ROW_FORMATS) + PAIRS)
 def test_chunk_round_trip_every_format(fmt, rng):
     kind, key, tokens, parts, value = _chunk(spec_of(fmt), rng)
     assert value[:8] == MAGIC
