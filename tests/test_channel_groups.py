@@ -176,3 +176,10 @@ def test_what_is_refused_names_the_format(rng):
     q = rng.standard_normal((2, 64)).astype(F32)
     with pytest.raises(FormatError, match="no window, sinks or softcap over it yet"):
         decode_attention(q, cache, 0, softcap=30.0)
+
+
+def test_the_gpu_layer_refuses_it():
+    from kvcore.gpu.cache import GpuLayout
+    with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of 32 "
+                                          r"positions\) is not on the GPU"):
+        GpuLayout(kivi_spec(), 2)
