@@ -2,6 +2,7 @@
 import numpy as np
 
 def attend_grouped(q: np.ndarray, k_codes: np.ndarray, k_scales: np.ndarray,
-                   residual: np.ndarray, v_codes: np.ndarray, v_scales: np.ndarray | None,
-                   v_fmt: int, n: int, scale: float, causal: bool, out: np.ndarray,
+                   residuals: np.ndarray, v_codes: np.ndarray, v_scales: np.ndarray | None,
+                   v_fmt: int, page_size: int, tables: np.ndarray, lengths: np.ndarray,
+                   counts: np.ndarray, scale: float, causal: bool, out: np.ndarray,
                    lse: np.ndarray | None = None) -> None: ...

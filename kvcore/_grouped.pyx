@@ -1,31 +1,36 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Decode and causal attention over K stored by channel in groups of positions (q4_1ch).
 
-1. `attend_grouped` takes q float32 [T, Hq, D] and one layer of a KVCache whose K format
-   is q4_1ch (docs/formats.md): K codes uint8 [N, Hkv, D/2] and scales float16
-   [N, Hkv, D/16] holding the complete groups of 32 positions, the open group's K in the
-   residual float16 [32, Hkv, D] (slot p % 32), and V codes [N, Hkv, W] / scales
-   [N, Hkv, S] in V's own per-token format; all C-contiguous. Positions [0, n) are read;
-   query token t sees [0, n - T + t] (causal) or [0, n). Query head i reads kv head
-   i // G (G = Hq / Hkv).
-2. Threads take the kv heads. Per head, its R = T * G query rows are scaled first.
+1. `attend_grouped` takes q float32 [T, Hq, D] and one layer of a KVCache or a KVPool
+   whose K format is q4_1ch (docs/formats.md): K codes uint8 [rows, Hkv, D/2] and scales
+   float16 [rows, Hkv, D/16] holding the complete groups of 32 positions, each
+   sequence's open group in its residual float16 [32, Hkv, D] (slot p % 32), and V codes
+   [rows, Hkv, W] / scales [rows, Hkv, S] in V's own per-token format; all C-contiguous.
+   Sequence b's positions [0, n_b) are read through its page table (a KVCache: one page
+   of N rows); its query token t of T sees [0, n_b - T + t] (causal) or [0, n_b). Query
+   head i reads kv head i // G (G = Hq / Hkv).
+2. Threads take the (sequence, kv head) items. Per item, its R = T * G query rows are
+   scaled first.
    Scores of a complete group, for 32 positions at once: sum_c (q_c d_c) code[c][t] plus
-   sum_c q_c m_c, float32: per channel its 16 code bytes (low nibbles positions 0-15,
-   high 16-31) widen once into 32 floats, then each row adds one broadcast q_c d_c times
-   them (a multiply-add over 32 lanes the compiler vectorises). The open group's scores
-   are dot products with its float16 rows.
+   sum_c q_c m_c, float32: the group's codes widen once into floats [D][32] (per channel
+   its 16 code bytes: low nibbles positions 0-15, high 16-31), then each row keeps 32
+   accumulators in registers and adds one broadcast q_c d_c times channel c's 32 floats
+   per channel (a multiply-add over 32 lanes the compiler vectorises: two zmm or four
+   ymm registers). The open group's scores are dot products with its float16 rows.
 3. A softmax per row (max subtracted, expf), then the weighted sum of V: each V row is
    decoded once per head (`_quant.decode_row`, D floats) and added to the R rows'
    accumulators. No float copy of K or V is made; per head: scores [R][n], accumulators
-   [R][D] and one row of D floats.
+   [R][D], one row of D floats and one group's codes as floats [D][32].
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
 from libc.math cimport expf, logf
-from libc.stdint cimport uint8_t, uint16_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from cython.parallel cimport prange
 cimport numpy as cnp
+
+import numpy as np
 
 from kvcore._quant cimport decode_row, f16_to_f32
 from kvcore._parallel cimport num_threads
@@ -40,55 +45,67 @@ cdef enum:
 cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
                                const uint8_t* codes, Py_ssize_t code_stride,
                                const uint16_t* scales, Py_ssize_t scale_stride,
-                               float* s, Py_ssize_t s_stride, float* lane,
-                               float* bias) noexcept nogil:
+                               float* s, Py_ssize_t s_stride, float* lanes) noexcept nogil:
     """OUT s[r * s_stride + t] (t < 32): the scores of the R rows of q [R][D] over one
     complete group. codes / scales: the group's first row slot of this head; slot j is
     code_stride / scale_stride elements further and holds channels [j D/32, (j+1) D/32),
-    16 code bytes and a (d, m) pair each. lane: 32 floats, bias: R floats (scratch)."""
+    16 code bytes and a (d, m) pair each. lanes: D * (32 + 2) floats of scratch: the
+    group's codes as floats [D][32], then d [D] and m [D]."""
     cdef Py_ssize_t per_slot = D // GROUP, j, i, c, r, t
     cdef const uint8_t* b
     cdef const uint16_t* dm
-    cdef float d, m, a
-    cdef float* acc
-    for r in range(R):
-        bias[r] = 0
-        for t in range(GROUP):
-            s[r * s_stride + t] = 0
-    for j in range(GROUP):
+    cdef float* lane
+    cdef float* d = lanes + D * GROUP
+    cdef float* m = d + D
+    cdef float a, bias
+    cdef float acc[GROUP]
+    for j in range(GROUP):          # widen the group's codes once: channel c -> lanes[c]
         for i in range(per_slot):
             c = j * per_slot + i
             b = codes + j * code_stride + 16 * i
             dm = scales + j * scale_stride + 2 * i
-            d = f16_to_f32(dm[0])
-            m = f16_to_f32(dm[1])
+            d[c] = f16_to_f32(dm[0])
+            m[c] = f16_to_f32(dm[1])
+            lane = lanes + c * GROUP
             for t in range(GROUP // 2):
                 lane[t] = <float>(b[t] & 15)
                 lane[t + GROUP // 2] = <float>(b[t] >> 4)
-            for r in range(R):
-                a = q[r * D + c] * d
-                bias[r] += q[r * D + c] * m
-                acc = s + r * s_stride
-                for t in range(GROUP):
-                    acc[t] += a * lane[t]
-    for r in range(R):
+    for r in range(R):              # per row: 32 accumulators, one broadcast per channel
         for t in range(GROUP):
-            s[r * s_stride + t] += bias[r]
+            acc[t] = 0
+        bias = 0
+        for c in range(D):
+            a = q[r * D + c] * d[c]
+            bias = bias + q[r * D + c] * m[c]
+            lane = lanes + c * GROUP
+            for t in range(GROUP):
+                acc[t] = acc[t] + a * lane[t]
+        for t in range(GROUP):
+            s[r * s_stride + t] = acc[t] + bias
+
+
+cdef inline Py_ssize_t _row(const int32_t* table, Py_ssize_t ps, Py_ssize_t p) noexcept nogil:
+    """The storage row of position p through a page table of pages of ps rows."""
+    return <Py_ssize_t>table[p // ps] * ps + p % ps
 
 
 cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
                 Py_ssize_t h, Py_ssize_t n, float scale, bint causal,
+                const int32_t* table, Py_ssize_t ps,
                 const uint8_t* kc, const uint16_t* ks, const uint16_t* res,
                 int v_fmt, const char* vc, Py_ssize_t v_code_row, const char* vs,
                 Py_ssize_t v_scale_row, float* out, float* lse) noexcept nogil:
-    """Attention of kv head h's R = T * G query rows (module comment); OUT rows of out
-    [T, Hq, D] and lse [T, Hq] (NULL: not asked)."""
+    """Attention of kv head h's R = T * G query rows of one sequence (module comment):
+    q [T, Hq, D] its rows, n its positions, position p in storage row _row(table, ps, p),
+    res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
+    not asked)."""
     cdef Py_ssize_t G = Hq // H, R = T * G, W = D // 2, S = D // 16
-    cdef Py_ssize_t full = n - n % GROUP, r, p, c, t, g, lim
+    cdef Py_ssize_t full = n - n % GROUP, r, p, c, t, g, lim, first
     cdef float* qs = <float*>malloc(R * D * sizeof(float))
     cdef float* s = <float*>malloc(R * n * sizeof(float))
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
-    cdef float* row = <float*>malloc((D + GROUP + R) * sizeof(float))
+    cdef float* row = <float*>malloc(D * sizeof(float))
+    cdef float* lanes = <float*>malloc(D * (GROUP + 2) * sizeof(float))
     cdef float mx, total, w, dot
     cdef const char* vsp
     for r in range(R):
@@ -97,8 +114,9 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
             qs[r * D + c] = q[(t * Hq + h * G + g) * D + c] * scale
     for g in range(full // GROUP):
         p = g * GROUP
-        _group_scores(qs, R, D, kc + (p * H + h) * W, H * W, ks + (p * H + h) * S, H * S,
-                      s + p, n, row + D, row + D + GROUP)
+        first = _row(table, ps, p)      # a group's rows follow each other (ps % 32 == 0)
+        _group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
+                      H * S, s + p, n, lanes)
     for p in range(full, n):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):
@@ -122,8 +140,9 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
             lse[(r // G) * Hq + h * G + r % G] = mx + logf(total)
         qs[r * D] = 1 / total      # the row's normaliser (its scaled query is no longer read)
     for p in range(n):
-        vsp = vs + (p * H + h) * v_scale_row if vs != NULL else NULL
-        decode_row(v_fmt, vc + (p * H + h) * v_code_row, vsp, D, row)
+        first = _row(table, ps, p)
+        vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
+        decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, row)
         for r in range(R):
             w = s[r * n + p]
             if w != 0:
@@ -137,18 +156,28 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     free(s)
     free(acc)
     free(row)
+    free(lanes)
 
 
 def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
-                   const uint16_t[:, :, ::1] k_scales, const uint16_t[:, :, ::1] residual,
-                   cnp.ndarray v_codes, v_scales, int v_fmt, Py_ssize_t n, float scale,
-                   bint causal, float[:, :, ::1] out, float[:, ::1] lse=None) -> None:
-    """q float32 [T, Hq, D]; k_codes uint8 [N, Hkv, D/2], k_scales float16 bits uint16
-    [N, Hkv, D/16], residual float16 bits uint16 [32, Hkv, D]; v_codes [N, Hkv, W] and
-    v_scales [N, Hkv, S] (or None) in V's format v_fmt; n positions (1 <= n <= N, causal:
-    T <= n); OUT out float32 [T, Hq, D], lse float32 [T, Hq] or None. The caller checked
-    every shape and dtype."""
-    cdef Py_ssize_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2], H = k_codes.shape[1], h
+                   const uint16_t[:, :, ::1] k_scales, const uint64_t[::1] residuals,
+                   cnp.ndarray v_codes, v_scales, int v_fmt, Py_ssize_t page_size,
+                   const int32_t[:, ::1] tables, const int64_t[::1] lengths,
+                   const int64_t[::1] counts, float scale, bint causal,
+                   float[:, :, ::1] out, float[:, ::1] lse=None) -> None:
+    """Attention of B sequences (a KVCache: B = 1, one page of N rows, table [[0]]).
+    q float32 [sum counts, Hq, D]: rows [c_b, c_b + counts[b]) are sequence b's tokens
+    (c_b the sum of the counts before b); k_codes uint8 [rows, Hkv, D/2] and k_scales
+    float16 bits uint16 [rows, Hkv, D/16]; residuals uint64 [B]: the address of sequence
+    b's residual float16 [32, Hkv, D] of this layer (C-contiguous, alive for the call);
+    v_codes [rows, Hkv, W] and v_scales [rows, Hkv, S] (or None) in V's format v_fmt;
+    tables int32 [B, M]: sequence b's pages, position p in row
+    tables[b, p / page_size] * page_size + p % page_size (page_size % 32 == 0 unless one
+    page holds everything); lengths int64 [B]: its positions n_b (>= counts[b] when causal,
+    >= 1 with queries); OUT out float32 [sum counts, Hq, D], lse float32 [sum counts, Hq]
+    or None. The caller checked every shape and dtype."""
+    cdef Py_ssize_t B = tables.shape[0], Hq = q.shape[1], D = q.shape[2], H = k_codes.shape[1]
+    cdef Py_ssize_t b, h, item
     cdef const char* vc = cnp.PyArray_BYTES(v_codes)
     cdef Py_ssize_t v_code_row = v_codes.shape[2] * v_codes.itemsize
     cdef const char* vs = NULL
@@ -157,9 +186,16 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
         vs = cnp.PyArray_BYTES(<cnp.ndarray>v_scales)
         v_scale_row = v_scales.shape[2] * v_scales.itemsize
     cdef float* lp = NULL if lse is None else &lse[0, 0]
-    cdef int nt = min(num_threads(), <int>H)
+    cdef int64_t[::1] first = np.zeros(B, np.int64)      # each sequence's first query row
+    for b in range(1, B):
+        first[b] = first[b - 1] + counts[b - 1]
+    cdef int nt = min(num_threads(), <int>(B * H))
     with nogil:
-        for h in prange(H, num_threads=nt, schedule="dynamic"):
-            _head(&q[0, 0, 0], T, Hq, H, D, h, n, scale, causal, &k_codes[0, 0, 0],
-                  &k_scales[0, 0, 0], &residual[0, 0, 0], v_fmt, vc, v_code_row, vs,
-                  v_scale_row, &out[0, 0, 0], lp)
+        for item in prange(B * H, num_threads=nt, schedule="dynamic"):
+            b, h = item // H, item % H
+            if counts[b] == 0:
+                continue
+            _head(&q[first[b], 0, 0], counts[b], Hq, H, D, h, lengths[b], scale, causal,
+                  &tables[b, 0], page_size, &k_codes[0, 0, 0], &k_scales[0, 0, 0],
+                  <const uint16_t*>residuals[b], v_fmt, vc, v_code_row, vs, v_scale_row,
+                  &out[first[b], 0, 0], lp + first[b] * Hq if lp != NULL else NULL)

@@ -2,44 +2,57 @@
 
 q4_1ch encodes the 32 positions of a group of one head together (docs/formats.md,
 q4_1ch), so a group's codes are written once its last position is there. Until then its
-K values wait in the **residual**: float16 [L][G][Hkv][D] (G = 32), slot p % G holding
-the K of position p, rounded to float16 (whose range holds every value q4_1ch takes:
-|x| < 65520). Each layer's residual holds the group of the layer's last held position,
-open or just completed. An append that completes a group encodes it from the residual
-into its G row slots; decode attention and `dequantize` read complete groups from the
-codes and the open group from the residual.
+K values wait in the sequence's **residual**: float16 [L][G][Hkv][D] (G = 32), slot
+p % G holding the K of position p, rounded to float16 (whose range holds every value
+q4_1ch takes: |x| < 65520). Per layer the residual holds one group, `held[layer]` its
+first position (-1: none yet): the group of the layer's last written position, open or
+just completed. An append that completes a group encodes it from the residual into its G
+row slots; decode attention and `dequantize` read complete groups from the codes and the
+open group from the residual.
 
-A truncation into a group that the residual no longer holds decodes that group from its
+A truncation into a group that the residual does not hold decodes that group from its
 codes into the residual: the positions kept there then hold their decoded values (what
-attention read for them), rounded to float16, and are encoded again when the group
-completes anew.
+attention read), rounded to float16, and are encoded again when the group completes anew.
+
+The group's rows in storage are given by the caller, `row(p)`: the storage row of
+position p (a KVCache's rows are its positions; a KVPool's come from the page table, and
+its pages hold whole groups: page_size % G == 0, so a group's rows are consecutive).
 """
 from __future__ import annotations
 
-from typing import cast
+from typing import Callable
 
 import numpy as np
 
-from ._storage import Storage
 from ._validate import AnyArray, check_ndarray
 from .quant import dequantize, quantize
 from .spec import KVSpec
 
+Rows = Callable[[int], int]
+"""The storage row of a position (the first of a group: its G rows follow it)."""
+
 
 class KeyGroups:
-    """The residual of one sequence's K (module comment), and the encoding of its
-    groups into the K regions of its storage (rows = positions: a KVCache's)."""
+    """The residual of one sequence's K and the encoding of its groups (module comment).
+    The K regions passed in are one layer's: codes uint8 [rows, Hkv, D/2], scales float16
+    [rows, Hkv, D/16]."""
 
-    def __init__(self, spec: KVSpec, store: Storage, residual: np.ndarray | None = None):
-        """store: the storage whose K regions (codes uint8 [L, N, Hkv, D/2], scales
-        float16 [L, N, Hkv, D/16]) hold the complete groups; residual: float16
-        [L, G, Hkv, D] to take over (a copy's), else zeros."""
+    __slots__ = ("fmt", "residual", "held")
+
+    def __init__(self, spec: KVSpec):
         self.fmt = spec.k_fmt
-        self.codes, self.scales = store.regions["k_codes"], store.regions["k_scales"]
-        shape = (spec.num_layers, self.fmt.group, spec.num_kv_heads, spec.head_dim)
-        self.residual = np.zeros(shape, np.float16) if residual is None else residual
+        self.residual = np.zeros((spec.num_layers, self.fmt.group, spec.num_kv_heads,
+                                  spec.head_dim), np.float16)
+        self.held = [-1] * spec.num_layers
 
-    def write(self, layer: int, pos: int, k: AnyArray) -> None:
+    def copy(self) -> KeyGroups:
+        """An independent copy (a fork's, a copied cache's)."""
+        new = KeyGroups.__new__(KeyGroups)
+        new.fmt, new.residual, new.held = self.fmt, self.residual.copy(), list(self.held)
+        return new
+
+    def write(self, layer: int, pos: int, k: AnyArray, codes: np.ndarray, scales: np.ndarray,
+              row: Rows) -> None:
         """K of positions [pos, pos + T) of `layer` into the residual, encoding each
         group it completes. k: [T, Hkv, D] or [Hkv, D], float32/float16/bfloat16, any
         strides, already checked (finite, below the format's limit) by the append."""
@@ -51,41 +64,37 @@ class KeyGroups:
             slot = (pos + t) % G
             take = min(G - slot, len(x) - t)
             res[slot:slot + take] = x[t:t + take]
+            self.held[layer] = pos + t - slot
             t += take
             if slot + take == G:
-                self._encode(layer, pos + t - G)
+                first = row(self.held[layer])
+                c, s = quantize(res.swapaxes(0, 1), self.fmt)  # [Hkv, G, W], [Hkv, G, S]
+                codes[first:first + G] = c.swapaxes(0, 1)
+                scales[first:first + G] = np.asarray(s).swapaxes(0, 1)
 
-    def _encode(self, layer: int, start: int) -> None:
-        """The layer's residual, a complete group, into rows [start, start + G)."""
-        rows = slice(start, start + self.fmt.group)
-        codes, scales = quantize(self.residual[layer].swapaxes(0, 1), self.fmt)
-        self.codes[layer, rows] = codes.swapaxes(0, 1)       # [Hkv, G, W] -> [G, Hkv, W]
-        self.scales[layer, rows] = cast(np.ndarray, scales).swapaxes(0, 1)   # q4_1ch has scales
-
-    def truncate(self, layer: int, end: int, n: int) -> None:
-        """The layer keeps positions [0, n) of [0, end): its residual then holds the
-        group of position n - 1, decoded from its codes when it held another one."""
+    def truncate(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
+                 row: Rows) -> None:
+        """The layer now holds positions [0, n), n <= its old end: the residual then
+        holds the open group of n, decoded from its codes when it held another group."""
         G = self.fmt.group
-        start = (n - 1) // G * G
-        if n == 0 or start == (end - 1) // G * G:
-            return
-        rows = slice(start, start + G)
-        group = dequantize(self.codes[layer, rows].swapaxes(0, 1),
-                           self.scales[layer, rows].swapaxes(0, 1), self.fmt)   # [Hkv, G, D]
-        self.residual[layer] = group.swapaxes(0, 1)
+        start = n - n % G
+        if n % G and self.held[layer] != start:
+            self.residual[layer] = self._decode(start, codes, scales, row)
+            self.held[layer] = start
 
-    def dequantize(self, layer: int, n: int, out: np.ndarray) -> None:
+    def _decode(self, start: int, codes: np.ndarray, scales: np.ndarray, row: Rows) -> np.ndarray:
+        """float32 [G, Hkv, D]: the complete group starting at position `start`."""
+        first, G = row(start), self.fmt.group
+        group = dequantize(codes[first:first + G].swapaxes(0, 1),
+                           scales[first:first + G].swapaxes(0, 1), self.fmt)   # [Hkv, G, D]
+        return group.swapaxes(0, 1)
+
+    def dequantize(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
+                   row: Rows, out: np.ndarray) -> None:
         """OUT out float32 [n, Hkv, D]: K of positions [0, n) of the layer, complete
         groups decoded from the codes, the open group from the residual."""
         G = self.fmt.group
         full = n - n % G
-        if full:
-            codes, scales = self.codes[layer], self.scales[layer]
-            _by_group(out, full, G)[...] = dequantize(_by_group(codes, full, G),
-                                                      _by_group(scales, full, G), self.fmt)
+        for start in range(0, full, G):
+            out[start:start + G] = self._decode(start, codes, scales, row)
         out[full:n] = self.residual[layer, :n - full]
-
-
-def _by_group(a: np.ndarray, full: int, G: int) -> np.ndarray:
-    """Rows [0, full) of a [N, Hkv, X] as its groups [full / G, Hkv, G, X] (a view)."""
-    return a[:full].reshape((full // G, G) + a.shape[1:]).swapaxes(1, 2)

@@ -194,9 +194,10 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
     if cache._groups is not None:
-        _attend_grouped(q3, cache, cache._groups, layer, n, scale, causal,
-                        arr.reshape(q3.shape), None if lse is None else lse.reshape(q3.shape[:2]),
-                        var)
+        _attend_grouped(q3, spec, arrays, [cache._groups], layer, spec.capacity,
+                        np.zeros((1, 1), np.int32), np.array([n], np.int64),
+                        np.array([T], np.int64), scale, causal, arr.reshape(q3.shape),
+                        None if lse is None else lse.reshape(q3.shape[:2]), var)
         return _result(arr if out is None else out, lse)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.k_fmt.id, spec.v_fmt.id,
                                n, scale, bool(causal), arr.reshape(q3.shape),
@@ -208,26 +209,30 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     return _result(arr if out is None else out, lse)
 
 
-def _attend_grouped(q3: np.ndarray, cache: KVCache, groups: KeyGroups, layer: int, n: int,
-                    scale: float, causal: bool, out: np.ndarray, lse: np.ndarray | None,
-                    var: _Variants) -> None:
-    """decode_attention over a K stored by channel in groups (q4_1ch, _grouped.pyx): q3
-    float32 [T, Hq, D]; OUT out [T, Hq, D], lse [T, Hq] or None, written only when every
-    value is finite (else RangeError or NonFiniteError, out untouched)."""
+def _attend_grouped(q: np.ndarray, spec: KVSpec, arrays: LayerArrays,
+                    groups: list[KeyGroups], layer: int, page_size: int, tables: np.ndarray,
+                    lengths: np.ndarray, counts: np.ndarray, scale: float, causal: bool,
+                    out: np.ndarray, lse: np.ndarray | None, var: _Variants) -> None:
+    """decode_attention over a K stored by channel in groups (q4_1ch, _grouped.pyx) of B
+    sequences: q float32 [sum counts, Hq, D]; arrays: the layer's regions; groups: each
+    sequence's residual; tables int32 [B, M], lengths, counts int64 [B] as attend_paged
+    takes them; OUT out [sum counts, Hq, D], lse [sum counts, Hq] or None, written only
+    when every value is finite (else RangeError or NonFiniteError, out untouched)."""
     if var is not _NO_VARIANTS:
-        raise FormatError(f"K format {cache.spec.k_format}: decode_attention has no window, "
+        raise FormatError(f"K format {spec.k_format}: decode_attention has no window, "
                           f"sinks or softcap over it yet")
-    _, v_codes, _, v_scales = cache._layer_arrays(layer)
+    k_codes, v_codes, k_scales, v_scales = arrays
+    residuals = [g.residual[layer] for g in groups]     # kept alive for the call
     o = np.empty(out.shape, np.float32)
     m = None if lse is None else np.empty(lse.shape, np.float32)
-    _grouped.attend_grouped(np.ascontiguousarray(q3), groups.codes[layer],
-                            groups.scales[layer].view(np.uint16),
-                            groups.residual[layer].view(np.uint16), v_codes, v_scales,
-                            cache.spec.v_fmt.id, n, scale, causal, o, m)
+    _grouped.attend_grouped(np.ascontiguousarray(q), k_codes, np.asarray(k_scales).view(np.uint16),
+                            np.array([r.ctypes.data for r in residuals], np.uint64),
+                            v_codes, v_scales, spec.v_fmt.id, page_size, tables, lengths,
+                            counts, scale, causal, o, m)
     if not (np.isfinite(o).all() and (m is None or np.isfinite(m).all())):
-        _raise_non_finite(q3)
+        _raise_non_finite(q)
         raise RangeError(f"decode_attention of layer {layer} overflows float32 (K format "
-                         f"{cache.spec.k_format}): a score scale * q.k or a weighted sum of V "
+                         f"{spec.k_format}): a score scale * q.k or a weighted sum of V "
                          f"passes 3.4028235e+38")
     out[...] = o
     if lse is not None:

@@ -14,6 +14,7 @@ copy the storage and the positions and rebuild the rest (docs/design.md, Copies)
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import numpy as np
@@ -83,12 +84,13 @@ class KVCache:
         self._attach(spec, _Storage(spec, spec.capacity))  # one page of `capacity` rows
 
     def _attach(self, spec: KVSpec, store: _Storage, length: int = 0,
-                pending: list[int] | None = None, residual: np.ndarray | None = None) -> None:
+                pending: list[int] | None = None, groups: KeyGroups | None = None) -> None:
         """Sets every attribute: the storage, what is derived from it (views, writer),
-        the positions, a grouped K format's residual (_groups.py; residual: a copy's, or
-        None for zeros) and a fresh guard (also after a copy: nothing derived is copied)."""
+        the positions, a grouped K format's residual (_groups.py; groups: a copy's, or
+        None for a new one) and a fresh guard (also after a copy: nothing derived is
+        copied)."""
         self._spec = spec
-        self._groups = KeyGroups(spec, store, residual) if spec.k_fmt.group else None
+        self._groups = groups if groups is not None or not spec.k_fmt.group else KeyGroups(spec)
         self._store = store
         self._storage = store.array
         self._regions = store.regions
@@ -118,7 +120,7 @@ class KVCache:
             memo[id(self)] = new
             cells = self._cells
             new._attach(self._spec, copy.deepcopy(self._store, memo), cells.length,
-                        list(cells.pending), self._residual_copy())
+                        list(cells.pending), self._groups_copy())
             return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -128,15 +130,20 @@ class KVCache:
         with self._guard("pickle"):
             cells = self._cells
             return {"spec": self._spec, "storage": self._store, "length": cells.length,
-                    "pending": list(cells.pending), "residual": self._residual_copy()}
+                    "pending": list(cells.pending), "groups": self._groups_copy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._attach(state["spec"], state["storage"], state["length"], state["pending"],
-                     state.get("residual"))
+                     state.get("groups"))
 
-    def _residual_copy(self) -> np.ndarray | None:
+    def _groups_copy(self) -> KeyGroups | None:
         """A copy of the grouped K format's residual (None without one)."""
-        return None if self._groups is None else self._groups.residual.copy()
+        return None if self._groups is None else self._groups.copy()
+
+    def _k_regions(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K codes [N, Hkv, W] and scales [N, Hkv, S] of one layer (a grouped K format's:
+        it has scales), writable."""
+        return self._regions["k_codes"][layer], self._regions["k_scales"][layer]
 
     # -- writing -------------------------------------------------------------------
 
@@ -164,7 +171,7 @@ class KVCache:
             pos = cells.length + pending[layer]
             pending[layer] += self._writer.write(layer, pos, k, v)
             if self._groups is not None:    # K by channel: its groups (_groups.py)
-                self._groups.write(layer, pos, k)
+                self._groups.write(layer, pos, k, *self._k_regions(layer), operator.index)
         except CapacityError as e:
             if not pending[layer]:
                 raise
@@ -189,11 +196,11 @@ class KVCache:
         one. Storage is not cleared: positions past n are simply no longer held."""
         with self._guard("truncate"):
             cells = self._cells
-            ends = [cells.end(layer) for layer in range(self._num_layers)]
             cells.truncate(n)
             if self._groups is not None:
-                for layer, end in enumerate(ends):
-                    self._groups.truncate(layer, end, n)
+                for layer in range(self._num_layers):
+                    self._groups.truncate(layer, cells.length, *self._k_regions(layer),
+                                          operator.index)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
@@ -287,7 +294,7 @@ class KVCache:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
             if which == "k" and self._groups is not None:
-                self._groups.dequantize(layer, n, arr)
+                self._groups.dequantize(layer, n, *self._k_regions(layer), operator.index, arr)
             else:
                 _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
                                    None if scales is None else scales[layer, :n], arr)
