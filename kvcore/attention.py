@@ -284,6 +284,10 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
+    if spec.k_fmt.group:
+        _attend_grouped(q, spec, arrays, [pool._groups_of(s) for s in seqs], layer, ps, tables,
+                        lengths, c, scale, causal, arr, lse, var)
+        return _result(arr if out is None else out, lse)
     status = _attention.attend_paged(q, *arrays, spec.k_fmt.id, spec.v_fmt.id, ps, tables,
                                      lengths, c, scale, bool(causal), arr, lse, **var.kwargs)
     if status != _attention.ATTEND_OK:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 import numpy as np
 
 from ._cache import decode_rows
+from ._groups import KeyGroups, Rows
 from ._guard import CallGuard
 from ._pages import PageTable
 from ._prefix import PrefixIndex
@@ -109,12 +110,10 @@ class KVPool(WindowViews):
                  store_writer: StoreWriter | None = None):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"KVPool needs a KVSpec, got {type(spec).__name__}")
-        if spec.k_fmt.group:
-            raise FormatError(f"KVPool does not hold K format {spec.k_format} (by channel over "
-                              f"groups of {spec.k_fmt.group} positions) yet: KVCache does")
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
+        _check_grouped(spec, int(page_size), window, store)
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         win, sinks = check_window(window, sink_tokens)
@@ -143,6 +142,8 @@ class KVPool(WindowViews):
         self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
         self._kv, self._writer = kv, writer
         self._store_hits, self._store_faults, self._last_fault = counters
+        # a grouped K format's residual of each sequence that has one (_groups.py)
+        self._groups: dict[int, KeyGroups] = {}
 
     # -- copies --------------------------------------------------------------------
 
@@ -163,6 +164,7 @@ class KVPool(WindowViews):
             memo[id(self)] = new
             new._attach(self._spec, self._ps, copy.deepcopy(self._store, memo),
                         copy.deepcopy(self._table, memo), self._kv, None, self._counters())
+            new._groups = self._groups_copy()
             return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -173,11 +175,16 @@ class KVPool(WindowViews):
         with self._guard("pickle"):
             self._refuse_copy("pickle")
             return {"spec": self._spec, "page_size": self._ps, "storage": self._store,
-                    "table": copy.deepcopy(self._table), "counters": self._counters()}
+                    "table": copy.deepcopy(self._table), "counters": self._counters(),
+                    "groups": self._groups_copy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._attach(state["spec"], state["page_size"], state["storage"], state["table"],
                      None, None, state["counters"])
+        self._groups = state.get("groups", {})
+
+    def _groups_copy(self) -> dict[int, KeyGroups]:
+        return {s: g.copy() for s, g in self._groups.items()}
 
     def _counters(self) -> tuple[int, int, str | None]:
         return self._store_hits, self._store_faults, self._last_fault
@@ -242,6 +249,7 @@ class KVPool(WindowViews):
         instead, with a prefix cache, when registered: full pages of committed tokens)."""
         with self._guard("free"):
             self._table.free_seq(seq)
+            self._groups.pop(seq, None)
 
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
@@ -252,6 +260,10 @@ class KVPool(WindowViews):
         the sink pages)."""
         with self._guard("truncate"):
             self._table.truncate(seq, n)
+            if self._spec.k_fmt.group:
+                groups = self._groups_of(seq)
+                for layer in range(self._num_layers):
+                    groups.truncate(layer, n, *self._k_regions(layer), self._row_of(seq))
 
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's committed positions: full pages are shared (a later
@@ -263,6 +275,8 @@ class KVPool(WindowViews):
             if copy is not None:
                 self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
                                                        np.int64), self._ps)
+            if seq in self._groups:
+                self._groups[t] = self._groups[seq].copy()
             return t
 
     # -- writing -------------------------------------------------------------------
@@ -309,8 +323,33 @@ class KVPool(WindowViews):
         ps = self._ps
         rows = np.array(plan.rows, np.int64) if plan.rows else _EMPTY_ROWS
         copies = (np.array(plan.copies, np.int64) * ps) if plan.copies else None
+        ends = [self._held(s, layer) for s in seqs] if self._spec.k_fmt.group else None
         self._store.writer.write(layer, 0, k, v, rows, copies, ps)
         self._table.commit_write(plan)
+        if ends is not None:     # K by channel: each sequence's groups (_groups.py)
+            at = 0
+            for s, t, end in zip(seqs, counts, ends):
+                self._groups_of(s).write(layer, end, k[at:at + t] if k.ndim == 3 else k,
+                                         *self._k_regions(layer), self._row_of(s))
+                at += t
+
+    def _groups_of(self, seq: int) -> KeyGroups:
+        """The residual of seq (a grouped K format's; made at its first need)."""
+        groups = self._groups.get(seq)
+        if groups is None:
+            groups = self._groups[seq] = KeyGroups(self._spec)
+        return groups
+
+    def _row_of(self, seq: int) -> Rows:
+        """The storage row of each position of seq, through its page table."""
+        pages, ps = self._table.get(seq).pages, self._ps
+        return lambda p: pages[p // ps] * ps + p % ps
+
+    def _k_regions(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K codes [rows, Hkv, W] and scales [rows, Hkv, S] of one layer (a grouped K
+        format's: it has scales), writable."""
+        r = self._store.regions
+        return r["k_codes"][layer], r["k_scales"][layer]
 
     def advance(self, seqs: int | Iterable[int] | None = None, *,
                 tokens: Sequence[int] | AnyArray | Sequence[Sequence[int] | AnyArray] | None = None
@@ -352,6 +391,10 @@ class KVPool(WindowViews):
         (copy-on-write included) as an append would: atomic, CapacityError with the
         numbers. Row r is page r // page_size, offset r % page_size."""
         with self._guard("slot_mapping"):
+            if self._spec.k_fmt.group:
+                raise FormatError(f"slot_mapping: K format {self._spec.k_format} encodes "
+                                  f"groups of {self._spec.k_fmt.group} positions at append; "
+                                  f"rows written by others cannot hold them")
             seqs = check_seq_ids("seqs", seqs)
             counts = _counts(counts, len(seqs))
             arr = check_ndarray("out", out)
@@ -537,7 +580,11 @@ class KVPool(WindowViews):
             k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
             out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
-            decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
+            if which == "k" and self._spec.k_fmt.group:
+                self._groups_of(seq).dequantize(layer, len(rows), *self._k_regions(layer),
+                                                self._row_of(seq), out)
+            else:
+                decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
             return out
 
     # -- snapshots -----------------------------------------------------------------
@@ -550,6 +597,7 @@ class KVPool(WindowViews):
         KVPool restores; n must leave every position the window needs at n held
         (StateError otherwise, as truncate)."""
         with self._guard("snapshot"):
+            _refuse_grouped(self._spec, "snapshot")
             table = self._table
             s = table.get(seq)
             length = s.length
@@ -575,6 +623,7 @@ class KVPool(WindowViews):
         position this pool's window and sink positions need there, on this pool's pages
         (SnapshotError otherwise); a pool without a window refuses such a snapshot."""
         with self._guard("restore"):
+            _refuse_grouped(self._spec, "restore")
             table = self._table
             snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize,
                                          windowed=table.window is not None), self._storage)
@@ -789,6 +838,27 @@ class KVPool(WindowViews):
                    if self.window is not None else "") +
                 f"used={self.num_used_pages}, sequences={len(self._table.seqs)}"
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
+
+
+def _check_grouped(spec: KVSpec, page_size: int, window: object, store: object) -> None:
+    """FormatError when a grouped K format (q4_1ch) cannot live in this pool: its pages
+    must hold whole groups; no window and no chunk store over it yet."""
+    group = spec.k_fmt.group
+    if not group:
+        return
+    if page_size % group:
+        raise FormatError(f"K format {spec.k_format} encodes groups of {group} positions: "
+                          f"page_size must be a multiple of {group}, got {page_size}")
+    if window is not None or store is not None:
+        raise FormatError(f"K format {spec.k_format}: a KVPool over it takes no "
+                          f"{'window' if window is not None else 'chunk store'} yet")
+
+
+def _refuse_grouped(spec: KVSpec, op: str) -> None:
+    """FormatError for what a grouped K format (q4_1ch) does not have yet."""
+    if spec.k_fmt.group:
+        raise FormatError(f"{op}: K format {spec.k_format} (by channel, with a float16 "
+                          f"residual) has no snapshots yet")
 
 
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,

@@ -168,8 +168,15 @@ def test_copies_carry_the_residual(rng):
 
 def test_what_is_refused_names_the_format(rng):
     spec = kivi_spec()
-    with pytest.raises(FormatError, match="KVPool does not hold K format q4_1ch"):
-        KVPool(spec, 4, 32)
+    with pytest.raises(FormatError, match="page_size must be a multiple of 32, got 16"):
+        KVPool(spec, 4, 16)
+    with pytest.raises(FormatError, match="a KVPool over it takes no window yet"):
+        KVPool(spec, 4, 32, window=64)
+    pool = KVPool(spec, 4, 32)
+    with pytest.raises(FormatError, match="slot_mapping: K format q4_1ch encodes groups"):
+        pool.slot_mapping([pool.new_sequence()], [1], np.zeros(1, np.int64))
+    with pytest.raises(FormatError, match="snapshot: K format q4_1ch"):
+        pool.snapshot(pool.sequences[0])
     cache = filled(spec, *(rng.standard_normal((2, 5, 2, 64)).astype(F32)))
     with pytest.raises(FormatError, match="snapshot: K format q4_1ch .* has no snapshots yet"):
         cache.snapshot()
@@ -183,3 +190,98 @@ def test_the_gpu_layer_refuses_it():
     with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of 32 "
                                           r"positions\) is not on the GPU"):
         GpuLayout(kivi_spec(), 2)
+
+
+# -- KVPool: pages of whole groups, each sequence with its residual ----------------------
+
+def pool_and_caches(rng, lengths, spec, page_size=32, num_pages=24, **kw):
+    """A pool holding sequences of these lengths (written with append_batch in uneven
+    steps) and a KVCache of each holding the same positions."""
+    pool = KVPool(spec, num_pages, page_size, **kw)
+    seqs = [pool.new_sequence() for _ in lengths]
+    caches = [KVCache(spec) for _ in lengths]
+    H, D = spec.num_kv_heads, spec.head_dim
+    data = [rng.standard_normal((2, n, H, D)).astype(F32) for n in lengths]
+    done = [0] * len(lengths)
+    while done != list(lengths):
+        counts = [min(n - d, int(rng.integers(1, 40))) for n, d in zip(lengths, done)]
+        k = np.concatenate([x[0, d:d + c] for x, d, c in zip(data, done, counts)])
+        v = np.concatenate([x[1, d:d + c] for x, d, c in zip(data, done, counts)])
+        for layer in range(spec.num_layers):
+            pool.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
+            for x, d, c, cache in zip(data, done, counts, caches):
+                cache.append(layer, x[0, d:d + c], x[1, d:d + c])
+        pool.advance()
+        for cache in caches:
+            cache.advance()
+        done = [d + c for d, c in zip(done, counts)]
+    return pool, seqs, caches
+
+
+def test_pool_equals_a_cache_of_each_sequence(rng):
+    spec = kivi_spec(Hq=8, N=200)
+    lengths = [5, 64, 97, 130]
+    pool, seqs, caches = pool_and_caches(rng, lengths, spec, page_size=64, num_pages=12)
+    q = rng.standard_normal((len(seqs), 8, 64)).astype(F32)
+    out, lse = decode_attention(q, pool, 1, seqs=seqs, return_lse=True)
+    for b, (s, cache) in enumerate(zip(seqs, caches)):
+        np.testing.assert_array_equal(pool.dequantize(s, 1, "k"), cache.dequantize(1, "k"))
+        one, one_lse = decode_attention(q[b], cache, 1, return_lse=True)
+        np.testing.assert_array_equal(out[b], one)
+        np.testing.assert_array_equal(lse[b], one_lse)
+    # several tokens per sequence (causal), and a sequence without queries
+    counts = [3, 0, 2, 1]
+    qs = rng.standard_normal((sum(counts), 8, 64)).astype(F32)
+    out = decode_attention(qs, pool, 0, seqs=seqs, counts=counts)
+    at = 0
+    for c, cache in zip(counts, caches):
+        if c:
+            np.testing.assert_array_equal(out[at:at + c], decode_attention(qs[at:at + c], cache, 0))
+        at += c
+
+
+def test_pool_fork_truncate_copies_and_free(rng):
+    spec = kivi_spec(N=200)
+    pool, (s,), (cache,) = pool_and_caches(rng, [90], spec)
+    f = pool.fork(s)                 # shares pages 0-1, copies the partial page 2
+    pool.truncate(f, 40)             # into a shared, encoded group: decoded into f's residual
+    cut = copy.deepcopy(cache)
+    cut.truncate(40)
+    np.testing.assert_array_equal(pool.dequantize(f, 0, "k"), cut.dequantize(0, "k"))
+    np.testing.assert_array_equal(pool.dequantize(s, 0, "k"), cache.dequantize(0, "k"))
+    k = rng.standard_normal((30, 2, 64)).astype(F32)
+    for layer in range(2):
+        pool.append(k, k, seq=f, layer=layer)     # completes the group in a copied page
+        cut.append(layer, k, k)
+    pool.advance(f)
+    cut.advance()
+    for other in (pool, copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        np.testing.assert_array_equal(other.dequantize(f, 1, "k"), cut.dequantize(1, "k"))
+        np.testing.assert_array_equal(other.dequantize(s, 1, "k"), cache.dequantize(1, "k"))
+    q = rng.standard_normal((1, 2, 64)).astype(F32)
+    np.testing.assert_array_equal(decode_attention(q, pool, 1, seqs=[f]), decode_attention(q, cut, 1))
+    pool.free(f)
+    assert f not in pool._groups
+
+
+def test_prefix_cache_matches_whole_groups(rng):
+    spec = kivi_spec(N=200, L=1)
+    pool = KVPool(spec, 12, 32, prefix_cache=True)
+    tokens = np.arange(100)
+    k = rng.standard_normal((100, 2, 64)).astype(F32)
+    s = pool.new_sequence()
+    pool.append(k, k, seq=s, layer=0)
+    pool.advance(s, tokens=tokens)
+    t, n = pool.match_prefix(tokens)
+    assert n == 96                   # three full pages of one group each
+    np.testing.assert_array_equal(pool.dequantize(t, 0, "k"), pool.dequantize(s, 0, "k")[:96])
+    pool.truncate(t, 70)             # into a matched group: decoded from the cached page
+    np.testing.assert_array_equal(pool.dequantize(t, 0, "k")[64:],
+                                  pool.dequantize(s, 0, "k")[64:70].astype(np.float16).astype(F32))
+    q = rng.standard_normal((1, 2, 64)).astype(F32)
+    cache = filled(spec, k[:70], k[:70])
+    cache.truncate(64)
+    cache.append(0, pool.dequantize(t, 0, "k")[64:], k[64:70])
+    cache.advance()
+    np.testing.assert_array_equal(decode_attention(q, pool, 0, seqs=[t]),
+                                  decode_attention(q, cache, 0))
