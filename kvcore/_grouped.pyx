@@ -11,16 +11,19 @@
    head i reads kv head i // G (G = Hq / Hkv).
 2. Threads take the (sequence, kv head) items. Per item, its R = T * G query rows are
    scaled first.
-   Scores of a complete group, for 32 positions at once: sum_c (q_c d_c) code[c][t] plus
-   sum_c q_c m_c, float32: the group's codes widen once into floats [D][32] (per channel
-   its 16 code bytes: low nibbles positions 0-15, high 16-31), then each row keeps 32
-   accumulators in registers and adds one broadcast q_c d_c times channel c's 32 floats
-   per channel (a multiply-add over 32 lanes the compiler vectorises: two zmm or four
-   ymm registers). The open group's scores are dot products with its float16 rows.
+   Scores of a complete group, for its 32 positions at once: the group's values decode
+   once into floats [D][32] (per channel its 16 code bytes, low nibbles positions 0-15,
+   high 16-31, each code * d + m: the stored values exactly, two float32 roundings as
+   `dequantize`), then each row adds one broadcast q_c times channel c's 32 values per
+   channel (a multiply-add over 32 lanes the compiler vectorises: two zmm or four ymm
+   registers) into one of 4 sets of 32 accumulators (c % 4: independent chains, sums of
+   D/4 terms), summed pairwise at the end. (Splitting the score into sum_c (q_c d_c)
+   code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
+   open group's scores are dot products with its float16 rows.
 3. A softmax per row (max subtracted, expf), then the weighted sum of V: each V row is
    decoded once per head (`_quant.decode_row`, D floats) and added to the R rows'
    accumulators. No float copy of K or V is made; per head: scores [R][n], accumulators
-   [R][D], one row of D floats and one group's codes as floats [D][32].
+   [R][D], one row of D floats and one group's values as floats [D][32].
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
@@ -49,39 +52,55 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
     """OUT s[r * s_stride + t] (t < 32): the scores of the R rows of q [R][D] over one
     complete group. codes / scales: the group's first row slot of this head; slot j is
     code_stride / scale_stride elements further and holds channels [j D/32, (j+1) D/32),
-    16 code bytes and a (d, m) pair each. lanes: D * (32 + 2) floats of scratch: the
-    group's codes as floats [D][32], then d [D] and m [D]."""
+    16 code bytes and a (d, m) pair each. lanes: D * 32 floats of scratch: the group's
+    values [D][32]."""
     cdef Py_ssize_t per_slot = D // GROUP, j, i, c, r, t
     cdef const uint8_t* b
     cdef const uint16_t* dm
     cdef float* lane
-    cdef float* d = lanes + D * GROUP
-    cdef float* m = d + D
-    cdef float a, bias
-    cdef float acc[GROUP]
-    for j in range(GROUP):          # widen the group's codes once: channel c -> lanes[c]
+    cdef float d, m
+    cdef float acc[4][GROUP]
+    for j in range(GROUP):          # decode the group once: channel c -> lanes[c]
         for i in range(per_slot):
             c = j * per_slot + i
             b = codes + j * code_stride + 16 * i
             dm = scales + j * scale_stride + 2 * i
-            d[c] = f16_to_f32(dm[0])
-            m[c] = f16_to_f32(dm[1])
+            d = f16_to_f32(dm[0])
+            m = f16_to_f32(dm[1])
             lane = lanes + c * GROUP
             for t in range(GROUP // 2):
-                lane[t] = <float>(b[t] & 15)
-                lane[t + GROUP // 2] = <float>(b[t] >> 4)
-    for r in range(R):              # per row: 32 accumulators, one broadcast per channel
-        for t in range(GROUP):
-            acc[t] = 0
-        bias = 0
-        for c in range(D):
-            a = q[r * D + c] * d[c]
-            bias = bias + q[r * D + c] * m[c]
-            lane = lanes + c * GROUP
+                lane[t] = <float>(b[t] & 15) * d + m
+                lane[t + GROUP // 2] = <float>(b[t] >> 4) * d + m
+    for r in range(R):
+        # per row: 4 x 32 accumulators (channel c into acc[c % 4]: four independent
+        # chains, and sums of D/4 terms), one broadcast q_c per channel
+        for i in range(4):
             for t in range(GROUP):
-                acc[t] = acc[t] + a * lane[t]
+                acc[i][t] = 0
+        for c in range(0, D, 4):
+            for i in range(4):
+                _axpy(q[r * D + c + i], lanes + (c + i) * GROUP, acc[i])
         for t in range(GROUP):
-            s[r * s_stride + t] = acc[t] + bias
+            s[r * s_stride + t] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t])
+
+
+cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
+    """y[t] += a * x[t] for the 32 positions of a group."""
+    cdef Py_ssize_t t
+    for t in range(GROUP):
+        y[t] = y[t] + a * x[t]
+
+
+cdef inline float _dot(const float* x, const float* y, Py_ssize_t D) noexcept nogil:
+    """sum x[c] y[c] over D (a multiple of 32) in 4 interleaved partial sums."""
+    cdef float part[4]
+    cdef Py_ssize_t c, i
+    for i in range(4):
+        part[i] = 0
+    for c in range(0, D, 4):
+        for i in range(4):
+            part[i] = part[i] + x[c + i] * y[c + i]
+    return (part[0] + part[1]) + (part[2] + part[3])
 
 
 cdef inline Py_ssize_t _row(const int32_t* table, Py_ssize_t ps, Py_ssize_t p) noexcept nogil:
@@ -105,8 +124,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* s = <float*>malloc(R * n * sizeof(float))
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
     cdef float* row = <float*>malloc(D * sizeof(float))
-    cdef float* lanes = <float*>malloc(D * (GROUP + 2) * sizeof(float))
-    cdef float mx, total, w, dot
+    cdef float* lanes = <float*>malloc(D * GROUP * sizeof(float))
+    cdef float mx, total, w
     cdef const char* vsp
     for r in range(R):
         t, g = r // G, r % G
@@ -120,10 +139,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     for p in range(full, n):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):
-            dot = 0
-            for c in range(D):
-                dot = dot + qs[r * D + c] * row[c]
-            s[r * n + p] = dot
+            s[r * n + p] = _dot(qs + r * D, row, D)
     for r in range(R):
         lim = n - T + r // G + 1 if causal else n
         mx = s[r * n]

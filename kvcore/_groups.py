@@ -89,6 +89,24 @@ class KeyGroups:
                            scales[first:first + G].swapaxes(0, 1), self.fmt)   # [Hkv, G, D]
         return group.swapaxes(0, 1)
 
+    def open_group(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
+                   row: Rows) -> np.ndarray:
+        """float16 [n % G, Hkv, D], a new array: K of the open group of positions [0, n)
+        (n <= the layer's end), from the residual, or decoded from the codes when the
+        residual holds another group (a snapshot of fewer positions)."""
+        G = self.fmt.group
+        start = n - n % G
+        if n == start or self.held[layer] == start:
+            return self.residual[layer, :n - start].copy()
+        return self._decode(start, codes, scales, row)[:n - start].astype(np.float16)
+
+    def restore(self, n: int, open_values: np.ndarray) -> None:
+        """Every layer now holds positions [0, n), the open group's K open_values
+        float16 [L, n % G, Hkv, D] (a snapshot's)."""
+        G = self.fmt.group
+        self.residual[:, :n % G] = open_values
+        self.held = [n - n % G if n % G else -1] * len(self.held)
+
     def dequantize(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
                    row: Rows, out: np.ndarray) -> None:
         """OUT out float32 [n, Hkv, D]: K of positions [0, n) of the layer, complete

@@ -26,8 +26,7 @@ from ._pages import _count_groups, pending_hint
 from ._storage import Storage as _Storage
 from ._storage import LayerArrays
 from ._validate import AnyArray, OutArray, check_index, check_out
-from .errors import (CapacityError, FormatError, OutOfRangeError, ShapeError, SpecError,
-                     StateError)
+from .errors import CapacityError, OutOfRangeError, ShapeError, SpecError, StateError
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 from .spec import KVSpec
 
@@ -215,7 +214,6 @@ class KVCache:
         [L, n, Hkv, S] plus the spec (docs/snapshots.md). OutOfRangeError unless
         0 <= n <= length."""
         with self._guard("snapshot"):
-            self._refuse_grouped("snapshot")
             return take_snapshot(self, n)
 
     def restore(self, snapshot: Snapshot, *, requantize: bool = False) -> None:
@@ -226,14 +224,7 @@ class KVCache:
         requantize=True, which re-encodes it (e.g. an f16 snapshot into an int8 cache).
         A snapshot whose arrays lie in this cache's own storage is copied first."""
         with self._guard("restore"):
-            self._refuse_grouped("restore")
             restore_snapshot(self, snapshot, requantize=requantize)
-
-    def _refuse_grouped(self, op: str) -> None:
-        """FormatError for what a grouped K format (q4_1ch) does not have yet."""
-        if self._groups is not None:
-            raise FormatError(f"{op}: K format {self._spec.k_format} (by channel, with a "
-                              f"float16 residual) has no snapshots yet")
 
     # -- state ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -597,14 +597,14 @@ class KVPool(WindowViews):
         KVPool restores; n must leave every position the window needs at n held
         (StateError otherwise, as truncate)."""
         with self._guard("snapshot"):
-            _refuse_grouped(self._spec, "snapshot")
             table = self._table
             s = table.get(seq)
             length = s.length
             if not s.start:
                 rows = np.array(table.rows(seq, 0, length), np.int64)
                 return snapshot_parts(self._spec, length, n,
-                                      lambda layer, count: self._store.gather(layer, rows[:count]))
+                                      lambda layer, count: self._store.gather(layer, rows[:count]),
+                                      open_group=self._open_group(seq))
             n, start, sink_end = snapshot_span(table, seq, n)
             rows = np.array(table.held_rows(seq, n), np.int64)
             return snapshot_parts(self._spec, n, n,
@@ -623,7 +623,6 @@ class KVPool(WindowViews):
         position this pool's window and sink positions need there, on this pool's pages
         (SnapshotError otherwise); a pool without a window refuses such a snapshot."""
         with self._guard("restore"):
-            _refuse_grouped(self._spec, "restore")
             table = self._table
             snap = detached(fit_snapshot(self._spec, snapshot, requantize=requantize,
                                          windowed=table.window is not None), self._storage)
@@ -642,7 +641,18 @@ class KVPool(WindowViews):
                     if arr is not None:
                         part = getattr(snap, name)[layer]
                         arr[rows] = part if at is None else part[at]
+            if snap.k_residual is not None:
+                self._groups[seq] = KeyGroups(self._spec)
+                self._groups[seq].restore(snap.length, snap.k_residual)
             return seq
+
+    def _open_group(self, seq: int) -> Callable[[int, int], np.ndarray] | None:
+        """A grouped K format's open group of seq's first n positions in a layer
+        (snapshot_parts' open_group), None for other formats."""
+        if not self._spec.k_fmt.group:
+            return None
+        groups, row = self._groups_of(seq), self._row_of(seq)
+        return lambda layer, n: groups.open_group(layer, n, *self._k_regions(layer), row)
 
     # -- the chunk store (docs/store.md) ---------------------------------------------
 
@@ -852,13 +862,6 @@ def _check_grouped(spec: KVSpec, page_size: int, window: object, store: object) 
     if window is not None or store is not None:
         raise FormatError(f"K format {spec.k_format}: a KVPool over it takes no "
                           f"{'window' if window is not None else 'chunk store'} yet")
-
-
-def _refuse_grouped(spec: KVSpec, op: str) -> None:
-    """FormatError for what a grouped K format (q4_1ch) does not have yet."""
-    if spec.k_fmt.group:
-        raise FormatError(f"{op}: K format {spec.k_format} (by channel, with a float16 "
-                          f"residual) has no snapshots yet")
 
 
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,

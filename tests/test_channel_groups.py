@@ -9,7 +9,7 @@ import pytest
 
 import kvcore
 from kvcore import (FormatError, KVCache, KVPool, KVSpec, NonFiniteError, ShapeError,
-                    decode_attention)
+                    Snapshot, SnapshotError, decode_attention, load_snapshot)
 
 F32 = np.float32
 G = 32
@@ -175,11 +175,7 @@ def test_what_is_refused_names_the_format(rng):
     pool = KVPool(spec, 4, 32)
     with pytest.raises(FormatError, match="slot_mapping: K format q4_1ch encodes groups"):
         pool.slot_mapping([pool.new_sequence()], [1], np.zeros(1, np.int64))
-    with pytest.raises(FormatError, match="snapshot: K format q4_1ch"):
-        pool.snapshot(pool.sequences[0])
     cache = filled(spec, *(rng.standard_normal((2, 5, 2, 64)).astype(F32)))
-    with pytest.raises(FormatError, match="snapshot: K format q4_1ch .* has no snapshots yet"):
-        cache.snapshot()
     q = rng.standard_normal((2, 64)).astype(F32)
     with pytest.raises(FormatError, match="no window, sinks or softcap over it yet"):
         decode_attention(q, cache, 0, softcap=30.0)
@@ -285,3 +281,49 @@ def test_prefix_cache_matches_whole_groups(rng):
     cache.advance()
     np.testing.assert_array_equal(decode_attention(q, pool, 0, seqs=[t]),
                                   decode_attention(q, cache, 0))
+
+
+# -- snapshots: the complete groups' codes and the open group's float16 ------------------
+
+@pytest.mark.parametrize("n", [0, 40, 64, 70])
+def test_snapshot_round_trips_through_a_file(n, rng, tmp_path):
+    spec = kivi_spec()
+    k = rng.standard_normal((70, 2, 64)).astype(F32)
+    cache = filled(spec, k, k, step=9)
+    snap = cache.snapshot(n)
+    assert snap.k_residual.shape == (2, n % 32, 2, 64) and not snap.k_codes[:, n - n % 32:].any()
+    snap.save(tmp_path / "s.safetensors")
+    want = copy.deepcopy(cache)
+    want.truncate(n)
+    pool = KVPool(spec, 8, 32)
+    s = pool.new_sequence()
+    pool.append(k[:5], k[:5], seq=s, layer=0)       # replaced by the restore
+    for loaded in (snap, load_snapshot(tmp_path / "s.safetensors")):
+        other = KVCache(spec)
+        other.restore(loaded)
+        assert pool.restore(loaded, seq=s) == s
+        for layer in range(2):
+            np.testing.assert_array_equal(other.dequantize(layer, "k"), want.dequantize(layer, "k"))
+            np.testing.assert_array_equal(pool.dequantize(s, layer, "k"), want.dequantize(layer, "k"))
+        again = pool.snapshot(s)
+        for name in ("k_codes", "k_scales", "v_codes", "v_scales", "k_residual"):
+            np.testing.assert_array_equal(getattr(again, name), getattr(snap, name))
+
+
+def test_bad_snapshots_are_refused(rng):
+    spec = kivi_spec()
+    k = rng.standard_normal((40, 2, 64)).astype(F32)
+    snap = filled(spec, k, k).snapshot()
+    parts = {name: getattr(snap, name) for name in ("k_codes", "v_codes", "k_scales", "v_scales")}
+    with pytest.raises(SnapshotError, match=r"snapshot k_residual must be a numpy array"):
+        Snapshot(spec, 40, **parts)
+    res = snap.k_residual.copy()
+    res[1, 3, 0, 5] = np.inf
+    cache = KVCache(spec)
+    with pytest.raises(SnapshotError, match=r"k_residual\[1, 3, 0, 5\] is not finite"):
+        cache.restore(Snapshot(spec, 40, **parts, k_residual=res))
+    assert cache.length == 0
+    with pytest.raises(SnapshotError, match="K format q4_1ch has no requantize yet"):
+        KVCache(spec.replace(k_format="q4_1")).restore(snap, requantize=True)
+    with pytest.raises(SnapshotError, match="snapshot of K format q4_1 has no residual"):
+        Snapshot(spec.replace(k_format="q4_1"), 40, **parts, k_residual=res)
