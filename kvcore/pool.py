@@ -113,7 +113,7 @@ class KVPool(WindowViews):
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
-        _check_grouped(spec, int(page_size), window, store)
+        _check_grouped(spec, int(page_size), window)
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         win, sinks = check_window(window, sink_tokens)
@@ -850,18 +850,17 @@ class KVPool(WindowViews):
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
 
-def _check_grouped(spec: KVSpec, page_size: int, window: object, store: object) -> None:
+def _check_grouped(spec: KVSpec, page_size: int, window: object) -> None:
     """FormatError when a grouped K format (q4_1ch) cannot live in this pool: its pages
-    must hold whole groups; no window and no chunk store over it yet."""
+    must hold whole groups; no window over it yet."""
     group = spec.k_fmt.group
     if not group:
         return
     if page_size % group:
         raise FormatError(f"K format {spec.k_format} encodes groups of {group} positions: "
                           f"page_size must be a multiple of {group}, got {page_size}")
-    if window is not None or store is not None:
-        raise FormatError(f"K format {spec.k_format}: a KVPool over it takes no "
-                          f"{'window' if window is not None else 'chunk store'} yet")
+    if window is not None:
+        raise FormatError(f"K format {spec.k_format}: a KVPool over it takes no window yet")
 
 
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,

@@ -83,7 +83,8 @@ class Snapshot:
     start, sink_end: 0 <= sink_end < start <= length, or both 0 (all positions held).
     k_residual: a grouped K format's (q4_1ch) open group, float16 [L, length % 32, Hkv, D]
     (K of positions [length - length % 32, length); their rows of k_codes and k_scales
-    are zeros), C-contiguous; None for every other K format (docs/formats.md, q4_1ch).
+    are zeros), C-contiguous (None when length % 32 == 0 stands for no rows); None for
+    every other K format (docs/formats.md, q4_1ch).
     """
 
     spec: KVSpec
@@ -126,6 +127,9 @@ class Snapshot:
                                     f"got {which}_scales")
         group = s.k_fmt.group
         if group:
+            if self.k_residual is None and self.length % group == 0:   # no open group
+                object.__setattr__(self, "k_residual", np.zeros(
+                    (s.num_layers, 0, s.num_kv_heads, s.head_dim), np.float16))
             if self.start:
                 raise SnapshotError(f"a snapshot of K format {s.k_format} holds all its "
                                     f"positions: got start {self.start}")
