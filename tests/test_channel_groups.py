@@ -182,10 +182,14 @@ def test_what_is_refused_names_the_format(rng):
 
 
 def test_the_gpu_layer_refuses_it():
-    from kvcore.gpu.cache import GpuLayout
-    with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of 32 "
-                                          r"positions\) is not on the GPU"):
-        GpuLayout(kivi_spec(), 2)
+    from kvcore.gpu import GpuKVCache, GpuKVPool, GpuLayout, max_slots_for_memory
+    spec = kivi_spec()
+    for make in (lambda: GpuKVCache(spec), lambda: GpuLayout(spec, 2),
+                 lambda: max_slots_for_memory(spec, 2**30),
+                 lambda: GpuKVPool(spec, 4, 32, max_batch=1, max_pages_per_seq=2)):
+        with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of "
+                                              r"32 positions\) is not on the GPU"):
+            make()
 
 
 # -- KVPool: pages of whole groups, each sequence with its residual ----------------------
