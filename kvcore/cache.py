@@ -75,6 +75,9 @@ class KVCache:
     once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
     One call at a time: a call that finds another thread inside the cache raises
     StateError and changes nothing (docs/design.md, Threads).
+    A K q4_1ch cache (K by channel over groups of 32 positions) keeps the open group's K
+    in a float16 residual until the group completes (docs/formats.md, q4_1ch): `keys`
+    and `key_scales` are its raw row slots, `dequantize(layer, "k")` its values.
     """
 
     def __init__(self, spec: KVSpec):

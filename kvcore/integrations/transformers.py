@@ -480,7 +480,8 @@ class KVCoreCache(Cache):
     attn_implementation "kvcore". format: a name of kvcore.FORMATS ("f32", "f16", "bf16",
     "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1"; default "f16") for K and V;
     k_format / v_format: one side each (llama.cpp's -ctk / -ctv: k_format="q8_0",
-    v_format="q4_0"), as KVSpec takes them. max_cache_len: positions per row at most;
+    v_format="q4_0"; KIVI: k_format="q4_1ch", v_format="q4_1", full-attention layers
+    only), as KVSpec takes them. max_cache_len: positions per row at most;
     None grows as needed. The layers follow config's layer types: "full_attention" and
     "sliding_attention" (a pool with the config's sliding_window: it holds about W
     positions a row); any other type (chunked, linear or shared-KV layers) is refused.
