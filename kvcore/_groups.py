@@ -20,11 +20,12 @@ its pages hold whole groups: page_size % G == 0, so a group's rows are consecuti
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 
-from ._validate import AnyArray, check_ndarray
+from ._validate import AnyArray, check_ndarray, check_values
+from .formats import Format
 from .quant import dequantize, quantize
 from .spec import KVSpec
 
@@ -70,7 +71,7 @@ class KeyGroups:
                 first = row(self.held[layer])
                 c, s = quantize(res.swapaxes(0, 1), self.fmt)  # [Hkv, G, W], [Hkv, G, S]
                 codes[first:first + G] = c.swapaxes(0, 1)
-                scales[first:first + G] = np.asarray(s).swapaxes(0, 1)
+                scales[first:first + G] = cast(np.ndarray, s).swapaxes(0, 1)
 
     def truncate(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
                  row: Rows) -> None:
@@ -116,3 +117,42 @@ class KeyGroups:
         for start in range(0, full, G):
             out[start:start + G] = self._decode(start, codes, scales, row)
         out[full:n] = self.residual[layer, :n - full]
+
+
+def decode_positions(codes: np.ndarray, scales: np.ndarray, residual: np.ndarray,
+                     fmt: Format) -> np.ndarray:
+    """float32 [n, Hkv, D]: K of n positions from a grouped format's rows in position
+    order (a snapshot's): codes uint8 [n, Hkv, D/2] and scales float16 [n, Hkv, D/16]
+    (the complete groups' rows), residual float16 [n % G, Hkv, D] (the open group)."""
+    n, G = len(codes), fmt.group
+    full = n - n % G
+    out = np.empty((n,) + residual.shape[1:], np.float32)
+    if full:
+        _by_group(out, full, G)[...] = dequantize(_by_group(codes, full, G),
+                                                  _by_group(scales, full, G), fmt)
+    out[full:] = residual
+    return out
+
+
+def encode_positions(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A grouped format's (codes uint8 [n, Hkv, D/2], scales float16 [n, Hkv, D/16],
+    residual float16 [n % G, Hkv, D]) of x float32 [n, Hkv, D] in position order, as
+    appends would store them: rounded to float16, complete groups encoded from those
+    (the open group's rows of codes and scales are zeros). FormatError / NonFiniteError
+    for a value q4_1ch refuses."""
+    check_values("x", x, fmt)
+    n, G = len(x), fmt.group
+    full = n - n % G
+    x16 = x.astype(np.float16)
+    codes = np.zeros(x.shape[:2] + (fmt.code_width(x.shape[2]),), fmt.code_dtype)
+    scales = np.zeros(x.shape[:2] + (fmt.scales_per_row(x.shape[2]),), np.float16)
+    if full:
+        c, s = quantize(_by_group(x16, full, G), fmt)
+        _by_group(codes, full, G)[...] = c
+        _by_group(scales, full, G)[...] = cast(np.ndarray, s)
+    return codes, scales, x16[full:]
+
+
+def _by_group(a: np.ndarray, full: int, G: int) -> np.ndarray:
+    """Rows [0, full) of a [n, Hkv, X] as its groups [full / G, Hkv, G, X] (a view)."""
+    return a[:full].reshape((full // G, G) + a.shape[1:]).swapaxes(1, 2)

@@ -321,11 +321,6 @@ def fit_snapshot(spec: KVSpec, snap: Snapshot, *, requantize: bool = False,
     _check_values(snap)
     if have.format == want.format:
         return snap
-    grouped = next((f.name for f in (have.k_fmt, want.k_fmt) if f.group), None)
-    if grouped:
-        raise SnapshotError(f"cannot requantize a snapshot of formats K {have.k_format} / "
-                            f"V {have.v_format} to K {want.k_format} / V {want.v_format}: "
-                            f"K format {grouped} has no requantize yet")
     converted = _requantize(snap, want)
     _check_values(converted)
     return converted
@@ -409,7 +404,9 @@ def _check_values(snap: Snapshot) -> None:
 
 def _requantize(snap: Snapshot, want: KVSpec) -> Snapshot:
     """snap decoded to float32 and re-encoded in want's formats (K in want.k_fmt, V in
-    want.v_fmt), layer by layer."""
+    want.v_fmt), layer by layer; a q4_1ch K as appends would store the decoded values
+    (_groups.encode_positions)."""
+    from ._groups import decode_positions, encode_positions
     from .quant import dequantize, quantize
     spec = snap.spec.replace(format=want.format)
     parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.held)}
@@ -417,9 +414,17 @@ def _requantize(snap: Snapshot, want: KVSpec) -> Snapshot:
         src, fmt = snap.spec.fmts[which == "v"], spec.fmts[which == "v"]
         codes, scales = getattr(snap, f"{which}_codes"), getattr(snap, f"{which}_scales")
         for layer in range(spec.num_layers):
-            x = dequantize(codes[layer], None if scales is None else scales[layer], src)
+            if src.group:      # q4_1ch K: complete groups, then the open one's float16
+                x = decode_positions(codes[layer], scales[layer],
+                                     cast(np.ndarray, snap.k_residual)[layer], src)
+            else:
+                x = dequantize(codes[layer], None if scales is None else scales[layer], src)
+            s: np.ndarray | None
             try:
-                c, s = quantize(x, fmt)
+                if fmt.group:
+                    c, s, parts["k_residual"][layer] = encode_positions(x, fmt)
+                else:
+                    c, s = quantize(x, fmt)
             except KVCacheError as e:
                 raise SnapshotError(f"cannot requantize the {src.name} snapshot to {fmt.name}: "
                                     f"{which}, layer {layer}: {e}") from None

@@ -327,7 +327,26 @@ def test_bad_snapshots_are_refused(rng):
     with pytest.raises(SnapshotError, match=r"k_residual\[1, 3, 0, 5\] is not finite"):
         cache.restore(Snapshot(spec, 40, **parts, k_residual=res))
     assert cache.length == 0
-    with pytest.raises(SnapshotError, match="K format q4_1ch has no requantize yet"):
-        KVCache(spec.replace(k_format="q4_1")).restore(snap, requantize=True)
     with pytest.raises(SnapshotError, match="snapshot of K format q4_1 has no residual"):
         Snapshot(spec.replace(k_format="q4_1"), 40, **parts, k_residual=res)
+
+
+def test_requantize_to_and_from_q4_1ch(rng):
+    # into q4_1ch: K as appends of the decoded values store it; out of it: its values
+    spec = kivi_spec()
+    k = rng.standard_normal((70, 2, 64)).astype(F32)
+    f16 = filled(spec.replace(format="f16"), k, k)
+    kivi = KVCache(spec)
+    kivi.restore(f16.snapshot(), requantize=True)
+    np.testing.assert_array_equal(kivi.dequantize(1, "k"), want_keys(k))
+    back = KVCache(spec.replace(format="f32"))
+    back.restore(kivi.snapshot(40), requantize=True)
+    cut = copy.deepcopy(kivi)
+    cut.truncate(40)        # the group of position 39, decoded to float16, as the snapshot's
+    np.testing.assert_array_equal(back.dequantize(0, "k"), cut.dequantize(0, "k"))
+    big = k.copy()
+    big[3, 1, 2] = 70000.0
+    with pytest.raises(SnapshotError, match=r"cannot requantize the f32 snapshot to q4_1ch: k, "
+                                            r"layer 0: value out of range of format q4_1ch"):
+        kivi.restore(filled(spec.replace(format="f32"), big, k).snapshot(), requantize=True)
+    assert kivi.length == 70
