@@ -20,6 +20,8 @@
    D/4 terms), summed pairwise at the end. (Splitting the score into sum_c (q_c d_c)
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
+   A head's rows lie Hkv rows apart (token-major storage), so the next group's row
+   slots, and the V row V_AHEAD positions on, are prefetched by hand.
 3. A softmax per row (max subtracted, expf), then the weighted sum of V: each V row is
    decoded once per head (`_quant.decode_row`, D floats) and added to the R rows'
    accumulators. No float copy of K or V is made; per head: scores [R][n], accumulators
@@ -30,6 +32,7 @@
 from libc.math cimport expf, logf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
 from cython.parallel cimport prange
 cimport numpy as cnp
 
@@ -42,6 +45,8 @@ cnp.import_array()
 
 cdef enum:
     GROUP = 32      # positions per group of q4_1ch
+    GROUP_BYTES = 16    # code bytes of one channel's group (two 4-bit codes per byte)
+    V_AHEAD = 8         # V rows prefetched this many positions ahead
     F16 = 1         # format id of float16 rows (kvcore/formats.py)
 
 
@@ -60,6 +65,7 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
     cdef float* lane
     cdef float d, m
     cdef float acc[4][GROUP]
+    cdef uint8_t by[GROUP_BYTES]
     for j in range(GROUP):          # decode the group once: channel c -> lanes[c]
         for i in range(per_slot):
             c = j * per_slot + i
@@ -68,9 +74,11 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
             d = f16_to_f32(dm[0])
             m = f16_to_f32(dm[1])
             lane = lanes + c * GROUP
+            memcpy(by, b, GROUP_BYTES)      # a local copy: no store to lane may alias it,
+            for t in range(GROUP // 2):     # and loops of one store each: both vectorise
+                lane[t] = <float>(by[t] & 15) * d + m
             for t in range(GROUP // 2):
-                lane[t] = <float>(b[t] & 15) * d + m
-                lane[t + GROUP // 2] = <float>(b[t] >> 4) * d + m
+                lane[t + GROUP // 2] = <float>(by[t] >> 4) * d + m
     for r in range(R):
         # per row: 4 x 32 accumulators (channel c into acc[c % 4]: four independent
         # chains, and sums of D/4 terms), one broadcast q_c per channel
@@ -89,6 +97,17 @@ cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
     cdef Py_ssize_t t
     for t in range(GROUP):
         y[t] = y[t] + a * x[t]
+
+
+cdef extern from *:
+    void __builtin_prefetch(const void* p) noexcept nogil
+
+
+cdef inline void _prefetch(const void* p, Py_ssize_t nbytes) noexcept nogil:
+    """Asks for the cache lines of nbytes at p."""
+    cdef Py_ssize_t i
+    for i in range(0, nbytes, 64):
+        __builtin_prefetch(<const char*>p + i)
 
 
 cdef inline float _dot(const float* x, const float* y, Py_ssize_t D) noexcept nogil:
@@ -119,7 +138,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
     not asked)."""
     cdef Py_ssize_t G = Hq // H, R = T * G, W = D // 2, S = D // 16
-    cdef Py_ssize_t full = n - n % GROUP, r, p, c, t, g, lim, first
+    cdef Py_ssize_t full = n - n % GROUP, r, p, c, t, g, lim, first, nxt
     cdef float* qs = <float*>malloc(R * D * sizeof(float))
     cdef float* s = <float*>malloc(R * n * sizeof(float))
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
@@ -134,6 +153,11 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     for g in range(full // GROUP):
         p = g * GROUP
         first = _row(table, ps, p)      # a group's rows follow each other (ps % 32 == 0)
+        if p + GROUP < full:            # the next group's rows: this head's slots lie
+            nxt = _row(table, ps, p + GROUP)    # H rows apart, past the prefetcher's reach
+            for t in range(GROUP):
+                _prefetch(kc + ((nxt + t) * H + h) * W, W)
+                _prefetch(ks + ((nxt + t) * H + h) * S, 2 * S)
         _group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
                       H * S, s + p, n, lanes)
     for p in range(full, n):
@@ -157,6 +181,9 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         qs[r * D] = 1 / total      # the row's normaliser (its scaled query is no longer read)
     for p in range(n):
         first = _row(table, ps, p)
+        if p + V_AHEAD < n:             # a later row of this head (H rows apart)
+            nxt = _row(table, ps, p + V_AHEAD) * H + h
+            _prefetch(vc + nxt * v_code_row, v_code_row)
         vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
         decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, row)
         for r in range(R):

@@ -41,6 +41,7 @@ cdef enum:
     Q4_1CH = 9              # q4_1's rule over a channel of a group: the caller hands its
                             # channels in as rows (quant.py), so rows of it are q4_1 rows
     QK = 32                 # q8_0 / q4_0 / q4_1 block
+    QK_BYTES = 16           # code bytes of a q4_0 / q4_1 block
     ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     ABS_MASK = 0x7fffffff
     F32_INF = 0x7f800000    # bits of +inf
@@ -518,6 +519,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     cdef Py_ssize_t j, b
     cdef const uint16_t* h
     cdef const uint8_t* c8
+    cdef uint8_t q4[QK_BYTES]
     cdef const int8_t* q
     cdef float s, m
     if fmt == F32:
@@ -550,23 +552,25 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
             s = _f16_to_f32(h[b])
             for j in range(b * QK, b * QK + QK):
                 out[j] = <float>q[j] * s
-    elif fmt == Q4_0:
-        c8 = <const uint8_t*>codes
-        h = <const uint16_t*>scales
+    elif fmt == Q4_0:   # a block's bytes copied first (no store to out may alias them),
+        h = <const uint16_t*>scales     # then low nibbles and high ones: both vectorise
         for b in range(d // QK):
+            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
             s = _f16_to_f32(h[b])
             for j in range(QK // 2):
-                out[b * QK + j] = <float>(<int>(c8[b * (QK // 2) + j] & 15) - 8) * s
-                out[b * QK + QK // 2 + j] = <float>(<int>(c8[b * (QK // 2) + j] >> 4) - 8) * s
+                out[b * QK + j] = <float>(<int>(q4[j] & 15) - 8) * s
+            for j in range(QK // 2):
+                out[b * QK + QK // 2 + j] = <float>(<int>(q4[j] >> 4) - 8) * s
     elif fmt == Q4_1 or fmt == Q4_1CH:
-        c8 = <const uint8_t*>codes
         h = <const uint16_t*>scales
         for b in range(d // QK):
+            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
             s = _f16_to_f32(h[2 * b])
             m = _f16_to_f32(h[2 * b + 1])
             for j in range(QK // 2):
-                out[b * QK + j] = <float>(c8[b * (QK // 2) + j] & 15) * s + m
-                out[b * QK + QK // 2 + j] = <float>(c8[b * (QK // 2) + j] >> 4) * s + m
+                out[b * QK + j] = <float>(q4[j] & 15) * s + m
+            for j in range(QK // 2):
+                out[b * QK + QK // 2 + j] = <float>(q4[j] >> 4) * s + m
 
 
 # ---------------------------------------------------------------------------------
