@@ -21,11 +21,13 @@
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
-   slots, and the V row V_AHEAD positions on, are prefetched by hand.
-3. A softmax per row (max subtracted, expf), then the weighted sum of V: each V row is
-   decoded once per head (`_quant.decode_row`, D floats) and added to the R rows'
-   accumulators. No float copy of K or V is made; per head: scores [R][n], accumulators
-   [R][D], one row of D floats and one group's values as floats [D][32].
+   slots, and the next tile's V rows, are prefetched by hand.
+3. A softmax per row (max subtracted, expf), then the weighted sum of V in tiles of
+   V_TILE positions: the tile's V rows are decoded once per head (`_quant.decode_row`),
+   then each row adds them, weighed, to its accumulators, 16 columns at a time held in
+   registers across the tile (position by position: the order of a plain loop). No
+   float copy of K or V is made; per head: scores [R][n], accumulators [R][D], one
+   tile of V rows [V_TILE][D] and one group's values [D][32] as floats.
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
@@ -46,7 +48,7 @@ cnp.import_array()
 cdef enum:
     GROUP = 32      # positions per group of q4_1ch
     GROUP_BYTES = 16    # code bytes of one channel's group (two 4-bit codes per byte)
-    V_AHEAD = 8         # V rows prefetched this many positions ahead
+    V_TILE = 16         # V rows decoded, then weighed, at a time
     F16 = 1         # format id of float16 rows (kvcore/formats.py)
 
 
@@ -99,6 +101,24 @@ cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
         y[t] = y[t] + a * x[t]
 
 
+cdef inline void _weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m,
+                               Py_ssize_t D) noexcept nogil:
+    """acc[c] += w[t] * vt[t][c] for t < m, position by position, over D (a multiple of
+    16) in blocks of 16 columns that stay in registers across the m rows."""
+    cdef float blk[16]
+    cdef Py_ssize_t c, t, i
+    cdef float a
+    for c in range(0, D, 16):
+        for i in range(16):
+            blk[i] = acc[c + i]
+        for t in range(m):
+            a = w[t]
+            for i in range(16):
+                blk[i] = blk[i] + a * vt[t * D + c + i]
+        for i in range(16):
+            acc[c + i] = blk[i]
+
+
 cdef extern from *:
     void __builtin_prefetch(const void* p) noexcept nogil
 
@@ -138,11 +158,12 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
     not asked)."""
     cdef Py_ssize_t G = Hq // H, R = T * G, W = D // 2, S = D // 16
-    cdef Py_ssize_t full = n - n % GROUP, r, p, c, t, g, lim, first, nxt
+    cdef Py_ssize_t full = n - n % GROUP, r, p, p0, m, c, t, g, lim, first, nxt
     cdef float* qs = <float*>malloc(R * D * sizeof(float))
     cdef float* s = <float*>malloc(R * n * sizeof(float))
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
     cdef float* row = <float*>malloc(D * sizeof(float))
+    cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
     cdef float* lanes = <float*>malloc(D * GROUP * sizeof(float))
     cdef float mx, total, w
     cdef const char* vsp
@@ -179,18 +200,19 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         if lse != NULL:
             lse[(r // G) * Hq + h * G + r % G] = mx + logf(total)
         qs[r * D] = 1 / total      # the row's normaliser (its scaled query is no longer read)
-    for p in range(n):
-        first = _row(table, ps, p)
-        if p + V_AHEAD < n:             # a later row of this head (H rows apart)
-            nxt = _row(table, ps, p + V_AHEAD) * H + h
-            _prefetch(vc + nxt * v_code_row, v_code_row)
-        vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
-        decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, row)
+    for g in range((n + V_TILE - 1) // V_TILE):
+        p0 = g * V_TILE
+        m = min(V_TILE, n - p0)
+        for t in range(m):              # the tile's V rows decoded: vt [m][D]
+            p = p0 + t
+            first = _row(table, ps, p)
+            if p + V_TILE < n:          # the next tile's row (a head's rows lie H apart)
+                nxt = _row(table, ps, p + V_TILE) * H + h
+                _prefetch(vc + nxt * v_code_row, v_code_row)
+            vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
+            decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
         for r in range(R):
-            w = s[r * n + p]
-            if w != 0:
-                for c in range(D):
-                    acc[r * D + c] += w * row[c]
+            _weighted_sum(acc + r * D, s + r * n + p0, vt, m, D)
     for r in range(R):
         t, g = r // G, r % G
         for c in range(D):
@@ -199,6 +221,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     free(s)
     free(acc)
     free(row)
+    free(vt)
     free(lanes)
 
 
