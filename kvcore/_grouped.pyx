@@ -31,7 +31,7 @@
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
-from libc.math cimport expf, logf
+from libc.math cimport INFINITY, expf, logf, tanhf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -101,6 +101,40 @@ cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
         y[t] = y[t] + a * x[t]
 
 
+cdef struct Variants:
+    # docs/variants.md; 0 / NULL: off
+    int64_t window           # the query at position p sees (p - window, p]
+    int64_t sink_tokens      # and [0, sink_tokens)
+    const float* sinks       # [Hq]: a logit per query head in the softmax's denominator
+    float softcap            # scores s become softcap * tanh(s / softcap)
+
+
+cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
+                          const Variants* var, Py_ssize_t head, float* lse,
+                          float* inv) noexcept nogil:
+    """The scores s [n] of the query at position p (query head `head`) become its softmax
+    weights, unnormalised (0 where it sees nothing); OUT lse (NULL: not asked) and inv,
+    1 / the denominator."""
+    cdef Py_ssize_t j
+    cdef float mx = -INFINITY, total = 0, w, c = var.softcap
+    for j in range(n):
+        if (causal and j > p) or (var.window and j <= p - var.window and j >= var.sink_tokens):
+            s[j] = -INFINITY        # not seen
+        elif c != 0:
+            s[j] = c * tanhf(s[j] / c)
+        mx = s[j] if s[j] > mx else mx
+    if var.sinks != NULL:
+        mx = var.sinks[head] if var.sinks[head] > mx else mx
+        total = expf(var.sinks[head] - mx)
+    for j in range(n):
+        w = expf(s[j] - mx)         # exp(-inf) = 0
+        s[j] = w
+        total = total + w
+    if lse != NULL:
+        lse[0] = mx + logf(total)
+    inv[0] = 1 / total
+
+
 cdef inline void _weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m,
                                Py_ssize_t D) noexcept nogil:
     """acc[c] += w[t] * vt[t][c] for t < m, position by position, over D (a multiple of
@@ -152,7 +186,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
                 const int32_t* table, Py_ssize_t ps,
                 const uint8_t* kc, const uint16_t* ks, const uint16_t* res,
                 int v_fmt, const char* vc, Py_ssize_t v_code_row, const char* vs,
-                Py_ssize_t v_scale_row, float* out, float* lse) noexcept nogil:
+                Py_ssize_t v_scale_row, const Variants* var, float* out,
+                float* lse) noexcept nogil:
     """Attention of kv head h's R = T * G query rows of one sequence (module comment):
     q [T, Hq, D] its rows, n its positions, position p in storage row _row(table, ps, p),
     res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
@@ -165,7 +200,6 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* row = <float*>malloc(D * sizeof(float))
     cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
     cdef float* lanes = <float*>malloc(D * GROUP * sizeof(float))
-    cdef float mx, total, w
     cdef const char* vsp
     for r in range(R):
         t, g = r // G, r % G
@@ -186,20 +220,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         for r in range(R):
             s[r * n + p] = _dot(qs + r * D, row, D)
     for r in range(R):
-        lim = n - T + r // G + 1 if causal else n
-        mx = s[r * n]
-        for p in range(1, lim):
-            mx = s[r * n + p] if s[r * n + p] > mx else mx
-        total = 0
-        for p in range(lim):
-            w = expf(s[r * n + p] - mx)
-            s[r * n + p] = w
-            total = total + w
-        for p in range(lim, n):
-            s[r * n + p] = 0
-        if lse != NULL:
-            lse[(r // G) * Hq + h * G + r % G] = mx + logf(total)
-        qs[r * D] = 1 / total      # the row's normaliser (its scaled query is no longer read)
+        _softmax(s + r * n, n, n - T + r // G, causal, var, h * G + r % G,
+                 lse + (r // G) * Hq + h * G + r % G if lse != NULL else NULL, qs + r * D)
     for g in range((n + V_TILE - 1) // V_TILE):
         p0 = g * V_TILE
         m = min(V_TILE, n - p0)
@@ -230,7 +252,9 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
                    cnp.ndarray v_codes, v_scales, int v_fmt, Py_ssize_t page_size,
                    const int32_t[:, ::1] tables, const int64_t[::1] lengths,
                    const int64_t[::1] counts, float scale, bint causal,
-                   float[:, :, ::1] out, float[:, ::1] lse=None) -> None:
+                   float[:, :, ::1] out, float[:, ::1] lse=None, *, int64_t window=0,
+                   int64_t sink_tokens=0, const float[::1] sinks=None,
+                   float softcap=0) -> None:
     """Attention of B sequences (a KVCache: B = 1, one page of N rows, table [[0]]).
     q float32 [sum counts, Hq, D]: rows [c_b, c_b + counts[b]) are sequence b's tokens
     (c_b the sum of the counts before b); k_codes uint8 [rows, Hkv, D/2] and k_scales
@@ -241,7 +265,8 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
     tables[b, p / page_size] * page_size + p % page_size (page_size % 32 == 0 unless one
     page holds everything); lengths int64 [B]: its positions n_b (>= counts[b] when causal,
     >= 1 with queries); OUT out float32 [sum counts, Hq, D], lse float32 [sum counts, Hq]
-    or None. The caller checked every shape and dtype."""
+    or None. Variants (docs/variants.md; 0 / None: off): window, sink_tokens, sinks
+    float32 [Hq], softcap. The caller checked every shape, dtype and value."""
     cdef Py_ssize_t B = tables.shape[0], Hq = q.shape[1], D = q.shape[2], H = k_codes.shape[1]
     cdef Py_ssize_t b, h, item
     cdef const char* vc = cnp.PyArray_BYTES(v_codes)
@@ -255,6 +280,9 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
     cdef int64_t[::1] first = np.zeros(B, np.int64)      # each sequence's first query row
     for b in range(1, B):
         first[b] = first[b - 1] + counts[b - 1]
+    cdef Variants var
+    var.window, var.sink_tokens, var.softcap = window, sink_tokens, softcap
+    var.sinks = NULL if sinks is None else &sinks[0]
     cdef int nt = min(num_threads(), <int>(B * H))
     with nogil:
         for item in prange(B * H, num_threads=nt, schedule="dynamic"):
@@ -264,4 +292,4 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
             _head(&q[first[b], 0, 0], counts[b], Hq, H, D, h, lengths[b], scale, causal,
                   &tables[b, 0], page_size, &k_codes[0, 0, 0], &k_scales[0, 0, 0],
                   <const uint16_t*>residuals[b], v_fmt, vc, v_code_row, vs, v_scale_row,
-                  &out[first[b], 0, 0], lp + first[b] * Hq if lp != NULL else NULL)
+                  &var, &out[first[b], 0, 0], lp + first[b] * Hq if lp != NULL else NULL)

@@ -218,9 +218,6 @@ def _attend_grouped(q: np.ndarray, spec: KVSpec, arrays: LayerArrays,
     sequence's residual; tables int32 [B, M], lengths, counts int64 [B] as attend_paged
     takes them; OUT out [sum counts, Hq, D], lse [sum counts, Hq] or None, written only
     when every value is finite (else RangeError or NonFiniteError, out untouched)."""
-    if var is not _NO_VARIANTS:
-        raise FormatError(f"K format {spec.k_format}: decode_attention has no window, "
-                          f"sinks or softcap over it yet")
     k_codes, v_codes, k_scales, v_scales = arrays
     residuals = [g.residual[layer] for g in groups]     # kept alive for the call
     o = np.empty(out.shape, np.float32)
@@ -228,7 +225,7 @@ def _attend_grouped(q: np.ndarray, spec: KVSpec, arrays: LayerArrays,
     _grouped.attend_grouped(np.ascontiguousarray(q), k_codes, np.asarray(k_scales).view(np.uint16),
                             np.array([r.ctypes.data for r in residuals], np.uint64),
                             v_codes, v_scales, spec.v_fmt.id, page_size, tables, lengths,
-                            counts, scale, causal, o, m)
+                            counts, scale, causal, o, m, **var.kwargs)
     if not (np.isfinite(o).all() and (m is None or np.isfinite(m).all())):
         _raise_non_finite(q)
         raise RangeError(f"decode_attention of layer {layer} overflows float32 (K format "

@@ -45,18 +45,25 @@ def want_keys(k):
     return out[:n]
 
 
-def reference(q, k, v, scale, causal=True):
-    """float64 attention of q [T, Hq, D] over k, v [n, Hkv, D]: (out, lse)."""
+def reference(q, k, v, scale, causal=True, window=0, sink_tokens=0, sinks=None, softcap=0):
+    """float64 attention of q [T, Hq, D] over k, v [n, Hkv, D] (docs/variants.md):
+    (out, lse)."""
     T, Hq, D = q.shape
     n, H = k.shape[:2]
     qg = q.astype(np.float64).reshape(T, H, Hq // H, D) * scale
     s = np.einsum("thgd,nhd->thgn", qg, k.astype(np.float64))
-    if causal:
-        visible = np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None]
-        s = np.where(visible[:, None, None, :], s, -np.inf)
-    m = s.max(-1, keepdims=True)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    j, p = np.arange(n)[None, :], (n - T + np.arange(T))[:, None]
+    visible = (j <= p) if causal else np.ones((T, n), bool)
+    if window:
+        visible &= (j > p - window) | (j < sink_tokens)
+    s = np.where(visible[:, None, None, :], s, -np.inf)
+    sink = (np.full((1, H, Hq // H, 1), -np.inf) if sinks is None
+            else sinks.astype(np.float64).reshape(1, H, Hq // H, 1))
+    m = np.maximum(s.max(-1, keepdims=True), sink)
     w = np.exp(s - m)
-    total = w.sum(-1, keepdims=True)
+    total = w.sum(-1, keepdims=True) + np.exp(sink - m)
     out = np.einsum("thgn,nhd->thgd", w / total, v.astype(np.float64))
     return out.reshape(T, Hq, D), (m + np.log(total)).reshape(T, Hq)
 
@@ -78,6 +85,25 @@ def test_attention_reads_the_groups_and_the_residual(n, gqa, rng):
         want, want_lse = reference(q, kd, vd, F32(1 / np.sqrt(D)), causal)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_variants(rng):
+    # sliding window with sink positions, sink logits and soft-capping (docs/variants.md)
+    H, D, G_ = 2, 64, 4
+    spec = kivi_spec(H=H, D=D, Hq=H * G_, N=128)
+    k = (rng.standard_normal((100, H, D)) * 3).astype(F32)
+    v = rng.standard_t(3, (100, H, D)).astype(F32)
+    cache = filled(spec, k, v)
+    kd, vd = cache.dequantize(0, "k"), cache.dequantize(0, "v")
+    q = rng.standard_normal((4, H * G_, D)).astype(F32)
+    sinks = rng.standard_normal(H * G_).astype(F32)
+    scale = F32(1 / np.sqrt(D))
+    for kw in (dict(window=40, sink_tokens=5), dict(sinks=sinks), dict(softcap=5.0),
+               dict(window=33, sinks=sinks, softcap=8.0)):
+        out, lse = decode_attention(q, cache, 0, return_lse=True, **kw)
+        want, want_lse = reference(q, kd, vd, scale, **kw)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4, err_msg=str(kw))
+        np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5, err_msg=str(kw))
 
 
 def test_groups_are_gguf_q4_1_of_each_channel(rng):
@@ -176,9 +202,6 @@ def test_what_is_refused_names_the_format(rng):
     with pytest.raises(FormatError, match="slot_mapping: K format q4_1ch encodes groups"):
         pool.slot_mapping([pool.new_sequence()], [1], np.zeros(1, np.int64))
     cache = filled(spec, *(rng.standard_normal((2, 5, 2, 64)).astype(F32)))
-    q = rng.standard_normal((2, 64)).astype(F32)
-    with pytest.raises(FormatError, match="no window, sinks or softcap over it yet"):
-        decode_attention(q, cache, 0, softcap=30.0)
 
 
 def test_the_gpu_layer_refuses_it():
@@ -229,6 +252,11 @@ def test_pool_equals_a_cache_of_each_sequence(rng):
         one, one_lse = decode_attention(q[b], cache, 1, return_lse=True)
         np.testing.assert_array_equal(out[b], one)
         np.testing.assert_array_equal(lse[b], one_lse)
+    sinks = rng.standard_normal(8).astype(F32)
+    capped = decode_attention(q, pool, 1, seqs=seqs, softcap=4.0, sinks=sinks)
+    for b, cache in enumerate(caches):
+        np.testing.assert_array_equal(capped[b], decode_attention(q[b], cache, 1, softcap=4.0,
+                                                                  sinks=sinks))
     # several tokens per sequence (causal), and a sequence without queries
     counts = [3, 0, 2, 1]
     qs = rng.standard_normal((sum(counts), 8, 64)).astype(F32)
