@@ -21,7 +21,8 @@
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
-   slots, and the next tile's V rows, are prefetched by hand.
+   slots, and the next tile's V rows, are prefetched by hand. With a window, groups and
+   V tiles that no row sees are skipped (a windowed pool may have released their pages).
 3. A softmax per row (max subtracted, expf), then the weighted sum of V in tiles of
    V_TILE positions: the tile's V rows are decoded once per head (`_quant.decode_row`),
    then each row adds them, weighed, to its accumulators, 16 columns at a time held in
@@ -193,7 +194,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
     not asked)."""
     cdef Py_ssize_t G = Hq // H, R = T * G, W = D // 2, S = D // 16
-    cdef Py_ssize_t full = n - n % GROUP, r, p, p0, m, c, t, g, lim, first, nxt
+    cdef Py_ssize_t full = n - n % GROUP, r, p, p0, m, c, t, g, first, nxt, lo, sink_end
     cdef float* qs = <float*>malloc(R * D * sizeof(float))
     cdef float* s = <float*>malloc(R * n * sizeof(float))
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
@@ -205,11 +206,17 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         t, g = r // G, r % G
         for c in range(D):
             qs[r * D + c] = q[(t * Hq + h * G + g) * D + c] * scale
+    # with a window, the positions no row sees: [sink_end, lo) (their pages may be
+    # released: -1 in the table); groups and tiles wholly inside are skipped
+    lo = n - T + 1 - var.window if var.window and n - T + 1 > var.window else 0
+    sink_end = min(var.sink_tokens, lo)
     for g in range(full // GROUP):
         p = g * GROUP
+        if sink_end <= p and p + GROUP <= lo:
+            continue
         first = _row(table, ps, p)      # a group's rows follow each other (ps % 32 == 0)
-        if p + GROUP < full:            # the next group's rows: this head's slots lie
-            nxt = _row(table, ps, p + GROUP)    # H rows apart, past the prefetcher's reach
+        if p + GROUP < full and p + GROUP >= lo:   # the next group's rows: this head's
+            nxt = _row(table, ps, p + GROUP)       # slots lie H rows apart
             for t in range(GROUP):
                 _prefetch(kc + ((nxt + t) * H + h) * W, W)
                 _prefetch(ks + ((nxt + t) * H + h) * S, 2 * S)
@@ -225,10 +232,12 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     for g in range((n + V_TILE - 1) // V_TILE):
         p0 = g * V_TILE
         m = min(V_TILE, n - p0)
+        if sink_end <= p0 and p0 + m <= lo:
+            continue
         for t in range(m):              # the tile's V rows decoded: vt [m][D]
             p = p0 + t
             first = _row(table, ps, p)
-            if p + V_TILE < n:          # the next tile's row (a head's rows lie H apart)
+            if p + V_TILE < n and p + V_TILE >= lo:   # the next tile's row (H rows apart)
                 nxt = _row(table, ps, p + V_TILE) * H + h
                 _prefetch(vc + nxt * v_code_row, v_code_row)
             vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL

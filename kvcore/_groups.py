@@ -108,16 +108,26 @@ class KeyGroups:
         self.residual[:, :n % G] = open_values
         self.held = [n - n % G if n % G else -1] * len(self.held)
 
-    def dequantize(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
-                   row: Rows, out: np.ndarray) -> None:
-        """OUT out float32 [n, Hkv, D]: K of positions [0, n) of the layer, complete
-        groups decoded from the codes, the open group from the residual."""
-        G = self.fmt.group
-        full = n - n % G
-        for start in range(0, full, G):
-            out[start:start + G] = self._decode(start, codes, scales, row)
-        out[full:n] = self.residual[layer, :n - full]
-
+    def dequantize(self, layer: int, spans: list[tuple[int, int]], codes: np.ndarray,
+                   scales: np.ndarray, row: Rows, out: np.ndarray) -> None:
+        """OUT out float32 [N, Hkv, D]: K of the positions of spans ([start, stop) ranges
+        in order, N positions in all; each starts a group, as a windowed pool's held
+        ranges do), complete groups decoded from the codes, the open group from the
+        residual."""
+        G, at = self.fmt.group, 0
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            elif b > a:
+                merged.append((a, b))
+        for a, b in merged:
+            full = b - (b - a) % G
+            for start in range(a, full, G):
+                out[at:at + G] = self._decode(start, codes, scales, row)
+                at += G
+            out[at:at + b - full] = self.residual[layer, :b - full]
+            at += b - full
 
 def decode_positions(codes: np.ndarray, scales: np.ndarray, residual: np.ndarray,
                      fmt: Format) -> np.ndarray:

@@ -288,7 +288,8 @@ class KVCache:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
             if which == "k" and self._groups is not None:
-                self._groups.dequantize(layer, n, *self._k_regions(layer), operator.index, arr)
+                self._groups.dequantize(layer, [(0, n)], *self._k_regions(layer),
+                                        operator.index, arr)
             else:
                 _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
                                    None if scales is None else scales[layer, :n], arr)

@@ -94,6 +94,10 @@ class KVPool(WindowViews):
     store): each whole chunk that `advance` completes is copied out of the pages and
     queued to it (saved on its thread; dropped and counted when its queue is full).
 
+    A K q4_1ch pool (K by channel over groups of 32 positions) needs page_size % 32 == 0:
+    its pages hold whole groups, and each sequence keeps its open group in a float16
+    residual (docs/formats.md, q4_1ch).
+
     window=W (an int >= 1; None: none) makes every layer of the pool a sliding layer: the
     query at position p sees positions p - W < j <= p, plus the first sink_tokens=S
     positions (an int >= 0, only with a window). Wherever positions commit (advance,
@@ -113,7 +117,7 @@ class KVPool(WindowViews):
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
-        _check_grouped(spec, int(page_size), window)
+        _check_grouped(spec, int(page_size))
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         win, sinks = check_window(window, sink_tokens)
@@ -581,7 +585,10 @@ class KVPool(WindowViews):
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
             out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
             if which == "k" and self._spec.k_fmt.group:
-                self._groups_of(seq).dequantize(layer, len(rows), *self._k_regions(layer),
+                s = self._table.get(seq)
+                spans = self._table.held(s) + ([(s.length, s.length + s.pending[layer])]
+                                               if pending else [])
+                self._groups_of(seq).dequantize(layer, spans, *self._k_regions(layer),
                                                 self._row_of(seq), out)
             else:
                 decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
@@ -609,7 +616,8 @@ class KVPool(WindowViews):
             rows = np.array(table.held_rows(seq, n), np.int64)
             return snapshot_parts(self._spec, n, n,
                                   lambda layer, count: self._store.gather(layer, rows),
-                                  start=start, sink_end=sink_end)
+                                  start=start, sink_end=sink_end,
+                                  open_group=self._open_group(seq))
 
     def restore(self, snapshot: Snapshot, *, seq: int | None = None,
                 requantize: bool = False) -> int:
@@ -850,17 +858,13 @@ class KVPool(WindowViews):
                 + (f", cached={self.num_cached_pages})" if self._table.prefix else ")"))
 
 
-def _check_grouped(spec: KVSpec, page_size: int, window: object) -> None:
+def _check_grouped(spec: KVSpec, page_size: int) -> None:
     """FormatError when a grouped K format (q4_1ch) cannot live in this pool: its pages
-    must hold whole groups; no window over it yet."""
+    must hold whole groups (so do the pages a window releases)."""
     group = spec.k_fmt.group
-    if not group:
-        return
-    if page_size % group:
+    if group and page_size % group:
         raise FormatError(f"K format {spec.k_format} encodes groups of {group} positions: "
                           f"page_size must be a multiple of {group}, got {page_size}")
-    if window is not None:
-        raise FormatError(f"K format {spec.k_format}: a KVPool over it takes no window yet")
 
 
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,

@@ -82,9 +82,10 @@ class Snapshot:
     spec.v_fmt: the same one, or a K/V pair).
     start, sink_end: 0 <= sink_end < start <= length, or both 0 (all positions held).
     k_residual: a grouped K format's (q4_1ch) open group, float16 [L, length % 32, Hkv, D]
-    (K of positions [length - length % 32, length); their rows of k_codes and k_scales
-    are zeros), C-contiguous (None when length % 32 == 0 stands for no rows); None for
-    every other K format (docs/formats.md, q4_1ch).
+    (K of positions [length - length % 32, length): the last rows held, whose rows of
+    k_codes and k_scales are zeros), C-contiguous (None when length % 32 == 0 stands for
+    no rows); None for every other K format (docs/formats.md, q4_1ch). Its start and
+    sink_end are multiples of 32 (a windowed pool releases whole groups).
     """
 
     spec: KVSpec
@@ -130,9 +131,10 @@ class Snapshot:
             if self.k_residual is None and self.length % group == 0:   # no open group
                 object.__setattr__(self, "k_residual", np.zeros(
                     (s.num_layers, 0, s.num_kv_heads, s.head_dim), np.float16))
-            if self.start:
-                raise SnapshotError(f"a snapshot of K format {s.k_format} holds all its "
-                                    f"positions: got start {self.start}")
+            if self.start % group or self.sink_end % group:
+                raise SnapshotError(f"a snapshot of K format {s.k_format} holds whole "
+                                    f"groups of {group} positions: got start {self.start}, "
+                                    f"sink_end {self.sink_end}")
             _check_part("k_residual", self.k_residual, (s.num_layers, self.length % group,
                         s.num_kv_heads, s.head_dim), np.dtype(np.float16))
         elif self.k_residual is not None:
@@ -237,8 +239,8 @@ def snapshot_parts(spec: KVSpec, length: int, n: int | None,
             if arr is not None:
                 parts[name][layer] = arr
         if open_group is not None:
-            full = n - n % spec.k_fmt.group
-            parts["k_codes"][layer, full:] = 0      # the open group's rows hold no codes
+            full = held - n % spec.k_fmt.group      # the open group: the last rows held
+            parts["k_codes"][layer, full:] = 0      # hold no codes
             parts["k_scales"][layer, full:] = 0
             parts["k_residual"][layer] = open_group(layer, n)
     return Snapshot(spec, n, **parts, start=start, sink_end=sink_end)

@@ -196,8 +196,6 @@ def test_what_is_refused_names_the_format(rng):
     spec = kivi_spec()
     with pytest.raises(FormatError, match="page_size must be a multiple of 32, got 16"):
         KVPool(spec, 4, 16)
-    with pytest.raises(FormatError, match="a KVPool over it takes no window yet"):
-        KVPool(spec, 4, 32, window=64)
     pool = KVPool(spec, 4, 32)
     with pytest.raises(FormatError, match="slot_mapping: K format q4_1ch encodes groups"):
         pool.slot_mapping([pool.new_sequence()], [1], np.zeros(1, np.int64))
@@ -378,3 +376,33 @@ def test_requantize_to_and_from_q4_1ch(rng):
                                             r"layer 0: value out of range of format q4_1ch"):
         kivi.restore(filled(spec.replace(format="f32"), big, k).snapshot(), requantize=True)
     assert kivi.length == 70
+
+
+def test_windowed_pool_releases_whole_groups(rng, tmp_path):
+    # a windowed pool equals a KVCache attended with the same window and sink positions,
+    # bit for bit, while it releases pages of whole groups; its snapshots (start > 0)
+    # restore into another windowed pool
+    spec = kivi_spec(Hq=8, N=400)
+    W, S = 40, 3
+    pool = KVPool(spec, 12, 32, window=W, sink_tokens=S)
+    seq, cache = pool.new_sequence(), KVCache(spec)
+    q = rng.standard_normal((1, 8, 64)).astype(F32)
+    for step in range(30):
+        k = rng.standard_normal((7, 2, 64)).astype(F32)
+        for layer in range(2):
+            pool.append(k, k, seq=seq, layer=layer)
+            cache.append(layer, k, k)
+        np.testing.assert_array_equal(decode_attention(q, pool, 1, seqs=[seq])[0],
+                                      decode_attention(q, cache, 1, window=W, sink_tokens=S)[0])
+        pool.advance(seq)
+        cache.advance()
+    assert pool.held(seq) == [(0, 32), (160, 210)]
+    kept = np.r_[0:32, 160:210]
+    np.testing.assert_array_equal(pool.dequantize(seq, 0, "k"), cache.dequantize(0, "k")[kept])
+    snap = pool.snapshot(seq)
+    assert (snap.start, snap.sink_end, snap.k_residual.shape) == (160, 32, (2, 18, 2, 64))
+    snap.save(tmp_path / "w.safetensors")
+    other = KVPool(spec, 12, 32, window=W, sink_tokens=S)
+    t = other.restore(load_snapshot(tmp_path / "w.safetensors"))
+    np.testing.assert_array_equal(decode_attention(q, other, 1, seqs=[t]),
+                                  decode_attention(q, pool, 1, seqs=[seq]))
