@@ -57,9 +57,10 @@ class KeyGroups:
         """K of positions [pos, pos + T) of `layer` into the residual, encoding each
         group it completes. k: [T, Hkv, D] or [Hkv, D], float32/float16/bfloat16, any
         strides, already checked (finite, below the format's limit) by the append."""
-        x = check_ndarray("k", k)
-        x = x.reshape((-1,) + self.residual.shape[2:]).astype(np.float16, copy=False)
-        G, res = self.fmt.group, self.residual[layer]
+        x = k if k.__class__ is np.ndarray else check_ndarray("k", k)
+        if x.ndim == 2:
+            x = x[None]
+        G, res = self.fmt.group, self.residual[layer]   # assignments round to float16
         t = 0
         while t < len(x):
             slot = (pos + t) % G
