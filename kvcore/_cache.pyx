@@ -14,6 +14,8 @@
    the same shape [T, Hkv, D] or [Hkv, D] (any strides, negative too), positions
    [pos, pos + T) fit the capacity, and every value is finite and below the format's
    `_quant.input_limit` (f16, bf16, q8_0), tested on the raw input bits without conversion.
+   K rows of a grouped format (q4_1ch) are checked here and encoded by the caller, a
+   group of positions at a time (`_groups.KeyGroups`).
 3. Then each row (t, h) is encoded into storage at position pos + t with
    `_quant.encode_row`: an aligned unit-stride float32 row is read in place; any other
    row is first gathered through its strides into a small per-thread buffer (f16/bf16
@@ -148,6 +150,8 @@ cdef struct Job:
     Py_ssize_t code_row[2]   # bytes of one row's codes / scales
     Py_ssize_t scale_row[2]
     bint stream[2]           # codes go to storage with non-temporal stores (_encode_one)
+    Py_ssize_t first         # rows before it are checked, not encoded: the K rows of a
+                             #   grouped format (q4_1ch), which its caller encodes by group
 
 
 cdef int _kind(object x):
@@ -260,11 +264,11 @@ cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
     if nt > 1:
         with parallel(num_threads=nt):
             mine = work + threadid() * block
-            for r in prange(n, schedule="static"):
+            for r in prange(j.first, n, schedule="static"):
                 _encode_one(j, r, mine)
             kv_stream_fence()
     else:
-        for r in range(n):
+        for r in range(j.first, n):
             _encode_one(j, r, work)
         kv_stream_fence()
 
@@ -301,6 +305,7 @@ cdef class RowWriter:
     cdef char* _scales[2]
     cdef int _fmt[2]
     cdef uint32_t _limit[2]
+    cdef bint _grouped_k       # K's format encodes groups of positions (q4_1ch): see Job.first
     cdef char* _work           # D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
     cdef Py_ssize_t* _fresh    # [L]: positions from here on were never written (see write)
     cdef Py_ssize_t _L, _N, _H, _D
@@ -315,6 +320,7 @@ cdef class RowWriter:
         (S = 0)."""
         self._keep = (k_codes, v_codes, k_scales, v_scales)
         self._formats = (k_fmt, v_fmt)
+        self._grouped_k = k_fmt.group != 0
         cdef Py_ssize_t D = k_codes.shape[3] * k_fmt.pack
         self._work = <char*>PyMem_Malloc(D * WORK_PER_VALUE)
         self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
@@ -391,6 +397,7 @@ cdef class RowWriter:
         cdef Job j
         j.T, j.H, j.D = T, self._H, self._D
         j.rows = rp
+        j.first = T * self._H if self._grouped_k else 0
         cdef Py_ssize_t first = (layer * self._N + (pos if rp == NULL else 0)) * self._H
         _set_input(&j, 0, a, kk)
         _set_input(&j, 1, b, kv)

@@ -319,7 +319,7 @@ def main(sizes: Sizes = FULL) -> None:
           f"{HEAD_DIM}, {sizes.capacity} positions, filled one decode step at a time\n"
           f"{_conditions()}")
     rows = [run_format(fmt, keys, vals, layers=L, capacity=sizes.capacity)
-            for fmt in kvcore.FORMATS]
+            for fmt in kvcore.formats.ROW_FORMATS]
     print_table(["format", "MiB", "bytes/pos", "ratio", "step us", "read-back",
                  "rel RMS gauss", "rel RMS t(3)"], rows)
     print(f"\nstep us: append one position (K and V, 8x128 float32) to each of {L} layers, "
@@ -333,7 +333,7 @@ def main(sizes: Sizes = FULL) -> None:
           f"layers ({Q_HEADS} query heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM})")
     pools = model_pools(rng, 256, KV_HEADS, Q_HEADS, HEAD_DIM)
     print_table(["format", "bytes/pos", "ratio", "attn rel RMS vs f32", "tokens/s"],
-                decode_rows(list(kvcore.FORMATS), pools, layers=L, prompt=sizes.prompt,
+                decode_rows(list(kvcore.formats.ROW_FORMATS), pools, layers=L, prompt=sizes.prompt,
                             steps=sizes.steps))
     print("\nattn rel RMS vs f32: the attention outputs of every step and layer against the "
           f"same loop on an f32 cache.\ntokens/s: per new token, RoPE on q and k, append, "

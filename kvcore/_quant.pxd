@@ -5,7 +5,8 @@
 # `scales` at S scales (formats.py): nothing for f32/f16/bf16, one float32 for int8/fp8,
 # D/32 float16 bit patterns for q8_0 and q4_0, D/32 (d, m) pairs for q4_1. Callers
 # guarantee finite input and D % 32 == 0 for q8_0/q4_0/q4_1. Format ids are those of
-# kvcore/formats.py.
+# kvcore/formats.py; q4_1ch's id is q4_1's rule on a row that its caller made of one
+# channel of a group (quant.py: the 32 positions of a channel, one block).
 from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil

@@ -38,7 +38,10 @@ cdef enum:
     Q8_0 = 6
     Q4_0 = 7
     Q4_1 = 8
+    Q4_1CH = 9              # q4_1's rule over a channel of a group: the caller hands its
+                            # channels in as rows (quant.py), so rows of it are q4_1 rows
     QK = 32                 # q8_0 / q4_0 / q4_1 block
+    QK_BYTES = 16           # code bytes of a q4_0 / q4_1 block
     ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     ABS_MASK = 0x7fffffff
     F32_INF = 0x7f800000    # bits of +inf
@@ -362,7 +365,7 @@ cdef uint32_t input_limit_bits(int fmt) noexcept nogil:
         return _Q8_0_LIMIT_BITS
     if fmt == Q4_0:
         return Q4_0_LIMIT_BITS
-    if fmt == Q4_1:
+    if fmt == Q4_1 or fmt == Q4_1CH:
         return Q4_1_LIMIT_BITS
     if INT8 <= fmt <= FP8_E5M2:
         return _SCALED_LIMIT_BITS[fmt]
@@ -562,7 +565,7 @@ cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t 
         _encode_q8_0(x, d, <int8_t*>codes, <uint16_t*>scales)
     elif fmt == Q4_0:
         _encode_q4_0(x, d, <uint8_t*>codes, <uint16_t*>scales)
-    elif fmt == Q4_1:
+    elif fmt == Q4_1 or fmt == Q4_1CH:
         _encode_q4_1(x, d, <uint8_t*>codes, <uint16_t*>scales)
 
 
@@ -575,6 +578,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     cdef Py_ssize_t j, b
     cdef const uint16_t* h
     cdef const uint8_t* c8
+    cdef uint8_t q4[QK_BYTES]
     cdef const int8_t* q
     cdef float s, m
     if fmt == F32:
@@ -607,23 +611,25 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
             s = _f16_to_f32(h[b])
             for j in range(b * QK, b * QK + QK):
                 out[j] = <float>q[j] * s
-    elif fmt == Q4_0:
-        c8 = <const uint8_t*>codes
-        h = <const uint16_t*>scales
+    elif fmt == Q4_0:   # a block's bytes copied first (no store to out may alias them),
+        h = <const uint16_t*>scales     # then low nibbles and high ones: both vectorise
         for b in range(d // QK):
+            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
             s = _f16_to_f32(h[b])
             for j in range(QK // 2):
-                out[b * QK + j] = <float>(<int>(c8[b * (QK // 2) + j] & 15) - 8) * s
-                out[b * QK + QK // 2 + j] = <float>(<int>(c8[b * (QK // 2) + j] >> 4) - 8) * s
-    elif fmt == Q4_1:
-        c8 = <const uint8_t*>codes
+                out[b * QK + j] = <float>(<int>(q4[j] & 15) - 8) * s
+            for j in range(QK // 2):
+                out[b * QK + QK // 2 + j] = <float>(<int>(q4[j] >> 4) - 8) * s
+    elif fmt == Q4_1 or fmt == Q4_1CH:
         h = <const uint16_t*>scales
         for b in range(d // QK):
+            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
             s = _f16_to_f32(h[2 * b])
             m = _f16_to_f32(h[2 * b + 1])
             for j in range(QK // 2):
-                out[b * QK + j] = <float>(c8[b * (QK // 2) + j] & 15) * s + m
-                out[b * QK + QK // 2 + j] = <float>(c8[b * (QK // 2) + j] >> 4) * s + m
+                out[b * QK + j] = <float>(q4[j] & 15) * s + m
+            for j in range(QK // 2):
+                out[b * QK + QK // 2 + j] = <float>(q4[j] >> 4) * s + m
 
 
 # ---------------------------------------------------------------------------------

@@ -188,6 +188,7 @@ _LIMIT_REASON = {"f16": "it would round to float16 infinity",
                  "q8_0": "its float16 block scale max|x|/127 would overflow",
                  "q4_0": "its float16 block scale max|x|/8 would overflow",
                  "q4_1": "a q4_1 block min or scale (max - min)/15 could overflow float16",
+                 "q4_1ch": "a q4_1ch block min or scale (max - min)/15 could overflow float16",
                  "int8": "its decoded value 127 * (max|x|/127) would overflow float32"}
 
 

@@ -8,7 +8,8 @@ from typing import Any, Literal, NamedTuple, Sequence, cast, overload
 
 import numpy as np
 
-from . import _attention
+from . import _attention, _grouped
+from ._groups import KeyGroups
 from ._pages import Batch
 from ._storage import LayerArrays
 from ._validate import (AnyArray, OutArray, check_dtype, check_index, check_ndarray, check_out,
@@ -192,6 +193,12 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
     arr = _out(out, q, cache._storage)
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = cache._layer_arrays(layer)
+    if cache._groups is not None:
+        _attend_grouped(q3, spec, arrays, [cache._groups], layer, spec.capacity,
+                        np.zeros((1, 1), np.int32), np.array([n], np.int64),
+                        np.array([T], np.int64), scale, causal, arr.reshape(q3.shape),
+                        None if lse is None else lse.reshape(q3.shape[:2]), var)
+        return _result(arr if out is None else out, lse)
     status = _attention.attend(np.ascontiguousarray(q3), *arrays, spec.k_fmt.id, spec.v_fmt.id,
                                n, scale, bool(causal), arr.reshape(q3.shape),
                                None if lse is None else lse.reshape(q3.shape[:2]),
@@ -200,6 +207,33 @@ def _attend(q: AnyArray, cache: KVCache, layer: int, scale: float | None, causal
         _raise_non_finite(q)
         raise _overflow_error(q3, spec.fmts, arrays, np.arange(n), n, scale, causal, var, layer)
     return _result(arr if out is None else out, lse)
+
+
+def _attend_grouped(q: np.ndarray, spec: KVSpec, arrays: LayerArrays,
+                    groups: list[KeyGroups], layer: int, page_size: int, tables: np.ndarray,
+                    lengths: np.ndarray, counts: np.ndarray, scale: float, causal: bool,
+                    out: np.ndarray, lse: np.ndarray | None, var: _Variants) -> None:
+    """decode_attention over a K stored by channel in groups (q4_1ch, _grouped.pyx) of B
+    sequences: q float32 [sum counts, Hq, D]; arrays: the layer's regions; groups: each
+    sequence's residual; tables int32 [B, M], lengths, counts int64 [B] as attend_paged
+    takes them; OUT out [sum counts, Hq, D], lse [sum counts, Hq] or None, written only
+    when every value is finite (else RangeError or NonFiniteError, out untouched)."""
+    k_codes, v_codes, k_scales, v_scales = arrays
+    residuals = [g.residual[layer] for g in groups]     # kept alive for the call
+    o = np.empty(out.shape, np.float32)
+    m = None if lse is None else np.empty(lse.shape, np.float32)
+    _grouped.attend_grouped(np.ascontiguousarray(q), k_codes, np.asarray(k_scales).view(np.uint16),
+                            np.array([r.ctypes.data for r in residuals], np.uint64),
+                            v_codes, v_scales, spec.v_fmt.id, page_size, tables, lengths,
+                            counts, scale, causal, o, m, **var.kwargs)
+    if not (np.isfinite(o).all() and (m is None or np.isfinite(m).all())):
+        _raise_non_finite(q)
+        raise RangeError(f"decode_attention of layer {layer} overflows float32 (K format "
+                         f"{spec.k_format}): a score scale * q.k or a weighted sum of V "
+                         f"passes 3.4028235e+38")
+    out[...] = o
+    if lse is not None:
+        lse[...] = m
 
 
 def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] | None,
@@ -247,6 +281,10 @@ def _pool_attention(q: AnyArray, pool: KVPool, layer: int, seqs: Sequence[int] |
     lse = np.empty(q.shape[:-1], np.float32) if return_lse else None
     arrays = pool._layer_arrays(layer)
     q = np.ascontiguousarray(q)
+    if spec.k_fmt.group:
+        _attend_grouped(q, spec, arrays, [pool._groups_of(s) for s in seqs], layer, ps, tables,
+                        lengths, c, scale, causal, arr, lse, var)
+        return _result(arr if out is None else out, lse)
     status = _attention.attend_paged(q, *arrays, spec.k_fmt.id, spec.v_fmt.id, ps, tables,
                                      lengths, c, scale, bool(causal), arr, lse, **var.kwargs)
     if status != _attention.ATTEND_OK:

@@ -14,11 +14,13 @@ copy the storage and the positions and rebuild the rest (docs/design.md, Copies)
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import numpy as np
 
 from . import _cache
+from ._groups import KeyGroups
 from ._guard import CallGuard
 from ._pages import _count_groups, pending_hint
 from ._storage import Storage as _Storage
@@ -73,6 +75,9 @@ class KVCache:
     once (`advance`). Views are read-only and zero-copy; `dequantize` is the explicit copy.
     One call at a time: a call that finds another thread inside the cache raises
     StateError and changes nothing (docs/design.md, Threads).
+    A K q4_1ch cache (K by channel over groups of 32 positions) keeps the open group's K
+    in a float16 residual until the group completes (docs/formats.md, q4_1ch): `keys`
+    and `key_scales` are its raw row slots, `dequantize(layer, "k")` its values.
     """
 
     def __init__(self, spec: KVSpec):
@@ -81,10 +86,13 @@ class KVCache:
         self._attach(spec, _Storage(spec, spec.capacity))  # one page of `capacity` rows
 
     def _attach(self, spec: KVSpec, store: _Storage, length: int = 0,
-                pending: list[int] | None = None) -> None:
+                pending: list[int] | None = None, groups: KeyGroups | None = None) -> None:
         """Sets every attribute: the storage, what is derived from it (views, writer),
-        the positions and a fresh guard (also after a copy: nothing derived is copied)."""
+        the positions, a grouped K format's residual (_groups.py; groups: a copy's, or
+        None for a new one) and a fresh guard (also after a copy: nothing derived is
+        copied)."""
         self._spec = spec
+        self._groups = groups if groups is not None or not spec.k_fmt.group else KeyGroups(spec)
         self._store = store
         self._storage = store.array
         self._regions = store.regions
@@ -114,7 +122,7 @@ class KVCache:
             memo[id(self)] = new
             cells = self._cells
             new._attach(self._spec, copy.deepcopy(self._store, memo), cells.length,
-                        list(cells.pending))
+                        list(cells.pending), self._groups_copy())
             return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -124,10 +132,20 @@ class KVCache:
         with self._guard("pickle"):
             cells = self._cells
             return {"spec": self._spec, "storage": self._store, "length": cells.length,
-                    "pending": list(cells.pending)}
+                    "pending": list(cells.pending), "groups": self._groups_copy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._attach(state["spec"], state["storage"], state["length"], state["pending"])
+        self._attach(state["spec"], state["storage"], state["length"], state["pending"],
+                     state.get("groups"))
+
+    def _groups_copy(self) -> KeyGroups | None:
+        """A copy of the grouped K format's residual (None without one)."""
+        return None if self._groups is None else self._groups.copy()
+
+    def _k_regions(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K codes [N, Hkv, W] and scales [N, Hkv, S] of one layer (a grouped K format's:
+        it has scales), writable."""
+        return self._regions["k_codes"][layer], self._regions["k_scales"][layer]
 
     # -- writing -------------------------------------------------------------------
 
@@ -152,7 +170,10 @@ class KVCache:
             # _Cells.end / _Cells.add written out inline
             cells = self._cells
             pending = cells.pending
-            pending[layer] += self._writer.write(layer, cells.length + pending[layer], k, v)
+            pos = cells.length + pending[layer]
+            pending[layer] += self._writer.write(layer, pos, k, v)
+            if self._groups is not None:    # K by channel: its groups (_groups.py)
+                self._groups.write(layer, pos, k, *self._k_regions(layer), operator.index)
         except CapacityError as e:
             if not pending[layer]:
                 raise
@@ -176,7 +197,12 @@ class KVCache:
         """Keeps the first n committed positions (0 <= n <= length) and drops every pending
         one. Storage is not cleared: positions past n are simply no longer held."""
         with self._guard("truncate"):
-            self._cells.truncate(n)
+            cells = self._cells
+            cells.truncate(n)
+            if self._groups is not None:
+                for layer in range(self._num_layers):
+                    self._groups.truncate(layer, cells.length, *self._k_regions(layer),
+                                          operator.index)
 
     def reset(self) -> None:
         """Empties the cache (length 0, nothing pending), like truncate(0)."""
@@ -261,8 +287,12 @@ class KVCache:
             else:
                 arr = check_out("out", out, shape, [np.float32])
                 self._check_outside("out", arr)
-            _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
-                               None if scales is None else scales[layer, :n], arr)
+            if which == "k" and self._groups is not None:
+                self._groups.dequantize(layer, [(0, n)], *self._k_regions(layer),
+                                        operator.index, arr)
+            else:
+                _cache.decode_rows(self._spec.fmts[which == "v"].id, codes,
+                                   None if scales is None else scales[layer, :n], arr)
         return arr if out is None else out
 
     def _check_outside(self, name: str, arr: np.ndarray) -> None:

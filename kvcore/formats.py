@@ -14,10 +14,17 @@ scales, in two separate regions so that either can be viewed without a copy:
 | q8_0     | 6  | int8          | D/32           | float16     | ggml block of 32: d = max|x|/127, q = round-half-away(x/d) |
 | q4_0     | 7  | uint8, 2/byte | D/32           | float16     | ggml block of 32: d = max/-8, q = trunc(x/d + 8.5) in [0, 15] |
 | q4_1     | 8  | uint8, 2/byte | 2*D/32 (d, m)  | float16     | ggml block of 32: d = (max-min)/15, m = min, q = trunc((x-m)/d + 0.5) |
+| q4_1ch   | 9  | uint8, 2/byte | 2*D/32 (d, m)  | float16     | q4_1 by channel: each channel's 32 values over a group of 32 positions (K only) |
 
 The 4-bit formats pack two values per code byte (`pack` = 2): a row has
 `code_width(D)` = D/2 codes. Byte j of block b holds value 32b + j in its low nibble and
 value 32b + 16 + j in its high nibble (ggml's order).
+
+`q4_1ch` (KIVI's key layout) is the one format whose rows are not encoded alone: it
+applies q4_1's rule to each channel of a group of `group` = 32 consecutive positions of
+one head (a block is one channel's 32 values along positions), and lays the group's bytes
+out over its 32 row slots, so a row still has q4_1's W codes and S scales
+(docs/formats.md, "q4_1ch"). It stores K only (V stays per token).
 
 The numeric ids are shared with the Cython kernels and the CUDA kernels.
 docs/formats.md gives the full byte layout.
@@ -30,7 +37,7 @@ import numpy as np
 
 from .errors import FormatError
 
-F32, F16, BF16, INT8, FP8_E4M3, FP8_E5M2, Q8_0, Q4_0, Q4_1 = range(9)
+F32, F16, BF16, INT8, FP8_E4M3, FP8_E5M2, Q8_0, Q4_0, Q4_1, Q4_1CH = range(10)
 Q8_0_BLOCK = 32
 QK = 32  # values per block of the ggml formats (q8_0, q4_0, q4_1)
 
@@ -47,6 +54,7 @@ class Format:
     block: int  # values per block of scales; 0: one scale per row (or no scales)
     pack: int = 1  # values per code element
     block_scales: int = 1  # scales per block (q4_1: d and m)
+    group: int = 0  # positions encoded together, per channel (q4_1ch: 32); 0: rows alone
 
     @property
     def quantized(self) -> bool:
@@ -100,10 +108,14 @@ FORMATS: dict[str, Format] = {
         Format("q8_0", Q8_0, np.dtype(np.int8), _f16, QK),
         Format("q4_0", Q4_0, np.dtype(np.uint8), _f16, QK, pack=2),
         Format("q4_1", Q4_1, np.dtype(np.uint8), _f16, QK, pack=2, block_scales=2),
+        Format("q4_1ch", Q4_1CH, np.dtype(np.uint8), _f16, QK, pack=2, block_scales=2,
+               group=QK),
     )
 }
 
 QUANTIZED_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)
+ROW_FORMATS = tuple(n for n, f in FORMATS.items() if not f.group)
+"""The formats that encode each row alone: they store K and V (q4_1ch stores K only)."""
 
 
 def get_format(fmt: "str | Format") -> Format:
@@ -170,7 +182,7 @@ def _fields(f: Format) -> tuple[object, ...]:
     equality with anything does not pass)."""
     return tuple((type(v), v.str if isinstance(v, np.dtype) else v)
                  for v in (f.name, f.id, f.code_dtype, f.scale_dtype, f.block, f.pack,
-                                            f.block_scales))
+                           f.block_scales, f.group))
 
 
 def view_dtype(fmt: "str | Format") -> np.dtype:

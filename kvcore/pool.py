@@ -26,11 +26,12 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
 from ._cache import decode_rows
+from ._groups import KeyGroups, Rows
 from ._guard import CallGuard
 from ._pages import PageTable
 from ._prefix import PrefixIndex
@@ -39,8 +40,8 @@ from ._storage import LayerArrays, Storage
 from ._validate import (AnyArray, OutArray, check_index, check_int32, check_ndarray, check_out,
                         check_seq_id, check_seq_ids, is_array)
 from ._window import WindowViews, check_window, restore_need, snapshot_index, snapshot_span
-from .errors import (CapacityError, DTypeError, OutOfRangeError, ShapeError, SpecError,
-                     StateError, StoreError)
+from .errors import (CapacityError, DTypeError, FormatError, OutOfRangeError, ShapeError,
+                     SpecError, StateError, StoreError)
 from .snapshot import _PART_NAMES, Snapshot, detached, fit_snapshot, snapshot_parts
 from .formats import describe
 from .spec import KVSpec
@@ -93,6 +94,10 @@ class KVPool(WindowViews):
     store): each whole chunk that `advance` completes is copied out of the pages and
     queued to it (saved on its thread; dropped and counted when its queue is full).
 
+    A K q4_1ch pool (K by channel over groups of 32 positions) needs page_size % 32 == 0:
+    its pages hold whole groups, and each sequence keeps its open group in a float16
+    residual (docs/formats.md, q4_1ch).
+
     window=W (an int >= 1; None: none) makes every layer of the pool a sliding layer: the
     query at position p sees positions p - W < j <= p, plus the first sink_tokens=S
     positions (an int >= 0, only with a window). Wherever positions commit (advance,
@@ -112,6 +117,7 @@ class KVPool(WindowViews):
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
+        _check_grouped(spec, int(page_size))
         if not isinstance(prefix_cache, bool):
             raise SpecError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         win, sinks = check_window(window, sink_tokens)
@@ -136,6 +142,8 @@ class KVPool(WindowViews):
         self._guard = CallGuard("KVPool")   # one call at a time (docs/design.md, Threads)
         self._kv, self._writer = kv, writer
         self._store_hits, self._store_faults, self._last_fault = counters
+        # a grouped K format's residual of each sequence that has one (_groups.py)
+        self._groups: dict[int, KeyGroups] = {}
 
     # -- copies --------------------------------------------------------------------
 
@@ -156,6 +164,7 @@ class KVPool(WindowViews):
             memo[id(self)] = new
             new._attach(self._spec, self._ps, copy.deepcopy(self._store, memo),
                         copy.deepcopy(self._table, memo), self._kv, None, self._counters())
+            new._groups = self._groups_copy()
             return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -166,11 +175,16 @@ class KVPool(WindowViews):
         with self._guard("pickle"):
             self._refuse_copy("pickle")
             return {"spec": self._spec, "page_size": self._ps, "storage": self._store,
-                    "table": copy.deepcopy(self._table), "counters": self._counters()}
+                    "table": copy.deepcopy(self._table), "counters": self._counters(),
+                    "groups": self._groups_copy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._attach(state["spec"], state["page_size"], state["storage"], state["table"],
                      None, None, state["counters"])
+        self._groups = state.get("groups", {})
+
+    def _groups_copy(self) -> dict[int, KeyGroups]:
+        return {s: g.copy() for s, g in self._groups.items()}
 
     def _counters(self) -> tuple[int, int, str | None]:
         return self._store_hits, self._store_faults, self._last_fault
@@ -235,6 +249,7 @@ class KVPool(WindowViews):
         instead, with a prefix cache, when registered: full pages of committed tokens)."""
         with self._guard("free"):
             self._table.free_seq(seq)
+            self._groups.pop(seq, None)
 
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n committed positions of seq (0 <= n <= length) and drops every
@@ -245,6 +260,10 @@ class KVPool(WindowViews):
         the sink pages)."""
         with self._guard("truncate"):
             self._table.truncate(seq, n)
+            if self._spec.k_fmt.group:
+                groups = self._groups_of(seq)
+                for layer in range(self._num_layers):
+                    groups.truncate(layer, n, *self._k_regions(layer), self._row_of(seq))
 
     def fork(self, seq: int) -> int:
         """A new sequence holding seq's committed positions: full pages are shared (a later
@@ -256,6 +275,8 @@ class KVPool(WindowViews):
             if copy is not None:
                 self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
                                                        np.int64), self._ps)
+            if seq in self._groups:
+                self._groups[t] = self._groups[seq].copy()
             return t
 
     # -- writing -------------------------------------------------------------------
@@ -302,8 +323,33 @@ class KVPool(WindowViews):
         ps = self._ps
         rows = np.array(plan.rows, np.int64) if plan.rows else _EMPTY_ROWS
         copies = (np.array(plan.copies, np.int64) * ps) if plan.copies else None
+        ends = [self._held(s, layer) for s in seqs] if self._spec.k_fmt.group else None
         self._store.writer.write(layer, 0, k, v, rows, copies, ps)
         self._table.commit_write(plan)
+        if ends is not None:     # K by channel: each sequence's groups (_groups.py)
+            at = 0
+            for s, t, end in zip(seqs, counts, ends):
+                self._groups_of(s).write(layer, end, k[at:at + t] if k.ndim == 3 else k,
+                                         *self._k_regions(layer), self._row_of(s))
+                at += t
+
+    def _groups_of(self, seq: int) -> KeyGroups:
+        """The residual of seq (a grouped K format's; made at its first need)."""
+        groups = self._groups.get(seq)
+        if groups is None:
+            groups = self._groups[seq] = KeyGroups(self._spec)
+        return groups
+
+    def _row_of(self, seq: int) -> Rows:
+        """The storage row of each position of seq, through its page table."""
+        pages, ps = self._table.get(seq).pages, self._ps
+        return lambda p: pages[p // ps] * ps + p % ps
+
+    def _k_regions(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K codes [rows, Hkv, W] and scales [rows, Hkv, S] of one layer (a grouped K
+        format's: it has scales), writable."""
+        r = self._store.regions
+        return r["k_codes"][layer], r["k_scales"][layer]
 
     def advance(self, seqs: int | Iterable[int] | None = None, *,
                 tokens: Sequence[int] | AnyArray | Sequence[Sequence[int] | AnyArray] | None = None
@@ -345,6 +391,10 @@ class KVPool(WindowViews):
         (copy-on-write included) as an append would: atomic, CapacityError with the
         numbers. Row r is page r // page_size, offset r % page_size."""
         with self._guard("slot_mapping"):
+            if self._spec.k_fmt.group:
+                raise FormatError(f"slot_mapping: K format {self._spec.k_format} encodes "
+                                  f"groups of {self._spec.k_fmt.group} positions at append; "
+                                  f"rows written by others cannot hold them")
             seqs = check_seq_ids("seqs", seqs)
             counts = _counts(counts, len(seqs))
             arr = check_ndarray("out", out)
@@ -497,7 +547,14 @@ class KVPool(WindowViews):
             k_codes, v_codes, k_scales, v_scales = self._store.gather(layer, rows)
             codes, scales = (k_codes, k_scales) if which == "k" else (v_codes, v_scales)
             out = np.empty(codes.shape[:2] + (self._spec.head_dim,), np.float32)
-            decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
+            if which == "k" and self._spec.k_fmt.group:
+                s = self._table.get(seq)
+                spans = self._table.held(s) + ([(s.length, s.length + s.pending[layer])]
+                                               if pending else [])
+                self._groups_of(seq).dequantize(layer, spans, *self._k_regions(layer),
+                                                self._row_of(seq), out)
+            else:
+                decode_rows(self._spec.fmts[which == "v"].id, codes, scales, out)
             return out
 
     # -- snapshots -----------------------------------------------------------------
@@ -516,12 +573,14 @@ class KVPool(WindowViews):
             if not s.start:
                 rows = np.array(table.rows(seq, 0, length), np.int64)
                 return snapshot_parts(self._spec, length, n,
-                                      lambda layer, count: self._store.gather(layer, rows[:count]))
+                                      lambda layer, count: self._store.gather(layer, rows[:count]),
+                                      open_group=self._open_group(seq))
             n, start, sink_end = snapshot_span(table, seq, n)
             rows = np.array(table.held_rows(seq, n), np.int64)
             return snapshot_parts(self._spec, n, n,
                                   lambda layer, count: self._store.gather(layer, rows),
-                                  start=start, sink_end=sink_end)
+                                  start=start, sink_end=sink_end,
+                                  open_group=self._open_group(seq))
 
     def restore(self, snapshot: Snapshot, *, seq: int | None = None,
                 requantize: bool = False) -> int:
@@ -553,7 +612,18 @@ class KVPool(WindowViews):
                     if arr is not None:
                         part = getattr(snap, name)[layer]
                         arr[rows] = part if at is None else part[at]
+            if snap.k_residual is not None:
+                self._groups[seq] = KeyGroups(self._spec)
+                self._groups[seq].restore(snap.length, snap.k_residual)
             return seq
+
+    def _open_group(self, seq: int) -> Callable[[int, int], np.ndarray] | None:
+        """A grouped K format's open group of seq's first n positions in a layer
+        (snapshot_parts' open_group), None for other formats."""
+        if not self._spec.k_fmt.group:
+            return None
+        groups, row = self._groups_of(seq), self._row_of(seq)
+        return lambda layer, n: groups.open_group(layer, n, *self._k_regions(layer), row)
 
     # -- the chunk store (docs/store.md) ---------------------------------------------
 
@@ -758,6 +828,15 @@ def completed_chunks(table: PageTable, s: int, added: int, c: int
              np.frombuffer(bytes(seq.ids[8 * j * c:8 * (j + 1) * c]), "<i8"),
              seq.keys[j * per - 1] if j else None)
             for j in range((seq.length - added) // c, seq.length // c)]
+
+
+def _check_grouped(spec: KVSpec, page_size: int) -> None:
+    """FormatError when a grouped K format (q4_1ch) cannot live in this pool: its pages
+    must hold whole groups (so do the pages a window releases)."""
+    group = spec.k_fmt.group
+    if group and page_size % group:
+        raise FormatError(f"K format {spec.k_format} encodes groups of {group} positions: "
+                          f"page_size must be a multiple of {group}, got {page_size}")
 
 
 def _attached(spec: KVSpec, page_size: int, prefix_cache: bool, store: Any,

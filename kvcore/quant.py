@@ -5,7 +5,7 @@ The rules and byte layouts are in docs/formats.md; the kernels in _quant.pyx.
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -65,7 +65,11 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     """Encodes rows of D values in a storage format.
 
     x: float32, float16 or bfloat16 (ml_dtypes), shape [..., D], any strides (read in
-    place: no copy of x is made; a torch / DLPack / buffer-protocol CPU array too). fmt: a format name or Format; q8_0, q4_0 and q4_1 need D % 32 == 0.
+    place: no copy of x is made; a torch / DLPack / buffer-protocol CPU array too). fmt: a format name or Format; q8_0, q4_0, q4_1 and q4_1ch need D % 32 == 0.
+    q4_1ch encodes groups: x [..., 32, D] is groups of 32 positions of one head each
+    (x[..., t, c]: position t, channel c), every channel's 32 values one q4_1 block;
+    codes [..., 32, D/2] and scales [..., 32, D/16] are the group's bytes as they lie in
+    its 32 row slots (docs/formats.md, q4_1ch).
     Returns (codes, scales), both new C-contiguous arrays:
       codes [..., W] of view_dtype(fmt), W = fmt.code_width(D) (D, or D/2 for q4_0 and
         q4_1: uint8, two values per byte): int8, uint8, float16, float32, or ml_dtypes
@@ -78,7 +82,7 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     leaves them untouched (x is checked in a first pass).
     Raises NonFiniteError for NaN/inf (naming the first bad index), FormatError for a
     value past the format's range (f16 |x| >= 65520, bf16 |x| >= 0x1.ffp127: they would
-    round to infinity; q8_0 |x| >= Q8_0_LIMIT, q4_0 Q4_0_LIMIT, q4_1 Q4_1_LIMIT),
+    round to infinity; q8_0 |x| >= Q8_0_LIMIT, q4_0 Q4_0_LIMIT, q4_1 and q4_1ch Q4_1_LIMIT),
     ShapeError / DTypeError for bad arrays.
     """
     f = get_format(fmt)
@@ -88,6 +92,7 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
         raise ShapeError("invalid shape of x: expected [..., D], got []")
     d = x.shape[-1]
     f.check_head_dim(d)
+    _check_group("x", x.shape, f)
     lead = x.shape[:-1]
     code_shape, scale_shape = lead + (f.code_width(d),), lead + (f.scales_per_row(d),)
     result: tuple[np.ndarray, np.ndarray | None] | _QuantOut
@@ -101,8 +106,12 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
         if any(a is not None and np.shares_memory(x, a) for a in (codes, scales)):
             raise ShapeError("out overlaps x")
         codes = codes.view(f.code_dtype)
-    work = np.empty((max_threads(), d), dtype=np.float32)
-    walk = (x, *_row_walk(x), x.strides[-1], _input_kind(x), f.id, codes, scales, work)
+    rows = x
+    if f.group:   # the kernel's rows are the channels of each group: [..., D, group]
+        rows = np.swapaxes(x, -1, -2)
+        codes, scales = _channel_major(codes, d), _channel_major(cast(np.ndarray, scales), d)
+    work = np.empty((max_threads(), rows.shape[-1]), dtype=np.float32)
+    walk = (rows, *_row_walk(rows), rows.strides[-1], _input_kind(x), f.id, codes, scales, work)
     bad = _quant.quantize_rows(*walk, encode=out is None)
     if not bad and out is not None:
         bad = _quant.quantize_rows(*walk)
@@ -110,6 +119,21 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
         check_values("x", x, f)
         raise AssertionError(f"quantize refused {bad} rows that hold no refused value")
     return result
+
+
+def _check_group(name: str, shape: tuple[int, ...], f: Format) -> None:
+    """ShapeError unless a grouped format's array (q4_1ch) is [..., group, D or W]."""
+    if f.group and (len(shape) < 2 or shape[-2] != f.group):
+        got = ", ".join(map(str, shape))
+        raise ShapeError(f"invalid shape of {name}: format {f.name} encodes groups of "
+                         f"{f.group} positions, expected [..., {f.group}, {shape[-1]}], got [{got}]")
+
+
+def _channel_major(a: np.ndarray, d: int) -> np.ndarray:
+    """A grouped format's codes [..., group, W] or scales [..., group, S], C-contiguous,
+    as the channel rows they hold: [..., D, group / 2] or [..., D, 2] (the same bytes,
+    docs/formats.md, q4_1ch)."""
+    return a.reshape(a.shape[:-2] + (d, -1))
 
 
 def _check_quantize_out(out: object, f: Format, code_shape: tuple[int, ...],
@@ -138,6 +162,7 @@ def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
     D/2 for q4_0 / q4_1 (two values per byte, D = 2 W).
     scales: shape [..., S] of fmt's scale dtype for int8/fp8/q8_0/q4_0/q4_1, None for
     f32/f16/bf16.
+    q4_1ch: codes [..., 32, D/2] and scales [..., 32, D/16], groups as quantize gives them.
     Non-contiguous codes or scales are first copied to C order (one copy each).
     Returns float32 [..., D] (a new array, or out: float32 of that shape, C-contiguous,
     writable): code * scale for int8/fp8, code * float32(d) per 32-value block for q8_0,
@@ -150,6 +175,7 @@ def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
         raise ShapeError("invalid shape of codes: expected [..., D], got []")
     d = c.shape[-1] * f.pack
     f.check_head_dim(d)
+    _check_group("codes", c.shape, f)
     lead = c.shape[:-1]
     s = None
     if f.scale_dtype is not None:
@@ -166,6 +192,12 @@ def dequantize(codes: AnyArray, scales: AnyArray | None, fmt: "str | Format", *,
         arr = check_out("out", out, lead + (d,), [np.float32])
         if np.shares_memory(arr, c) or (s is not None and np.shares_memory(arr, s)):
             raise ShapeError("out overlaps codes or scales")
-    _quant.dequantize_rows(f.id, np.ascontiguousarray(c).view(f.code_dtype), s,
-                           arr.reshape(math.prod(lead), d))
+    c = np.ascontiguousarray(c).view(f.code_dtype)
+    if f.group:   # decoded channel by channel, [..., D, group], then laid out by position
+        channels = np.empty(lead[:-1] + (d, f.group), np.float32)
+        _quant.dequantize_rows(f.id, _channel_major(c, d), _channel_major(cast(np.ndarray, s), d),
+                               channels.reshape(-1, f.group))
+        arr[...] = np.swapaxes(channels, -1, -2)
+    else:
+        _quant.dequantize_rows(f.id, c, s, arr.reshape(math.prod(lead), d))
     return arr if out is None else out

@@ -19,13 +19,14 @@ import hashlib
 import io
 import json
 import math
+import operator
 import os
 import re
 import secrets
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, cast
 
 import numpy as np
 import xxhash
@@ -80,6 +81,11 @@ class Snapshot:
     format has no scales (S = 0). K and V each in their own format (spec.k_fmt,
     spec.v_fmt: the same one, or a K/V pair).
     start, sink_end: 0 <= sink_end < start <= length, or both 0 (all positions held).
+    k_residual: a grouped K format's (q4_1ch) open group, float16 [L, length % 32, Hkv, D]
+    (K of positions [length - length % 32, length): the last rows held, whose rows of
+    k_codes and k_scales are zeros), C-contiguous (None when length % 32 == 0 stands for
+    no rows); None for every other K format (docs/formats.md, q4_1ch). Its start and
+    sink_end are multiples of 32 (a windowed pool releases whole groups).
     """
 
     spec: KVSpec
@@ -90,6 +96,7 @@ class Snapshot:
     v_scales: np.ndarray | None = None
     start: int = 0
     sink_end: int = 0
+    k_residual: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
@@ -119,6 +126,20 @@ class Snapshot:
                 side = f"{which.upper()} " if s.paired else ""
                 raise SnapshotError(f"snapshot of {side}format {f.name} has no scales, "
                                     f"got {which}_scales")
+        group = s.k_fmt.group
+        if group:
+            if self.k_residual is None and self.length % group == 0:   # no open group
+                object.__setattr__(self, "k_residual", np.zeros(
+                    (s.num_layers, 0, s.num_kv_heads, s.head_dim), np.float16))
+            if self.start % group or self.sink_end % group:
+                raise SnapshotError(f"a snapshot of K format {s.k_format} holds whole "
+                                    f"groups of {group} positions: got start {self.start}, "
+                                    f"sink_end {self.sink_end}")
+            _check_part("k_residual", self.k_residual, (s.num_layers, self.length % group,
+                        s.num_kv_heads, s.head_dim), np.dtype(np.float16))
+        elif self.k_residual is not None:
+            raise SnapshotError(f"snapshot of K format {s.k_format} has no residual, got "
+                                f"k_residual")
 
     @property
     def held(self) -> int:
@@ -128,8 +149,8 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Bytes of codes and scales held."""
-        return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales)
-                   if a is not None)
+        return sum(a.nbytes for a in (self.k_codes, self.v_codes, self.k_scales, self.v_scales,
+                                      self.k_residual) if a is not None)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the snapshot to `path` as a safetensors file (docs/snapshots.md).
@@ -185,18 +206,24 @@ def take_snapshot(cache: "KVCache", n: int | None = None) -> Snapshot:
     """Copies committed positions [0, n) of every layer (n defaults to cache.length) out
     of a CPU KVCache into a new Snapshot (compact token-major arrays, no capacity padding).
     Pending positions are never included."""
+    groups = cache._groups
     return snapshot_parts(cache.spec, cache.length, n, lambda layer, count: tuple(
-        None if a is None else a[:count] for a in cache._layer_arrays(layer)))
+        None if a is None else a[:count] for a in cache._layer_arrays(layer)),
+        open_group=None if groups is None else lambda layer, count: groups.open_group(
+            layer, count, *cache._k_regions(layer), operator.index))
 
 
 def snapshot_parts(spec: KVSpec, length: int, n: int | None,
                    layer_parts: Callable[[int, int], Iterable[np.ndarray | None]], *,
-                   start: int = 0, sink_end: int = 0) -> Snapshot:
+                   start: int = 0, sink_end: int = 0,
+                   open_group: Callable[[int, int], np.ndarray] | None = None) -> Snapshot:
     """A Snapshot of positions [0, n) (n defaults to length; OutOfRangeError unless
     0 <= n <= length) of a sequence of `spec`: layer_parts(layer, N) gives (k_codes,
     v_codes, k_scales, v_scales) of that layer's N held positions of [0, n) (all n of
     them; with start > 0, [0, sink_end) and [start, n)), token-major [N, Hkv, D] /
-    [N, Hkv, S] or None (shared by KVCache and KVPool)."""
+    [N, Hkv, S] or None (shared by KVCache and KVPool). A grouped K format's (q4_1ch):
+    open_group(layer, n) gives the K of the open group of [0, n), float16
+    [n % 32, Hkv, D] (KeyGroups.open_group)."""
     if n is None:
         n = length
     elif isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -211,6 +238,11 @@ def snapshot_parts(spec: KVSpec, length: int, n: int | None,
         for name, arr in zip(_PART_NAMES, layer_parts(layer, held)):
             if arr is not None:
                 parts[name][layer] = arr
+        if open_group is not None:
+            full = held - n % spec.k_fmt.group      # the open group: the last rows held
+            parts["k_codes"][layer, full:] = 0      # hold no codes
+            parts["k_scales"][layer, full:] = 0
+            parts["k_residual"][layer] = open_group(layer, n)
     return Snapshot(spec, n, **parts, start=start, sink_end=sink_end)
 
 
@@ -225,6 +257,8 @@ def restore_snapshot(cache: "KVCache", snap: Snapshot, *, requantize: bool = Fal
         for name, arr in zip(_PART_NAMES, cache._layer_arrays(layer)):
             if arr is not None:
                 arr[:n] = getattr(snap, name)[layer]
+    if cache._groups is not None:
+        cache._groups.restore(n, cast(np.ndarray, snap.k_residual))
     cells = cache._cells
     cells.length = n
     cells.pending = [0] * cache.spec.num_layers
@@ -321,8 +355,8 @@ def _all_valid(arr: np.ndarray, name: str, fmt: Format, top: float) -> bool:
     scales by their min and max (a NaN makes both NaN). False: look closer."""
     if not arr.size:
         return True
-    if name.endswith("scales") and fmt.name == "q4_1":
-        return False   # d >= 0, m of any sign: _bad_scales looks at each
+    if name.endswith("scales") and fmt.block_scales == 2:
+        return False   # q4_1, q4_1ch: d >= 0, m of any sign: _bad_scales looks at each
     if name.endswith("scales") or fmt.name in ("f32", "f16"):
         lo, hi = float(arr.min()), float(arr.max())
         signed = fmt.name == "q4_0"   # d = max / -8 has either sign
@@ -334,9 +368,9 @@ def _all_valid(arr: np.ndarray, name: str, fmt: Format, top: float) -> bool:
 def _bad_scales(scales: np.ndarray, fmt: Format, top: float) -> np.ndarray:
     """Mask of scales the format's encoder never produces from accepted input: non-finite
     ones; negative ones or past `top` except q4_0's d (either sign) and q4_1's m (every
-    second scale, either sign)."""
+    second scale, either sign; q4_1ch's too)."""
     bad: np.ndarray = ~np.isfinite(scales)
-    if fmt.name == "q4_1":
+    if fmt.block_scales == 2:
         bad[..., 0::2] |= ~(scales[..., 0::2] >= 0)
     elif fmt.name != "q4_0":
         bad |= ~((scales >= 0) & (scales <= top))
@@ -363,11 +397,18 @@ def _check_values(snap: Snapshot) -> None:
                 where = ", ".join(str(i) for i in (layer, *map(int, idx)))
                 raise SnapshotError(f"snapshot {name}[{where}] = {part[idx]!r} is not a value "
                                     f"format {fmt.name} stores")
+    res = snap.k_residual
+    if res is not None and not np.isfinite(res).all():
+        where = ", ".join(str(int(i)) for i in np.argwhere(~np.isfinite(res))[0])
+        raise SnapshotError(f"snapshot k_residual[{where}] is not finite: the open group of "
+                            f"format {snap.spec.k_format} holds finite float16 values")
 
 
 def _requantize(snap: Snapshot, want: KVSpec) -> Snapshot:
     """snap decoded to float32 and re-encoded in want's formats (K in want.k_fmt, V in
-    want.v_fmt), layer by layer."""
+    want.v_fmt), layer by layer; a q4_1ch K as appends would store the decoded values
+    (_groups.encode_positions)."""
+    from ._groups import decode_positions, encode_positions
     from .quant import dequantize, quantize
     spec = snap.spec.replace(format=want.format)
     parts = {name: np.empty(shape, dtype) for name, shape, dtype in _layout(spec, snap.held)}
@@ -375,9 +416,17 @@ def _requantize(snap: Snapshot, want: KVSpec) -> Snapshot:
         src, fmt = snap.spec.fmts[which == "v"], spec.fmts[which == "v"]
         codes, scales = getattr(snap, f"{which}_codes"), getattr(snap, f"{which}_scales")
         for layer in range(spec.num_layers):
-            x = dequantize(codes[layer], None if scales is None else scales[layer], src)
+            if src.group:      # q4_1ch K: complete groups, then the open one's float16
+                x = decode_positions(codes[layer], scales[layer],
+                                     cast(np.ndarray, snap.k_residual)[layer], src)
+            else:
+                x = dequantize(codes[layer], None if scales is None else scales[layer], src)
+            s: np.ndarray | None
             try:
-                c, s = quantize(x, fmt)
+                if fmt.group:
+                    c, s, parts["k_residual"][layer] = encode_positions(x, fmt)
+                else:
+                    c, s = quantize(x, fmt)
             except KVCacheError as e:
                 raise SnapshotError(f"cannot requantize the {src.name} snapshot to {fmt.name}: "
                                     f"{which}, layer {layer}: {e}") from None
@@ -393,8 +442,12 @@ def _layout(spec: KVSpec, length: int) -> list[tuple[str, tuple[int, ...], np.dt
     """(name, shape, dtype) of each tensor, in file order: widest element first (scales
     before codes; with a K/V pair, sorted by element size), so every tensor starts
     aligned to its element size: the storage's own order (_storage.region_shapes)."""
-    return [(name, shape[:1] + (length,) + shape[2:], dtype)
-            for name, shape, dtype in region_shapes(spec, 1)]
+    parts = [(name, shape[:1] + (length,) + shape[2:], dtype)
+             for name, shape, dtype in region_shapes(spec, 1)]
+    if spec.k_fmt.group:        # q4_1ch's open group, float16: among the 2-byte tensors
+        parts.append(("k_residual", (spec.num_layers, length % spec.k_fmt.group,
+                                     spec.num_kv_heads, spec.head_dim), np.dtype(np.float16)))
+    return sorted(parts, key=lambda part: -part[2].itemsize)
 
 
 def _metadata(spec: KVSpec, length: int, start: int = 0, sink_end: int = 0) -> dict[str, str]:
@@ -652,7 +705,7 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[KVSpec, tuple[int, int, int]]
         raise SnapshotError(f"metadata format: {e}") from None
     fmt_name = pair_name(*fmts)
     names = ([f"{w}_scales" for w, f in zip("kv", fmts) if f.quantized]
-             + ["k_codes", "v_codes"])
+             + ["k_codes", "v_codes"] + (["k_residual"] if fmts[0].group else []))
     algos = ["sha256"] if version == 1 else list(_DIGESTS)
     expected = {"file_version", "kvcore_version", "format", "length", "sha256",
                 *_SPEC_KEYS, *(f"{algo}_{n}" for algo in algos for n in names)}

@@ -91,6 +91,11 @@ class KVSpec:
         object.__setattr__(self, "k_format", k.name)
         object.__setattr__(self, "v_format", v.name)
         object.__setattr__(self, "format", pair_name(k, v))
+        if v.group:
+            raise FormatError(
+                f"V format {v.name} stores values by channel over groups of {v.group} "
+                f"positions, a K layout (KIVI's): V is stored per token, e.g. "
+                f"KVSpec(k_format={v.name!r}, v_format='q4_1')")
         for which, fmt in (("K", k), ("V", v)) if k is not v else (("", k),):
             try:
                 fmt.check_head_dim(self.head_dim)

@@ -9,7 +9,7 @@ from kvcore import (DTypeError, KVCache, KVSpec, NonFiniteError, OutOfRangeError
 
 from _formats import PAIRS, sides
 
-FORMATS = list(kvcore.FORMATS)
+FORMATS = list(kvcore.formats.ROW_FORMATS)   # K and V in one format (q4_1ch is K only)
 TOL = 1e-5
 # K/V pairs: the scores read K's codes, the weighted sums V's; against the reference over
 # each side's own dequantized values the error is rounding only, as for one format
@@ -324,7 +324,7 @@ def test_demo_decode_loop(rng):
     every format's attention error stays near its storage error."""
     from kvcore import _demo
     pools = _demo.model_pools(rng, 16, 2, 8, 64)
-    rows = _demo.decode_rows(list(kvcore.FORMATS), pools, layers=2, prompt=40, steps=3)
+    rows = _demo.decode_rows(list(kvcore.formats.ROW_FORMATS), pools, layers=2, prompt=40, steps=3)
     errors = {r[0]: float(r[3]) for r in rows}
     assert errors["f32"] == 0 and 0 < errors["f16"] < 1e-3 and errors["q8_0"] < 0.1
     assert all(float(r[4]) > 0 for r in rows)

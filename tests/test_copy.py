@@ -20,7 +20,7 @@ from kvcore.store import DirectoryBackend, KVStore, StoreWriter
 
 from _toy_model import kv, prefill, query
 
-FORMATS = list(kvcore.FORMATS)
+FORMATS = list(kvcore.formats.ROW_FORMATS)   # K and V in one format (q4_1ch is K only)
 PROMPT = np.arange(100, 113)          # 13 tokens: 3 full pages of 4 and one position
 
 

@@ -166,7 +166,7 @@ def test_cache_validates_before_touching_a_device():
             GpuKVCache(spec, bad)
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in GPU_FORMATS])
+@pytest.mark.parametrize("fmt", [f for f in kvcore.formats.ROW_FORMATS if f not in GPU_FORMATS])
 def test_formats_without_gpu_kernels_are_refused(fmt):
     # q4_0 / q4_1 are CPU-only for now: every GPU object refuses them before touching a
     # device, naming the format
@@ -203,7 +203,8 @@ def test_device_constants_match_python():
     with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
         d = _defines(f.read())
     for name, fmt in FORMATS.items():     # q4_0 / q4_1 too: ids reserved, no kernels yet
-        assert int(d["KV_" + name.upper()]) == fmt.id
+        if not fmt.group:                 # q4_1ch (K by channel) is CPU-only: no device id
+            assert int(d["KV_" + name.upper()]) == fmt.id
     assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
     assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
     assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE

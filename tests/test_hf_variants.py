@@ -320,6 +320,43 @@ def test_quantized_formats_match_eager_on_the_same_values(family, fmt):
     assert cache.layers[0].pool.spec.format == fmt and cache.layers[0].window == W
 
 
+def test_kivi_pair_on_sliding_layers_matches_eager_on_the_stored_codes(monkeypatch):
+    """K q4_1ch / V q4_1 (KIVI) in Mistral's sliding layers, a window of 39 over a
+    70-token prompt and 12 new tokens (the window releases pages of whole groups): at every
+    layer and step, kvcore's attention equals eager's on the dequantized codes the layer
+    holds under the window's mask, within float32 rounding. (Read after the step's
+    advance, which releases the pages no later query sees: rows are checked where their
+    window is still held, every decode step's with W = 39.)"""
+    from transformers import AttentionInterface
+    from transformers.models.mistral.modeling_mistral import eager_attention_forward
+    model = _model("mistral", window=39)
+    real, errors = kvhf.kvcore_attention, []
+
+    def checked(module, query, key, value, attention_mask, scaling=None, **kw):
+        out, _ = real(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        pool, seq = key.layer.pool, key.layer.seqs[0]
+        k, v = (torch.from_numpy(pool.dequantize(seq, 0, w, pending=True)).transpose(0, 1)[None]
+                for w in "kv")
+        t, held = query.shape[2], k.shape[2]          # held: the last positions, in order
+        n = pool.length(seq) + pool.pending(seq, 0)
+        p, j = torch.arange(n - t, n)[:, None], torch.arange(n - held, n)[None, :]
+        mask = torch.zeros(1, 1, t, held).masked_fill(~((j <= p) & (j > p - 39)), float("-inf"))
+        want, _ = eager_attention_forward(module, query, k, v, mask, scaling=scaling)
+        ok = (p[:, 0] - 38 >= n - held)    # the rows whose window the layer still holds
+        if ok.any():                          # (a prefill's advance released the rest)
+            errors.append(((out - want)[:, ok].abs().max() / v.abs().max()).item())
+        return out, None
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "kvcore", checked)
+    cache = _kvcore(model, "q4_1ch/q4_1")
+    _generate(model, "kvcore", cache, _prompt(70))
+    # every decode step in both layers (the prefill's advance released the pages of its
+    # rows' early windows), with pages released
+    assert len(errors) == 2 * (NEW - 1)
+    assert cache.layers[0].pool.held(cache.layers[0].seqs[0])[0][0] > 0
+    assert max(errors) < 16 * np.finfo(np.float32).eps, errors
+
+
 def test_memory_follows_the_window():
     """A hybrid model (Qwen2: layer 0 full, layer 1 sliding with W = 8) over a 300-token
     prompt (written in chunks of 256 columns) and 40 new tokens: eager's logits; the

@@ -12,7 +12,7 @@ import kvcore
 from kvcore import (CapacityError, DTypeError, KVCache, KVPool, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError)
 
-FORMATS = list(kvcore.FORMATS)
+FORMATS = list(kvcore.formats.ROW_FORMATS)   # K and V in one format (q4_1ch is K only)
 L, H, D = 2, 2, 64
 
 

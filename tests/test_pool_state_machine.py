@@ -36,7 +36,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 import kvcore
-from kvcore import FORMATS, KVCache, KVPool, KVSpec, Snapshot
+from kvcore import KVCache, KVPool, KVSpec, Snapshot
+from kvcore.formats import ROW_FORMATS as FORMATS   # K and V in one format (q4_1ch is K only)
 from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)

@@ -320,17 +320,18 @@ def test_threads_agree(name, rng):
 @pytest.mark.parametrize("name", list(kvcore.FORMATS))
 def test_out_arrays(name, rng):
     f = kvcore.FORMATS[name]
-    x = rng.standard_normal((5, 3, 64)).astype(F32)[:, ::-1]       # strided input
+    rows = f.group or 3      # q4_1ch: groups of 32 positions
+    x = rng.standard_normal((5, rows, 64)).astype(F32)[:, ::-1]    # strided input
     want_codes, want_scales = kvcore.quantize(x, name)
     for code_dtype in dict.fromkeys([f.code_dtype, want_codes.dtype]):
-        codes = np.zeros(want_codes.shape, code_dtype)     # [5, 3, W], W = code_width(64)
+        codes = np.zeros(want_codes.shape, code_dtype)     # [5, rows, W], W = code_width(64)
         scales = np.zeros(want_scales.shape, want_scales.dtype) if f.quantized else None
         got = kvcore.quantize(x, name, out=(codes, scales))
         assert got[0] is codes and got[1] is scales
         np.testing.assert_array_equal(raw(codes), raw(want_codes))
         if f.quantized:
             np.testing.assert_array_equal(raw(scales), raw(want_scales))
-    out = np.full((5, 3, 64), np.nan, F32)
+    out = np.full((5, rows, 64), np.nan, F32)
     assert kvcore.dequantize(want_codes, want_scales, name, out=out) is out
     np.testing.assert_array_equal(out, kvcore.dequantize(want_codes, want_scales, name))
 
@@ -624,3 +625,63 @@ def test_q4_bad_input(name):
     s = 2 if name == "q4_0" else 4
     with pytest.raises(ShapeError, match=rf"invalid shape of scales: expected \[3, {s}\]"):
         kvcore.dequantize(codes, scales[:, :1], name)
+
+
+# ---------------------------------------------------------------------------------
+# q4_1ch: q4_1 by channel over groups of 32 positions, against gguf-py's q4_1 of the
+# transposed group
+
+def test_q4_1ch_is_gguf_q4_1_of_each_channel(rng):
+    # every edge case of q4_1 as channels: x [cases, 32 positions, 64 channels]
+    for case, x in _q4_cases(rng).items():
+        if isinstance(x, dict):
+            x = x["q4_1"]
+        if case == "wide":
+            x = np.clip(x, -Q4_1_LIMIT / 2, Q4_1_LIMIT / 2)
+        groups = x.reshape(-1, 64, 32).swapaxes(-1, -2)           # [g, 32, 64], strided
+        codes, scales = kvcore.quantize(groups, "q4_1ch")
+        assert codes.shape == groups.shape[:-1] + (32,) and scales.shape == groups.shape[:-1] + (4,)
+        channels = np.ascontiguousarray(groups.swapaxes(-1, -2)).reshape(-1, 32)   # [g * 64, 32]
+        want_codes, want_scales = gguf_encode(channels, "q4_1")    # [g * 64, 16], [g * 64, 2]
+        # the group's bytes: channel c's 16 code bytes and (d, m), channel after channel
+        assert codes.tobytes() == want_codes.tobytes(), case
+        assert scales.tobytes() == want_scales.tobytes(), case
+        decoded = kvcore.dequantize(codes, scales, "q4_1ch")
+        want = gguf_decode(want_codes, want_scales, "q4_1").reshape(-1, 64, 32).swapaxes(-1, -2)
+        np.testing.assert_array_equal(raw(decoded), raw(want), err_msg=case)
+
+
+def test_q4_1ch_layout_by_hand():
+    # channel c of a group: q4_1 of its 32 positions; row slot j holds channels
+    # [j D/32, (j + 1) D/32), 16 code bytes and a (d, m) pair each
+    x = np.zeros((32, 64), F32)
+    x[:, 3] = np.arange(32, dtype=F32)           # channel 3: 0..31, d = 31/15, m = 0
+    x[:, 2] = -1.0                               # channel 2: one value, d = 0, m = -1
+    codes, scales = kvcore.quantize(x, "q4_1ch")
+    assert codes.shape == (32, 32) and scales.shape == (32, 4)
+    slot, at = divmod(3, 2)                       # D/32 = 2 channels per row slot
+    block = codes[slot, 16 * at:16 * at + 16]
+    q = np.clip(np.trunc(np.arange(32, dtype=F32) * (F32(1) / (F32(31) / F32(15))) + F32(0.5)), 0, 15)
+    assert (block & 15).tolist() == q[:16].tolist() and (block >> 4).tolist() == q[16:].tolist()
+    assert scales[1, 2:].tolist() == [np.float16(F32(31) / F32(15)), 0.0]
+    assert scales[1, :2].tolist() == [0.0, -1.0] and not codes[1, :16].any()
+    np.testing.assert_array_equal(kvcore.dequantize(codes, scales, "q4_1ch")[:, 2], -1.0)
+
+
+def test_q4_1ch_bad_input(rng):
+    x = rng.standard_normal((2, 32, 64)).astype(F32)
+    with pytest.raises(ShapeError, match=r"q4_1ch encodes groups of 32 positions, expected "
+                                         r"\[\.\.\., 32, 64\], got \[2, 31, 64\]"):
+        kvcore.quantize(x[:, :31], "q4_1ch")
+    with pytest.raises(FormatError, match="needs head_dim divisible by 32, got 48"):
+        kvcore.quantize(x[..., :48], "q4_1ch")
+    for bad, err in ((np.nan, NonFiniteError), (np.inf, NonFiniteError), (-70000.0, FormatError)):
+        y = x.copy()
+        y[1, 5, 7] = bad
+        codes = np.zeros((2, 32, 32), np.uint8)
+        with pytest.raises(err, match=r"x\[1, 5, 7\]"):
+            kvcore.quantize(y, "q4_1ch", out=(codes, np.zeros((2, 32, 4), np.float16)))
+        assert not codes.any()
+    codes, scales = kvcore.quantize(x, "q4_1ch")
+    with pytest.raises(ShapeError, match="encodes groups of 32 positions"):
+        kvcore.dequantize(codes[:, :16], scales[:, :16], "q4_1ch")

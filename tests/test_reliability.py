@@ -18,10 +18,10 @@ import kvcore
 from kvcore import (DTypeError, FormatError, KVCache, KVCacheError, KVSpec, NonFiniteError,
                     OutOfRangeError, RangeError, ShapeError, Snapshot, SnapshotError, StateError,
                     load_snapshot)
-from kvcore.formats import FORMATS, Format
+from kvcore.formats import FORMATS, ROW_FORMATS, Format
 from kvcore._quant import input_limit
 
-ALL = list(FORMATS)
+ALL = list(ROW_FORMATS)   # K and V in one format (q4_1ch is K only)
 F32MAX = float(np.finfo(np.float32).max)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,8 @@ from _formats import PAIRS, sides
 from safetensors import safe_open
 
 import kvcore
-from kvcore import FORMATS, KVCache, KVSpec, Snapshot, SnapshotError, load_snapshot
+from kvcore import KVCache, KVSpec, Snapshot, SnapshotError, load_snapshot
+from kvcore.formats import ROW_FORMATS as FORMATS   # K and V in one format (q4_1ch is K only)
 from kvcore.errors import DTypeError, OutOfRangeError
 from kvcore.snapshot import _metadata_digest
 

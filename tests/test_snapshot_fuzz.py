@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore import FORMATS, KVSpec, Snapshot, SnapshotError, load_snapshot
+from kvcore import KVSpec, Snapshot, SnapshotError, load_snapshot
+from kvcore.formats import ROW_FORMATS as FORMATS   # K and V in one format (q4_1ch is K only)
 from kvcore.snapshot import _metadata_digest
 
 ITERATIONS = int(os.environ.get("KVCORE_FUZZ_ITERATIONS", "300"))

@@ -150,3 +150,17 @@ def test_pickles_of_specs_before_pairs_load():
     back.__setstate__(old)
     assert back == s and back.fmt is FORMATS["q8_0"]
     assert pickle.loads(pickle.dumps(spec(format="q8_0/q4_0"))) == spec(format="q8_0/q4_0")
+
+
+def test_q4_1ch_is_a_k_format():
+    # KIVI: K by channel over groups of 32 positions, V per token; q4_1's bytes per row
+    s = spec(k_format="q4_1ch", v_format="q4_1")
+    assert s.format == "q4_1ch/q4_1" and s.k_fmt.group == 32
+    assert s.bytes_per_position == spec(format="q4_1").bytes_per_position
+    for bad in (dict(format="q4_1ch"), dict(k_format="q4_1", v_format="q4_1ch")):
+        with pytest.raises(FormatError, match=r"V format q4_1ch stores values by channel over "
+                                              r"groups of 32 positions, a K layout"):
+            spec(**bad)
+    with pytest.raises(FormatError, match="K format q4_1ch needs head_dim divisible by 32, got 48"):
+        KVSpec(num_layers=1, num_kv_heads=1, head_dim=48, capacity=64, k_format="q4_1ch",
+               v_format="f16")

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 import kvcore
-from kvcore import FORMATS, KVCache, KVSpec, Snapshot, load_snapshot
+from kvcore import KVCache, KVSpec, Snapshot, load_snapshot
+from kvcore.formats import ROW_FORMATS as FORMATS   # K and V in one format (q4_1ch is K only)
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
 from kvcore._quant import input_limit, max_scale

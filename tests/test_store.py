@@ -126,7 +126,7 @@ def _chunk(spec, rng, key="k0"):
     return kind, key, tokens, parts, encode_chunk(kind, key, tokens, parts)
 
 
-@pytest.mark.parametrize("fmt", list(kvcore.FORMATS) + PAIRS)
+@pytest.mark.parametrize("fmt", list(kvcore.formats.ROW_FORMATS) + PAIRS)
 def test_chunk_round_trip_every_format(fmt, rng):
     kind, key, tokens, parts, value = _chunk(spec_of(fmt), rng)
     assert value[:8] == MAGIC
@@ -770,6 +770,30 @@ def test_redis_single_server_round_trip_and_ttl(redis_server, rng):
     assert same_positions(source, target, 2 * C)
     backend.delete(keys)
     assert store.lookup(tokens) == 0
+    backend.close()
+
+
+def test_redis_kivi_pair_saves_whole_groups(redis_server, rng):
+    """K q4_1ch / V q4_1 (KIVI): chunks of 32 positions hold whole groups of K codes (the
+    open group, in the cache's float16 residual, is never saved); a pool with the store
+    continues a prompt from them."""
+    spec = spec_of("q4_1ch/q4_1")
+    tokens = rng.integers(0, 50000, 2 * 32 + 7)
+    source = computed(spec, tokens)
+    backend = RedisBackend(redis_server.url)
+    store = KVStore(backend, model="redis-kivi", spec=spec, chunk_tokens=32, page_size=32)
+    assert store.save(source.snapshot(), tokens) == 2
+    pool = kvcore.KVPool(spec, 8, 32, prefix_cache=True, store=store)
+    seq, n = pool.match_prefix(tokens)
+    assert n == 64 and pool.stats.store_hits == 2
+    prefill(pool, tokens[64:], seq)
+    for layer in range(spec.num_layers):
+        for which in "kv":
+            np.testing.assert_array_equal(pool.dequantize(seq, layer, which),
+                                          source.dequantize(layer, which))
+    with pytest.raises(kvcore.FormatError, match="chunk_tokens must be a multiple of 32"):
+        KVStore(backend, model="redis-kivi", spec=spec, chunk_tokens=16, page_size=16)
+    backend.delete(store.keys(tokens))
     backend.close()
 
 

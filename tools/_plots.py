@@ -70,19 +70,19 @@ def accuracy(results: dict[str, dict[str, float]], path: str, source: str) -> No
     """Grouped bars of relative RMS error per format (log scale); exact results (0) are
     labelled instead. results: tools/bench_accuracy.py main()'s return."""
     plt = _pyplot()
-    cols = ["round trip gauss", "round trip t(3)", "attention"]
+    cols = ["round trip gauss", "round trip t(3)", "round trip K", "attention"]
     names = list(results)
     fig, ax = plt.subplots(figsize=(8.5, 3.8))
-    width = 0.27
+    width = 0.2
     for j, col in enumerate(cols):
-        xs = [i + (j - 1) * width for i, name in enumerate(names)
+        xs = [i + (j - 1.5) * width for i, name in enumerate(names)
               if results[name].get(col) not in (None, 0)]
         ax.bar(xs, [v for name in names if (v := results[name].get(col)) not in (None, 0)],
                width, color=f"C{j}", label=col)
     for i, name in enumerate(names):
         exact = [c for c in cols if results[name].get(c) == 0]
         if exact:
-            ax.text(i - width / 2, 1.5e-7, "round trip\nexact" if len(exact) == 2 else "exact",
+            ax.text(i - width / 2, 1.5e-7, "round trip\nexact" if len(exact) > 1 else "exact",
                     ha="center", va="bottom", fontsize=6.5)
     ax.set_yscale("log")
     ax.set_ylim(1e-7, 1)

@@ -12,7 +12,11 @@
   float32 (a plain same-precision implementation);
 - K/V pairs (KVSpec(k_format=, v_format=), llama.cpp's -ctk / -ctv): the attention of a
   cache storing K in one format and V in another ("K q8_0 / V q4_0"), no round trip of
-  their own (each side's is its format's row).
+  their own (each side's is its format's row); among them KIVI's K q4_1ch (by channel
+  over groups of 32 positions) / V q4_1 (per token);
+- round trip K: the attention's keys (outlier channels) through each format, q4_1ch by
+  its groups of 32 positions of a head: where per-channel K beats per-token K.
+  q4_1ch, a K format, has no attention row of its own (its V would be per channel).
 Deterministic (seeded data): the figures do not move between runs.
 """
 from __future__ import annotations
@@ -30,12 +34,22 @@ from _benchlib import print_table  # noqa: E402
 import kvcore  # noqa: E402
 
 HQ, HKV, D, OUTLIERS = 32, 8, 128, 4
-PAIRS = ("q8_0/q4_0", "f16/q4_0")   # K format / V format
+PAIRS = ("q8_0/q4_0", "f16/q4_0", "q4_1ch/q4_1", "q4_1ch/q4_0")   # K format / V format
 
 
 def rel_rms(approx: np.ndarray, exact: np.ndarray) -> float:
     a, e = approx.astype(np.float64), exact.astype(np.float64)
     return float(np.sqrt(np.sum((a - e) ** 2) / np.sum(e ** 2)))
+
+
+def round_trip(x: np.ndarray, fmt: str) -> float:
+    """Relative RMS error of x [n, Hkv, D] quantized and decoded in fmt; a grouped format
+    (q4_1ch) encodes groups of its 32 positions of each head."""
+    group = kvcore.get_format(fmt).group
+    if group:
+        x = x.reshape(-1, group, HKV, D).swapaxes(1, 2)      # [n / 32, Hkv, 32, D]
+    codes, scales = kvcore.quantize(x, fmt)
+    return rel_rms(kvcore.dequantize(codes, scales, fmt), x)
 
 
 def _attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -59,7 +73,8 @@ def _attention32(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def measure(positions: int = 4096) -> dict[str, dict[str, float]]:
-    """{row name: {"round trip gauss", "round trip t(3)", "attention"}: relative RMS}."""
+    """{row name: {"round trip gauss", "round trip t(3)", "round trip K", "attention"}:
+    relative RMS}."""
     rng = np.random.default_rng(0)
     gauss = rng.standard_normal((positions, HKV, D)).astype(np.float32)
     heavy = rng.standard_t(3, (positions, HKV, D)).astype(np.float32)
@@ -73,9 +88,12 @@ def measure(positions: int = 4096) -> dict[str, dict[str, float]]:
     for fmt in (*kvcore.FORMATS, *PAIRS):
         row = {}
         if fmt in kvcore.FORMATS:
-            for label, x in (("round trip gauss", gauss), ("round trip t(3)", heavy)):
-                codes, scales = kvcore.quantize(x, fmt)
-                row[label] = rel_rms(kvcore.dequantize(codes, scales, fmt), x)
+            for label, x in (("round trip gauss", gauss), ("round trip t(3)", heavy),
+                             ("round trip K", k)):
+                row[label] = round_trip(x, fmt)
+        if fmt in kvcore.FORMATS and fmt not in kvcore.formats.ROW_FORMATS:   # K only
+            out[f"kvcore {fmt}"] = row
+            continue
         spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=positions,
                              num_heads=HQ, format=fmt)
         cache = kvcore.KVCache(spec)
@@ -94,7 +112,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, dict[str, float]]:
     parser.add_argument("--positions", type=int, default=4096)
     args = parser.parse_args(argv)
     res = measure(args.positions)
-    cols = ["round trip gauss", "round trip t(3)", "attention"]
+    cols = ["round trip gauss", "round trip t(3)", "round trip K", "attention"]
     print_table(f"Accuracy against float64: relative RMS error, {args.positions} positions, "
                 f"Hq={HQ}, Hkv={HKV}, D={D}", ["implementation"] + cols,
                 [[name] + [f"{row[c]:.2e}" if c in row else "-" for c in cols]

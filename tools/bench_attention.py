@@ -215,7 +215,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     for n in args.contexts:
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
-        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in kvcore.FORMATS}
+        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in kvcore.formats.ROW_FORMATS}
         peers = {"numpy f32 grouped matmul": _numpy_calls(k, v, q)}
         if torch is not None:
             peers["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     kvcore.set_num_threads(1)
     fma1 = fma.get(1) or _fma_rate()
     fma_ns = 2 * (HQ // HKV) * D / fma1 * 1e9
-    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in kvcore.FORMATS}
+    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in kvcore.formats.ROW_FORMATS}
     kvcore.set_num_threads(0)
     print_table(f"In cache, 1 thread: ns per position and kv head (the slope between 128 and "
                 f"512 positions) and the FMAs' share of it ({fma_ns:.1f} ns at "
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
         for threads in args.threads:
             for what, bound in (("the probe", probe_gbps), ("the limit", limit_gbps)):
                 share = {}
-                for fmt in kvcore.FORMATS:
+                for fmt in kvcore.formats.ROW_FORMATS:
                     secs, nbytes = results[(f"kvcore {fmt}", threads)][n]
                     share[fmt] = nbytes / secs / 1e9 / bound(f"kvcore {fmt}", threads, n)
                 low, high = min(share, key=share.get), max(share, key=share.get)

@@ -145,7 +145,8 @@ def _append_calls(k: np.ndarray, v: np.ndarray, n: int = 64, batches: int = 50):
 def bench_step() -> None:
     ks, vs = _inputs(STEPS)
     fns = {"numpy preallocated f32, slice assignment": _numpy_steps(ks, vs)}
-    fns.update({f"kvcore KVCache {fmt}": _kvcache_steps(fmt, ks, vs) for fmt in kvcore.FORMATS})
+    fns.update({f"kvcore KVCache {fmt}": _kvcache_steps(fmt, ks, vs)
+                for fmt in kvcore.formats.ROW_FORMATS})
     per_step = {name: secs / STEPS for name, secs in _interleaved(fns).items()}
     peer = per_step["numpy preallocated f32, slice assignment"]
     window = f"{T0 + 2 * STEPS}-{CAPACITY}"  # the timed rounds

@@ -34,7 +34,7 @@ def _calls(torch, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, Call
     """The timed calls of one prompt of T = len(q) tokens."""
     T = q.shape[0]
     calls: dict[str, Callable[[], object]] = {}
-    for fmt in kvcore.FORMATS:
+    for fmt in kvcore.formats.ROW_FORMATS:
         cache = kvcore.KVCache(kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D,
                                              capacity=T, num_heads=HQ, format=fmt))
         cache.append(0, k, v)

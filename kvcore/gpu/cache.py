@@ -58,6 +58,10 @@ GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
 def check_gpu_format(spec: KVSpec, what: str) -> None:
     """FormatError unless the GPU kernels have spec's format (one for K and V: a K/V
     pair of two formats is CPU-only for now)."""
+    if spec.k_fmt.group:
+        raise FormatError(f"{what}: K format {spec.k_format} (by channel over groups of "
+                          f"{spec.k_fmt.group} positions) is not on the GPU: KVCache on the "
+                          f"CPU holds it")
     if spec.paired:
         raise FormatError(f"{what}: K format {spec.k_format} and V format {spec.v_format} "
                           f"differ: K/V pairs are not on the GPU yet (KVCache and KVPool on "

@@ -173,13 +173,14 @@ class KVCoreLayer(CacheLayerMixin):
                       capacity=self.max_cache_len or _UNBOUNDED, num_heads=self.num_heads,
                       format=self.format)
         self.dtype, self.device = key_states.dtype, key_states.device
+        ps = math.lcm(_PAGE_SIZE, spec.k_fmt.group or 1)   # q4_1ch: pages of whole groups
         if self.window is None:
-            per_row = -(-(self.max_cache_len or max(_MIN_CAPACITY, t)) // _PAGE_SIZE)
-            self.pool = KVPool(spec, b * per_row, _PAGE_SIZE)
+            per_row = -(-(self.max_cache_len or max(_MIN_CAPACITY, t)) // ps)
+            self.pool = KVPool(spec, b * per_row, ps)
         else:   # the window's positions (from a page start), a chunk, a fork's partial page
-            held = self.window + self._chunk + 2 * _PAGE_SIZE
-            per_row = -(-min(held, self.max_cache_len or held) // _PAGE_SIZE) + 1
-            self.pool = KVPool(spec, b * per_row, _PAGE_SIZE, window=self.window)
+            held = self.window + self._chunk + 2 * ps
+            per_row = -(-min(held, self.max_cache_len or held) // ps) + 1
+            self.pool = KVPool(spec, b * per_row, ps, window=self.window)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
@@ -479,7 +480,8 @@ class KVCoreCache(Cache):
     attn_implementation "kvcore". format: a name of kvcore.FORMATS ("f32", "f16", "bf16",
     "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1"; default "f16") for K and V;
     k_format / v_format: one side each (llama.cpp's -ctk / -ctv: k_format="q8_0",
-    v_format="q4_0"), as KVSpec takes them. max_cache_len: positions per row at most;
+    v_format="q4_0"; KIVI: k_format="q4_1ch", v_format="q4_1", full-attention layers
+    only), as KVSpec takes them. max_cache_len: positions per row at most;
     None grows as needed. The layers follow config's layer types: "full_attention" and
     "sliding_attention" (a pool with the config's sliding_window: it holds about W
     positions a row); any other type (chunked, linear or shared-KV layers) is refused.

@@ -57,8 +57,9 @@ class ChunkKind:
     def layout(self):
         """(name, shape, dtype) of each tensor of a value, in order."""
         spec = self.spec.replace(capacity=max(self.spec.capacity, self.chunk_tokens))
-        return ([(_TOKENS, (self.chunk_tokens,), np.dtype(np.int64))]
-                + _layout(spec, self.chunk_tokens))
+        return ([(_TOKENS, (self.chunk_tokens,), np.dtype(np.int64))]   # whole groups of
+                + [part for part in _layout(spec, self.chunk_tokens)    # q4_1ch: no open one
+                   if part[0] != "k_residual"])
 
     @cached_property
     def max_value_bytes(self) -> int:

@@ -16,8 +16,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .._prefix_keys import Extra, encode_extra, chain_key, token_array, ROOT
-from ..errors import (ChunkError, DTypeError, KVCacheError, RangeError, SnapshotError,
-                      StateError, StoreError)
+from ..errors import (ChunkError, DTypeError, FormatError, KVCacheError, RangeError,
+                      SnapshotError, StateError, StoreError)
 from ..snapshot import Snapshot
 from ..formats import describe
 from ..spec import KVSpec
@@ -90,6 +90,10 @@ class KVStore:
         if chunk_tokens % page_size:
             raise RangeError(f"chunk_tokens {chunk_tokens} is not a multiple of page_size "
                              f"{page_size}")
+        if chunk_tokens % (spec.k_fmt.group or 1):
+            raise FormatError(f"K format {spec.k_format} encodes groups of {spec.k_fmt.group} "
+                              f"positions: chunk_tokens must be a multiple of "
+                              f"{spec.k_fmt.group}, got {chunk_tokens}")
         _check_name("prefix", prefix)
         self.backend = backend
         self.spec = spec
