@@ -10,20 +10,22 @@
 //      KvPagedStorage (GpuKVPool, kv_pattn_*): the pool's token-major layer
 //        [P * page_size][Hkv][D] through block tables; query row r of the step is token t
 //        of sequence b by CSR q_offsets, and sees lengths[b] - count_b + t + 1 (causal).
-//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16.) Everything is
-//    read on the device, so one captured graph serves every step.
+//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0 and q4_0, 2 D/32 f16 (d, m) for q4_1,
+//    none for f32/f16/bf16; 4-bit codes are D/2 bytes a row.) Everything is read on the
+//    device, so one captured graph serves every step.
 // 2. Grid (nsplit, Hkv * G / GB, rows), 128 threads. A block takes GB query heads of one
 //    kv head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per
 //    group of query heads, and one split of the row's positions: the chunk is computed on
 //    the device from the row's length, max(ceil(n / nsplit), KV_MIN_SPLIT) rounded up to
 //    the tile, so short rows leave splits empty and the grid needs no host-side length.
-// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V; T <= 64
-//    except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
+// 3. Tiles of T positions (T * row code bytes <= 4 KiB of K and as much of V, 2 KiB for
+//    4-bit codes; T <= 64 except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
 //    (16-byte copies, one head row of D * code bytes at a time, at the storage's row(p)).
 //    Per tile:
 //      a. scores: thread (c, rg) dots its DPT dims of rows rg, rg + RG, ... with the GB
 //         query vectors held in registers, dequantizing in registers (scales applied to
-//         the partial dot; q8_0 per block of 32), partials to shared memory;
+//         the partial dot; q8_0 and q4_0 per block of 32; q4_1 decodes q * d + m per
+//         value), partials to shared memory;
 //      b. online softmax (base 2, q pre-scaled by log2(e) / sqrt(D)): one warp per head
 //         sums the partials, takes the tile max, rescales its running sum;
 //      c. values: acc[g][DPT] += p[g][row] * scale * v[row][dims], in float32 registers;
@@ -32,10 +34,12 @@
 //    the natural lse; otherwise it writes its normalized partial o and lse = m + log2(l)
 //    (-inf when the split is empty, o then unwritten) to the workspace and kv_attn_merge
 //    combines them (log-sum-exp).
-// 5. Accumulation is float32 throughout; codes are converted exactly (int8 via the 2^23
-//    trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift).
+// 5. Accumulation is float32 throughout; codes are converted exactly (int8 and 4-bit via
+//    the 2^23 trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift). A thread's
+//    4-bit codes are 4 or 8 bytes of one block, dims j and 16 + j of it (AttnCfg::kofs).
 // 6. Head dims: D = 64, 128, 256 are compiled as constants; the _dx instances take any
-//    multiple of 16 up to 256 at run time (same code, D not folded).
+//    multiple of 16 up to 256 at run time (q8_0, q4_0, q4_1: of 32; same code, D not
+//    folded).
 // 7. Variants (docs/variants.md), run-time arguments of every instance (0 / null: off, and
 //    the kernel computes exactly what it does without them): window W and sink_tokens S
 //    select the positions the query at n - 1 sees, [0, min(S, n - W)) and [n - W, n)
@@ -51,7 +55,7 @@
 
 #define KV_ATTN_THREADS 128
 #define KV_ATTN_WARPS (KV_ATTN_THREADS / 32)
-#define KV_TILE_BYTES 4096
+#define KV_TILE_BYTES 4096     // K codes per stage (AttnCfg::TB: half for 4-bit codes)
 #define KV_MAX_TILE 64         // positions per tile at most (the fixed head_dims reach it at
                                // int8/fp8/q8_0 D = 64; it bounds the run-time-D shared memory)
 #define KV_MIN_SPLIT 128       // a split covers at least this many positions (if it has any)
@@ -97,6 +101,21 @@ template <> __device__ __forceinline__ void kv_dec_word<KV_INT8>(uint32_t w, flo
 template <> __device__ __forceinline__ void kv_dec_word<KV_Q8_0>(uint32_t w, float* f) { kv_dec_i8x4(w, f); }
 template <> __device__ __forceinline__ void kv_dec_word<KV_FP8_E4M3>(uint32_t w, float* f) { kv_dec_e4m3x4(w, f); }
 template <> __device__ __forceinline__ void kv_dec_word<KV_FP8_E5M2>(uint32_t w, float* f) { kv_dec_e5m2x4(w, f); }
+
+// 4 bytes of 4-bit codes -> 8 floats: the low nibbles (f[0..3]), then the high ones
+// (f[4..7]), each minus `bias` (8: q4_0, 0: q4_1); exact, by the 2^23 trick.
+template <int BIAS>
+__device__ __forceinline__ void kv_dec_u4x8(uint32_t w, float* f) {
+    const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+    constexpr float base = 8388608.0f + BIAS;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[i] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + i)) - base;
+        f[4 + i] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + i)) - base;
+    }
+}
+template <> __device__ __forceinline__ void kv_dec_word<KV_Q4_0>(uint32_t w, float* f) { kv_dec_u4x8<8>(w, f); }
+template <> __device__ __forceinline__ void kv_dec_word<KV_Q4_1>(uint32_t w, float* f) { kv_dec_u4x8<0>(w, f); }
 
 // ---- cp.async --------------------------------------------------------------------------
 
@@ -216,11 +235,28 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
 template <int FMT, int GB>
 struct AttnCfg {
     static constexpr int CB = FMT == KV_F32 ? 4 : (FMT == KV_F16 || FMT == KV_BF16) ? 2 : 1;
-    // dims per thread: one 16-byte vector of codes, at most 8 dims from 4 heads on, so
-    // that q and acc (GB * DPT floats each) leave room for 2-4 blocks per SM
-    static constexpr int DPT_CAP = GB >= 4 ? 8 : 32 / GB;
-    static constexpr int DPT = (16 / CB) < DPT_CAP ? (16 / CB) : DPT_CAP;
-    static constexpr int VB = DPT * CB;                    // code bytes per thread-row
+    static constexpr int PACK = FMT >= KV_Q4_0 ? 2 : 1;    // values per code byte
+    // dims per thread: one 16-byte vector of codes, at most 16 dims (4-bit codes: 8 bytes;
+    // 32 dims took 211 registers), at most 8 from 4 heads on, so that q and acc (GB * DPT
+    // floats each) leave room for 2-4 blocks per SM
+    static constexpr int DPT_CAP = GB >= 4 ? 8 : 16;
+    static constexpr int DPT = (16 * PACK / CB) < DPT_CAP ? (16 * PACK / CB) : DPT_CAP;
+    static constexpr int VB = DPT * CB / PACK;             // code bytes per thread-row
+    // K (and V) code bytes of a stage: 4 KiB; 2 KiB for 4-bit codes, whose tiles then hold
+    // as many positions as q8_0's (the partial scores, positions x threads per row, and the
+    // stages must fit the 48 KiB of static shared memory)
+    static constexpr int TB = KV_TILE_BYTES / PACK;
+    // Element k of thread c is dim d0(c) + kofs(k): dim c * DPT + k, except for the 4-bit
+    // formats, whose byte j of a block holds dims j (low nibble) and 16 + j (high): the
+    // thread's word i (code bytes c * VB + 4i.., all in one block) gives elements 8i..8i+3
+    // (low nibbles) and 8i+4..8i+7 (high), kv_dec_u4x8's order. kofs(k)..kofs(k) + 3 are
+    // consecutive for k % 4 == 0.
+    __host__ __device__ static constexpr int d0(int c) {
+        return PACK == 1 ? c * DPT : c * VB / 16 * 32 + c * VB % 16;
+    }
+    __host__ __device__ static constexpr int kofs(int k) {
+        return PACK == 1 ? k : k / 4 % 2 * 16 + k / 8 * 4 + k % 4;
+    }
     static constexpr int STAGES = GB >= 8 ? 3 : 4;
     static constexpr int HPW = (GB + KV_ATTN_WARPS - 1) / KV_ATTN_WARPS;  // heads per warp
     // q in shared memory (q_s, read where it is used) instead of registers: at GB 8 and
@@ -239,10 +275,11 @@ struct AttnCfg {
     __host__ __device__ static constexpr int min_blocks(int DT, bool paged) {
         return qs(DT) ? (FMT == KV_INT8 && paged ? 3 : 4) : 0;
     }
-    static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 block");
-    // Geometry of head_dim D (a multiple of 16 up to 256; q8_0: of 32):
+    static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 / q4 block");
+    // Geometry of head_dim D (a multiple of 16 up to 256; q8_0, q4_0, q4_1: of 32):
+    __host__ __device__ static constexpr int rb(int D) { return D * CB / PACK; }  // code bytes per head row
     __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
-        return FMT == KV_Q8_0 ? D / 16 : FMT >= KV_INT8 ? 4 : 0;
+        return FMT == KV_Q8_0 || FMT == KV_Q4_0 ? D / 16 : FMT == KV_Q4_1 ? D / 8 : FMT >= KV_INT8 ? 4 : 0;
     }
     __host__ __device__ static constexpr int tpr(int D) { return D / DPT; }  // threads per row
     __host__ __device__ static constexpr int rg(int D) { return KV_ATTN_THREADS / tpr(D); }  // row groups
@@ -252,12 +289,14 @@ struct AttnCfg {
         return rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
     }
     __host__ __device__ static constexpr int rows_cap(int D) {
-        return KV_TILE_BYTES / (D * CB) < KV_MAX_TILE ? KV_TILE_BYTES / (D * CB) : KV_MAX_TILE;
+        return TB / rb(D) < KV_MAX_TILE ? TB / rb(D) : KV_MAX_TILE;
     }
-    // Bounds over the head_dims of an instance: DT, or every one when DT == 0.
+    // Bounds over the head_dims of an instance: DT, or every one when DT == 0 (multiples of
+    // 32 for the 4-bit formats, whose DPT of 32 at GB 1 leaves D = 16 no thread).
     __host__ __device__ static constexpr int max_over(int DT, int what) {
         int m = 0;
-        for (int D = DT ? DT : 16; D <= (DT ? DT : 256); D += 16) {
+        constexpr int step = PACK == 2 ? 32 : 16;
+        for (int D = DT ? DT : step; D <= (DT ? DT : 256); D += step) {
             const int x = what == 0 ? tile(D) : what == 1 ? tile(D) * tpr(D)
                         : what == 2 ? tile(D) * sb(D) : (rg(D) / 2) * D * 4 * GB;
             m = x > m ? x : m;
@@ -267,16 +306,29 @@ struct AttnCfg {
     __host__ __device__ static constexpr int t_max(int DT) { return max_over(DT, 0); }
     __host__ __device__ static constexpr int part_max(int DT) { return max_over(DT, 1); }
     __host__ __device__ static constexpr int scale_stride(int DT) { return (max_over(DT, 2) + 15) / 16 * 16; }
-    __host__ __device__ static constexpr int stage_bytes(int DT) { return 2 * KV_TILE_BYTES + 2 * scale_stride(DT); }
+    // K codes, V codes, K scales, V scales; padded so that the stages hold the reduction
+    // buffer (only the 4-bit formats' smaller stages at D = 256 need it)
+    __host__ __device__ static constexpr int stage_bytes(int DT) {
+        return 2 * TB + 2 * scale_stride(DT) > (red_max(DT) + STAGES * 16 - 1) / (STAGES * 16) * 16
+            ? 2 * TB + 2 * scale_stride(DT) : (red_max(DT) + STAGES * 16 - 1) / (STAGES * 16) * 16;
+    }
     __host__ __device__ static constexpr int red_max(int DT) { return max_over(DT, 3); }
 };
 
-// Scale of row r for the thread's dims starting at d0, read from a stage's scale bytes.
-template <int FMT>
-__device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, int d0, int D) {
-    if constexpr (FMT == KV_Q8_0) {
+// The thread's DPT decoded codes f of row r (dims in one block, the first d0) and a
+// stage's scale bytes s -> the factor of the row's partial dot (K) or weight (V): the row
+// or block scale, 1 for the float formats. q4_1 instead dequantizes f in place, f = q * d
+// + m with the CPU's two roundings (m does not factor out), and returns 1.
+template <int FMT, int DPT>
+__device__ __forceinline__ float kv_tile_dequant(const unsigned char* s, int r, int d0, int D, float* f) {
+    if constexpr (FMT == KV_Q8_0 || FMT == KV_Q4_0) {
         const uint16_t* h = (const uint16_t*)s;
         return kv_f16_to_f32(h[r * (D / 32) + d0 / 32]);
+    } else if constexpr (FMT == KV_Q4_1) {
+        float dm[2];  // (d, m) of the block: one aligned 4-byte word
+        kv_dec_h2(((const uint32_t*)s)[r * (D / 32) + d0 / 32], dm);
+#pragma unroll
+        for (int k = 0; k < DPT; k++) f[k] = __fadd_rn(__fmul_rn(f[k], dm[0]), dm[1]);
     } else if constexpr (FMT == KV_FP8_E4M3) {
         return ((const float*)s)[r] * 256.0f;  // the decoder returns value * 2^-8
     } else if constexpr (FMT >= KV_INT8) {
@@ -285,18 +337,21 @@ __device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, in
     return 1.0f;
 }
 
-// The thread's VB code bytes of one row (16 or 8, aligned) -> DPT floats.
+// The thread's VB code bytes of one row (16, 8 or 4, aligned) -> DPT floats (in the
+// order of AttnCfg::kofs).
 template <int FMT, int GB>
 __device__ __forceinline__ void kv_load_row(const unsigned char* p, float* f) {
     using C = AttnCfg<FMT, GB>;
-    constexpr int PER_WORD = 4 / C::CB;
+    constexpr int PER_WORD = 4 * C::PACK / C::CB;
     uint32_t w[4];
     if constexpr (C::VB == 16) {
         const uint4 u = *(const uint4*)p;
         w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
-    } else {
+    } else if constexpr (C::VB == 8) {
         const uint2 u = *(const uint2*)p;
         w[0] = u.x; w[1] = u.y;
+    } else {  // 4-bit codes from 4 heads on: 4 bytes, 8 dims
+        w[0] = *(const uint32_t*)p;
     }
 #pragma unroll
     for (int i = 0; i < C::VB / 4; i++) kv_dec_word<FMT>(w[i], f + i * PER_WORD);
@@ -339,7 +394,7 @@ __device__ __forceinline__ void kv_attn_split(
     __shared__ int win_s[3];
 
     const int D = DT ? DT : d;
-    const int RB = D * C::CB, SB = C::sb(D), TPR = C::tpr(D), RG = C::rg(D);
+    const int RB = C::rb(D), SB = C::sb(D), TPR = C::tpr(D), RG = C::rg(D);
     const int T = C::tile(D), RPT = T / RG;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = tid % TPR, rg = tid / TPR;  // threads with rg >= RG only copy and reduce
@@ -409,10 +464,10 @@ __device__ __forceinline__ void kv_attn_split(
                 const bool ok = r < rows;
                 const size_t off = ok ? src.row(p0 + r) * RB + (size_t)(i - r * ppr) * 16 : 0;
                 kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
-                kv_cp16(st + KV_TILE_BYTES + i * 16, src.v + off, ok ? 16 : 0);
+                kv_cp16(st + C::TB + i * 16, src.v + off, ok ? 16 : 0);
             }
             if constexpr (C::sb(16) > 0) {
-                unsigned char* ss = st + 2 * KV_TILE_BYTES;
+                unsigned char* ss = st + 2 * C::TB;
                 if (SB % 4 == 0) {
                     const int wpr = SB / 4;
                     for (int i = tid; i < T * wpr; i += KV_ATTN_THREADS) {
@@ -467,9 +522,9 @@ __device__ __forceinline__ void kv_attn_split(
     } else {
 #pragma unroll
         for (int g = 0; g < GB; g++) {
-            const long long base = (long long)(row0_out + g) * D + c * C::DPT;
+            const long long base = (long long)(row0_out + g) * D + C::d0(c);
 #pragma unroll
-            for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + k) * qk_scale;
+            for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + C::kofs(k)) * qk_scale;
         }
     }
     float acc[GB][C::DPT];
@@ -495,13 +550,13 @@ __device__ __forceinline__ void kv_attn_split(
                 const int r = rg + j * RG;
                 float kf[C::DPT];
                 kv_load_row<FMT, GB>(st + r * RB + c * C::VB, kf);
-                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES, r, c * C::DPT, D);
+                const float sc = kv_tile_dequant<FMT, C::DPT>(st + 2 * C::TB, r, C::d0(c), D, kf);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
                     float qv[C::DPT];
                     if constexpr (QS) {
 #pragma unroll
-                        for (int k = 0; k < C::DPT; k += 4) kv_lds4(q_s + g * D + c * C::DPT + k, qv + k);
+                        for (int k = 0; k < C::DPT; k += 4) kv_lds4(q_s + g * D + C::d0(c) + C::kofs(k), qv + k);
                     } else {
 #pragma unroll
                         for (int k = 0; k < C::DPT; k++) qv[k] = qr[g][k];
@@ -571,8 +626,8 @@ __device__ __forceinline__ void kv_attn_split(
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float vf[C::DPT];
-                kv_load_row<FMT, GB>(st + KV_TILE_BYTES + r * RB + c * C::VB, vf);
-                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES + SCALE_STRIDE, r, c * C::DPT, D);
+                kv_load_row<FMT, GB>(st + C::TB + r * RB + c * C::VB, vf);
+                const float sc = kv_tile_dequant<FMT, C::DPT>(st + 2 * C::TB + SCALE_STRIDE, r, C::d0(c), D, vf);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
                     const float pv = prob[r * GB + g] * sc;
@@ -631,7 +686,7 @@ __device__ __forceinline__ void kv_attn_split(
             for (int k = 0; k < C::DPT; k += 4) {
                 const float4 v = make_float4(acc[g][k] * inv, acc[g][k + 1] * inv,
                                              acc[g][k + 2] * inv, acc[g][k + 3] * inv);
-                *(float4*)(dst + c * C::DPT + k) = v;
+                *(float4*)(dst + C::d0(c) + C::kofs(k)) = v;
             }
             if (c == 0) {
                 const float lse2 = m_s[g] + log2f(l_s[g]);  // base 2, of the scaled (capped) scores
@@ -672,7 +727,7 @@ __device__ __forceinline__ void kv_attn_split(
         const int D = DT ? DT : d;                                                             \
         kv_attn_split<FMT, DT, GB>(                                                            \
             kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity,        \
-                            kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);      \
+                            kv_block_kvh(group, GB), C::rb(D), C::sb(D)), KV_ATTN_PASS);      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<FMT, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
         const unsigned char* k_codes, const unsigned char* v_codes,                            \
@@ -684,7 +739,7 @@ __device__ __forceinline__ void kv_attn_split(
         kv_attn_split<FMT, DT, GB>(                                                            \
             kv_paged_storage(k_codes, v_codes, k_scales, v_scales, block_tables, max_pages,    \
                              lengths, q_offsets, max_batch, page_size, hkv, causal,            \
-                             kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);     \
+                             kv_block_kvh(group, GB), C::rb(D), C::sb(D)), KV_ATTN_PASS);     \
     }
 #define KV_ATTN_GB(FMT, NAME, DN, DT) \
     KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 1) KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 2) \

@@ -1,8 +1,9 @@
 // Writes into a GpuKVCache: quantize-on-append and the commit of a step.
 //
-// 1. One layer of the cache, per slot, is head-major: codes [M][Hkv][N][D] (code dtype of
-//    the format), scales [M][Hkv][N][S] (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none
-//    for f32/f16/bf16). Kernels get the layer's base pointers; slot s, head h, position p
+// 1. One layer of the cache, per slot, is head-major: codes [M][Hkv][N][W] (code dtype of
+//    the format; W = D, or D/2 bytes for q4_0 / q4_1), scales [M][Hkv][N][S] (S = 1 f32 for
+//    int8/fp8, D/32 f16 for q8_0 and q4_0, 2 D/32 f16 (d, m) for q4_1, none for
+//    f32/f16/bf16). Kernels get the layer's base pointers; slot s, head h, position p
 //    is row (s * Hkv + h) * N + p.
 // 2. The write position comes from the device lengths, so one captured graph replays the
 //    same launches step after step; kv_advance commits the step afterwards.
@@ -19,7 +20,7 @@
 
 // Appends one step to one layer.
 //   k_in, v_in [R][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
-//   k_codes, v_codes [M][Hkv][N][D] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
+//   k_codes, v_codes [M][Hkv][N][W] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
 //   lengths int32[M] (read only), status int32[M] (OR'ed), active int32[M] or null
 //   slot < 0: R = M, row r goes to slot r at position lengths[r] (when active[r] != 0)
 //   slot >= 0: R = T rows go to slot `slot` at positions lengths[slot] + r

@@ -26,9 +26,9 @@ FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
 
 def random_parts(spec, n, rng):
     """Valid random codes and scales of n positions: (k_codes, v_codes, k_scales, v_scales)
-    token-major [L, n, Hkv, D] / [L, n, Hkv, S]."""
+    token-major [L, n, Hkv, W] / [L, n, Hkv, S] (W = D, or D/2 for the 4-bit formats)."""
     f = spec.fmt
-    shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
 
     def codes():
         if f.name == "f32":
@@ -40,6 +40,8 @@ def random_parts(spec, n, rng):
         if f.name in ("int8", "q8_0"):
             return rng.integers(-127, 128, shape, dtype=np.int8)
         c = rng.integers(0, 256, shape, dtype=np.uint8)
+        if f.pack == 2:                          # two 4-bit codes a byte: all valid
+            return c
         if f.name == "fp8_e4m3":
             c[(c & 0x7F) == 0x7F] ^= 1          # NaN -> 448 (0x7E)
         else:
@@ -50,8 +52,14 @@ def random_parts(spec, n, rng):
         if not f.quantized:
             return None
         s_shape = shape[:3] + (f.scales_per_row(spec.head_dim),)
-        top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344}[f.name]
-        return rng.uniform(0.25 * top, top, s_shape).astype(f.scale_dtype)
+        top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344,
+               "q4_0": 2.0 / 8, "q4_1": 4.0 / 15}[f.name]
+        s = rng.uniform(0.25 * top, top, s_shape)
+        if f.name == "q4_0":        # d = max / -8 takes either sign
+            s *= rng.choice([-1.0, 1.0], s_shape)
+        elif f.name == "q4_1":      # (d, m): m = the block's minimum, in [-2, 0)
+            s[..., 1::2] = rng.uniform(-2.0, 0.0, s[..., 1::2].shape)
+        return s.astype(f.scale_dtype)
 
     return codes(), codes(), scales(), scales()
 
@@ -71,6 +79,15 @@ def dequantize(codes, scales, fmt):
     if scales is None:
         return x
     s = scales.astype(np.float64)
+    if f.pack == 2:   # 4-bit: byte j of a block holds value j (low nibble) and 16 + j (high)
+        nb = x.shape[-1] // 16
+        b = codes.reshape(*codes.shape[:-1], nb, 16)
+        x = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float64)
+        if f.name == "q4_0":
+            return ((x - 8) * s[..., None]).reshape(*codes.shape[:-1], 32 * nb)
+        d = s[..., 0::2, None].astype(np.float32)
+        return (x.astype(np.float32) * d + s[..., 1::2, None].astype(np.float32)).astype(
+            np.float64).reshape(*codes.shape[:-1], 32 * nb)   # float32 q * d + m, as stored
     if f.name == "q8_0":
         # explicit block count: a -1 cannot be inferred for an empty slot (size 0)
         return (x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32) * s[..., None]).reshape(x.shape)

@@ -44,10 +44,11 @@ from .memory import DeviceArray, DeviceBuffer, as_device_array
 if TYPE_CHECKING:
     from typing import Any
 
-HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0: % 32 too)
+HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0, q4_0, q4_1: % 32 too)
 _FIXED_HEAD_DIMS = (64, 128, 256)         # compiled for exactly that D; others: the _dx instance
 THREADS = 128               # threads per block of the split kernel
 TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
+MAX_TILE = 64               # positions per tile at most (KV_MAX_TILE)
 MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions (KV_MIN_SPLIT)
 MAX_SPLITS = 256
 MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
@@ -165,9 +166,9 @@ def heads_per_block(group: int) -> int:
 
 
 def tile_positions(fmt, head_dim: int) -> int:
-    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, at most
-    64 positions: cuda/attention.cuh KV_MAX_TILE)."""
-    return TILE_BYTES // (head_dim * fmt.code_bytes)
+    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, 2 KiB
+    for the 4-bit formats, at most 64 positions: cuda/attention.cuh AttnCfg::tile)."""
+    return min(TILE_BYTES // fmt.pack // fmt.code_row_bytes(head_dim), MAX_TILE)
 
 
 def choose_splits(blocks: int, resident: int, max_length: int | None = None) -> int:

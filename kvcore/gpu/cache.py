@@ -2,7 +2,8 @@
 
 1. Storage (`GpuLayout`, pure arithmetic, CPU-testable): one device allocation of four
    256-byte-aligned regions [K codes][V codes][K scales][V scales]:
-       codes  [L][M][Hkv][N][D]  code dtype      (head-major: one head's history is contiguous)
+       codes  [L][M][Hkv][N][W]  code dtype      (head-major: one head's history is contiguous;
+                                                  W = D, or D/2 bytes for q4_0 / q4_1)
        scales [L][M][Hkv][N][S]  scale dtype     (S = 0: the scale regions are empty)
    and one small metadata allocation: per layer the M slot base pointers of K codes, V codes,
    K scales, V scales (uint64 [L][M] each; 0 for formats without scales), the lengths
@@ -51,8 +52,8 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
-"""The formats the GPU kernels hold; the 4-bit ones (q4_0, q4_1) are CPU-only for now."""
+GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
+"""The formats the GPU kernels hold (every one of kvcore.FORMATS)."""
 
 
 def check_gpu_format(spec: KVSpec, what: str) -> None:
@@ -71,7 +72,8 @@ def check_gpu_format(spec: KVSpec, what: str) -> None:
 @dataclass(frozen=True)
 class GpuLayout:
     """Byte layout of a GpuKVCache of `slots` slots. Offsets are from the allocation's
-    base; `*_strides` are byte strides of codes [L, M, Hkv, N, D] / scales [L, M, Hkv, N, S].
+    base; `*_strides` are byte strides of codes [L, M, Hkv, N, W] / scales [L, M, Hkv, N, S]
+    (W = fmt.code_width(D): D, or D/2 for the 4-bit formats).
     FormatError for a format the GPU kernels do not have (GPU_FORMATS)."""
 
     spec: KVSpec
@@ -91,7 +93,7 @@ class GpuLayout:
     @property
     def code_shape(self) -> tuple[int, ...]:
         s = self.spec
-        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, s.head_dim)
+        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, self.fmt.code_width(s.head_dim))
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -177,7 +179,7 @@ class GpuKVCache(driver.DeviceOwner):
     """M slots (sequences) of `spec` in device memory; see the module docstring.
 
     Device views (DeviceArray; DLPack / __cuda_array_interface__):
-      keys(layer), values(layer)             [M, Hkv, N, D] code dtype
+      keys(layer), values(layer)             [M, Hkv, N, W] code dtype (W = D, or D/2 for q4_0 / q4_1)
       key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
       k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
       lengths                                int32[M];  status  int32[M] (error bits per slot)
@@ -329,7 +331,7 @@ class GpuKVCache(driver.DeviceOwner):
                                producer=self)
 
     def keys(self, layer: int) -> DeviceArray:
-        """K codes of `layer`, every slot, full capacity: [M, Hkv, N, D] code dtype."""
+        """K codes of `layer`, every slot, full capacity: [M, Hkv, N, W] code dtype."""
         return self._region_view("k_codes", layer)
 
     def values(self, layer: int) -> DeviceArray:
@@ -570,7 +572,7 @@ class GpuKVCache(driver.DeviceOwner):
     @driver.in_context
     def snapshot(self, slot: int) -> Snapshot:
         """Positions [0, length) of `slot`, all layers, as the token-major Snapshot the CPU
-        cache gives (k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        cache gives (k_codes [L, n, Hkv, W], scales [L, n, Hkv, S])."""
         n = self.length(slot)
         s, f = self.spec, self.spec.fmt
         L, H = s.num_layers, s.num_kv_heads
@@ -580,7 +582,7 @@ class GpuKVCache(driver.DeviceOwner):
                 parts[region] = None
                 continue
             codes = region.endswith("codes")
-            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            width = f.code_width(s.head_dim) if codes else f.scales_per_row(s.head_dim)
             dtype = f.code_dtype if codes else f.scale_dtype
             host = np.empty((L, H, n, width), dtype)
             if n:

@@ -2,7 +2,7 @@
 
 1. Storage: one device allocation of four 256-byte-aligned regions [K codes][V codes]
    [K scales][V scales], each token-major as the CPU pool's storage (kvcore/_storage.py):
-       codes  [L][P * page_size][Hkv][D]  code dtype
+       codes  [L][P * page_size][Hkv][W]  code dtype (W = D, or D/2 bytes for q4_0 / q4_1)
        scales [L][P * page_size][Hkv][S]  scale dtype (S = 0: the scale regions are empty)
    Page g is rows [g * page_size, (g + 1) * page_size) of every layer, as on the CPU, so a
    page is the same bytes in both pools and a step's new position of every head is one
@@ -414,14 +414,14 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         s, f = self.spec, self.spec.fmt
         if region.endswith("scales") and not f.quantized:
             raise FormatError(f"format {s.format} has no scales")
-        width = s.head_dim if region.endswith("codes") else f.scales_per_row(s.head_dim)
+        width = f.code_width(s.head_dim) if region.endswith("codes") else f.scales_per_row(s.head_dim)
         dtype = f.code_dtype if region.endswith("codes") else f.scale_dtype
         rows = self.num_pages * self.page_size
         return self._data.view((self.num_pages, self.page_size, s.num_kv_heads, width), dtype,
                                offset=self.offsets[region] + layer * rows * self._row[region])
 
     def keys(self, layer: int) -> DeviceArray:
-        """K codes of `layer`: [P, page_size, Hkv, D] code dtype."""
+        """K codes of `layer`: [P, page_size, Hkv, W] code dtype (W = D, or D/2 for q4_0 / q4_1)."""
         return self._region_view("k_codes", layer)
 
     def values(self, layer: int) -> DeviceArray:
@@ -1001,7 +1001,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         out = dict.fromkeys(REGIONS)
         for region in self._regions():
             codes = region.endswith("codes")
-            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            width = f.code_width(s.head_dim) if codes else f.scales_per_row(s.head_dim)
             host = np.empty((s.num_layers, len(pages) * self.page_size, s.num_kv_heads, width),
                             f.code_dtype if codes else f.scale_dtype)
             for i, g in enumerate(pages):
@@ -1015,7 +1015,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     @driver.in_context
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
-        kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        kvcore cache makes (token-major k_codes [L, n, Hkv, W], scales [L, n, Hkv, S])."""
         self._idle("snapshot")
         self._sync()
         table = self._table
