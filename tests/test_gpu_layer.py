@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
+from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold
 from kvcore import FORMATS, KVSpec, SpecError
 from kvcore.gpu import GpuKVCache, GpuLayout, is_available, max_slots_for_memory
 from kvcore.gpu import cache as gpu_cache
@@ -108,13 +108,13 @@ def test_layout_arithmetic(fmt, slots):
     spec = KVSpec(num_layers=3, num_kv_heads=5, head_dim=64, capacity=37, format=fmt)
     lay = GpuLayout(spec, slots)
     f = spec.fmt
-    S = f.scales_per_row(64)
-    assert lay.code_shape == (3, slots, 5, 37, 64)
+    S, W = f.scales_per_row(64), f.code_width(64)   # W = 32 bytes for q4_0 / q4_1
+    assert lay.code_shape == (3, slots, 5, 37, W)
     assert lay.scale_shape == (3, slots, 5, 37, S)
     assert lay.code_strides == np.empty(lay.code_shape, f.code_dtype).strides
     if f.quantized:
         assert lay.scale_strides == np.empty(lay.scale_shape, f.scale_dtype).strides
-    code_bytes = 3 * slots * 5 * 37 * 64 * f.code_bytes
+    code_bytes = 3 * slots * 5 * 37 * W * f.code_bytes
     scale_bytes = 3 * slots * 5 * 37 * S * (f.scale_dtype.itemsize if f.quantized else 0)
     assert lay.code_region_bytes == code_bytes and lay.scale_region_bytes == scale_bytes
     off = lay.offsets
@@ -123,9 +123,9 @@ def test_layout_arithmetic(fmt, slots):
     assert off["v_scales"] >= off["k_scales"] + scale_bytes
     assert lay.data_bytes >= off["v_scales"] + scale_bytes
     assert lay.data_bytes - 2 * code_bytes - 2 * scale_bytes < 4 * 256
-    # slot (layer 2, slot s) starts where the [L][M][Hkv][N][D] index says
+    # slot (layer 2, slot s) starts where the [L][M][Hkv][N][W] index says
     for s in range(slots):
-        want = ((2 * slots + s) * 5 * 37 * 64) * f.code_bytes
+        want = ((2 * slots + s) * 5 * 37 * W) * f.code_bytes
         assert lay.slot_offset("k_codes", 2, s) == want
         assert lay.slot_offset("v_codes", 2, s) == off["v_codes"] + want
     m = lay.meta_offsets
@@ -166,18 +166,10 @@ def test_cache_validates_before_touching_a_device():
             GpuKVCache(spec, bad)
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in GPU_FORMATS])
-def test_formats_without_gpu_kernels_are_refused(fmt):
-    # q4_0 / q4_1 are CPU-only for now: every GPU object refuses them before touching a
-    # device, naming the format
-    from kvcore.gpu import GpuKVPool
-    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=8, format=fmt)
-    msg = rf"format {fmt} is not on the GPU yet: the GPU kernels do not have it"
-    for make in (lambda: GpuKVCache(spec), lambda: GpuKVCache.fit(spec), lambda: GpuLayout(spec, 1),
-                 lambda: max_slots_for_memory(spec, 2**30),
-                 lambda: GpuKVPool(spec, 4, 4, max_batch=1, max_pages_per_seq=2)):
-        with pytest.raises(kvcore.FormatError, match=msg):
-            make()
+def test_every_format_has_gpu_kernels():
+    assert GPU_FORMATS == tuple(FORMATS)
+    for fmt in GPU_FORMATS:
+        assert os.path.exists(os.path.join(ROOT, "cuda", f"attention_{fmt}.ptx"))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0/q4_0", "f16/int8"])
@@ -202,15 +194,17 @@ def _defines(text: str) -> dict[str, str]:
 def test_device_constants_match_python():
     with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
         d = _defines(f.read())
-    for name, fmt in FORMATS.items():     # q4_0 / q4_1 too: ids reserved, no kernels yet
+    for name, fmt in FORMATS.items():
         assert int(d["KV_" + name.upper()]) == fmt.id
-    assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
+    assert int(d["KV_Q8_0_BLOCK"]) == int(d["KV_QK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
     assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
     assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE
     assert int(d["KV_ERR_RANGE"]) == gpu_cache.ERR_RANGE
     from kvcore import _quant
     limit = {name: np.float32(_quant.input_limit(f.id)) for name, f in FORMATS.items()}
     assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == limit["q8_0"]
+    assert np.float32(d["KV_Q4_0_LIMIT"].rstrip("f")) == limit["q4_0"]
+    assert d["KV_Q4_1_LIMIT"] == "KV_F16_LIMIT" and limit["q4_1"] == limit["f16"]
     assert np.float32(d["KV_F16_LIMIT"].rstrip("f")) == limit["f16"]
     assert np.uint32(int(d["KV_BF16_LIMIT_BITS"], 16)).view(np.float32) == limit["bf16"]
     assert np.uint32(int(d["KV_INT8_LIMIT_BITS"], 16)).view(np.float32) == limit["int8"]
@@ -279,7 +273,7 @@ def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):
     assert os.path.isdir(os.path.join(cuda, "emu")), "cuda/emu/ (the emulator's headers) is missing"
     wanted = [os.path.relpath(os.path.join(d, f), cuda) for d, _, files in os.walk(cuda) for f in files
               if f.endswith((".ptx", ".cu", ".cuh")) or os.path.basename(d) == "emu"]
-    assert len([w for w in wanted if w.endswith(".ptx")]) == 11
+    assert len([w for w in wanted if w.endswith(".ptx")]) == 13
     missing = [w for w in wanted if not os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", w))]
     assert not missing, missing
     for module in ("_emu/__init__.py", "_emu/driver.py", "_emu/kernels.py", "_ptx.py"):
