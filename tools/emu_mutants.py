@@ -104,11 +104,11 @@ MUTANTS = {
         "const uint32_t hi = w & 0x0F0F0F0Fu, lo = (w >> 4) & 0x0F0F0F0Fu;",
         "the 4-bit decoder reads a byte's high nibble as value j and its low one as 16 + j",
         Q4_TESTS),
-    "q4_1-fused-decode": (
+    "q4_1-d-m-swapped": (     # (fusing q * d + m is no bug: q * d is exact, f16 x 4 bits)
         "attention.cuh",
         "f[k] = __fadd_rn(__fmul_rn(f[k], dm[0]), dm[1]);",
-        "f[k] = fmaf(f[k], dm[0], dm[1]);",
-        "the q4_1 decoder fuses q * d + m (one rounding) where the CPU rounds twice",
+        "f[k] = __fadd_rn(__fmul_rn(f[k], dm[1]), dm[0]);",
+        "the q4_1 decoder reads a block's (d, m) as (m, d)",
         Q4_TESTS),
     "short-launch-unchecked": (
         "paged.cu",
