@@ -26,13 +26,14 @@
 //   k_in, v_in [T][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
 //   k_codes, v_codes [num_slots][Hkv][W]; k_scales, v_scales [num_slots][Hkv][S] (layer bases)
 //   slots int64[cap]: row t goes to slot slots[t] (-1: skipped); status int32 (OR'ed)
+//   k_fmt, v_fmt: the formats of K and of V (the same but for a K/V pair)
 // One warp per head row: warps [0, T*Hkv) write K, [T*Hkv, 2*T*Hkv) write V.
 extern "C" __global__ void kv_paged_append(
         const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
         long long s_r, long long s_h,
         void* k_codes, void* v_codes, void* k_scales, void* v_scales,
         const long long* __restrict__ slots, long long num_slots, int* status,
-        int fmt, int T, int cap, int Hkv, int D) {
+        int k_fmt, int v_fmt, int T, int cap, int Hkv, int D) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const long long rows = (long long)T * Hkv;
@@ -57,7 +58,8 @@ extern "C" __global__ void kv_paged_append(
     if (slot < 0) return;
     const long long row = slot * Hkv + h;
 
-    const int refused = encode_row_into(k_in, v_in, in_dtype, t * s_r + h * s_h, D, fmt, is_v,
-                                        k_codes, v_codes, k_scales, v_scales, row, lane);
+    const int refused = encode_row_into(k_in, v_in, in_dtype, t * s_r + h * s_h, D,
+                                        is_v ? v_fmt : k_fmt, is_v, k_codes, v_codes,
+                                        k_scales, v_scales, row, lane);
     if (refused && lane == 0) atomicOr(status, refused);
 }

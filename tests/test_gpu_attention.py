@@ -31,11 +31,11 @@ MATRIX += [("q4_0", 64, 1), ("q4_0", 128, 8), ("q4_0", 256, 4), ("q4_1", 64, 8),
 
 def random_parts(spec, n, rng):
     """Valid random codes and scales of n positions: (k_codes, v_codes, k_scales, v_scales)
-    token-major [L, n, Hkv, W] / [L, n, Hkv, S] (W = D, or D/2 for the 4-bit formats)."""
-    f = spec.fmt
-    shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
+    token-major [L, n, Hkv, W] / [L, n, Hkv, S] (W = D, or D/2 for the 4-bit formats), each
+    side in its own format."""
 
-    def codes():
+    def codes(f):
+        shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
         if f.name == "f32":
             return rng.standard_normal(shape, dtype=np.float32)
         if f.name == "f16":
@@ -53,10 +53,10 @@ def random_parts(spec, n, rng):
             c[(c & 0x7F) >= 0x7C] &= 0xBF       # inf/NaN -> exponent 15
         return c
 
-    def scales():
+    def scales(f):
         if not f.quantized:
             return None
-        s_shape = shape[:3] + (f.scales_per_row(spec.head_dim),)
+        s_shape = (spec.num_layers, n, spec.num_kv_heads, f.scales_per_row(spec.head_dim))
         top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344,
                "q4_0": 2.0 / 8, "q4_1": 4.0 / 15}[f.name]
         s = rng.uniform(0.25 * top, top, s_shape)
@@ -66,7 +66,7 @@ def random_parts(spec, n, rng):
             s[..., 1::2] = rng.uniform(-2.0, 0.0, s[..., 1::2].shape)
         return s.astype(f.scale_dtype)
 
-    return codes(), codes(), scales(), scales()
+    return codes(spec.k_fmt), codes(spec.v_fmt), scales(spec.k_fmt), scales(spec.v_fmt)
 
 
 def dequantize(codes, scales, fmt):
@@ -244,7 +244,7 @@ def _run_case(fmt, head_dim, group, lengths, q_dtype, rng, *, q_gain=1.0, num_sp
         for m, n in enumerate(lengths):
             parts = random_parts(spec, n, rng)
             cache.scatter(Snapshot(spec, n, *parts), m)
-            kvs.append((dequantize(parts[0], parts[2], fmt)[0], dequantize(parts[1], parts[3], fmt)[0]))
+            kvs.append((dequantize(parts[0], parts[2], spec.k_fmt)[0], dequantize(parts[1], parts[3], spec.v_fmt)[0]))
         qh = (rng.standard_normal((M, spec.num_heads, head_dim)) * q_gain).astype(_q_dtype(q_dtype))
         q = _device_array(qh)
         out = _device_array(np.full((M, spec.num_heads, head_dim), np.nan, np.float32))  # poisoned
@@ -283,6 +283,18 @@ def test_attention_matches_float64(fmt, head_dim, group, rng):
     results, _ = _run_case(fmt, head_dim, group, LENGTHS, q_dtype, rng)
     for m, got, ref, *_ in results:
         assert rel_err(got, ref) < tol, f"slot {m} (length {LENGTHS[m]})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,head_dim,group", [("q8_0/q4_0", 128, 8), ("q8_0/q4_0", 96, 2),
+                                                ("f16/q4_0", 64, 1), ("f16/q4_0", 256, 4)])
+def test_pair_attention_matches_float64(fmt, head_dim, group, rng):
+    """K and V in two formats (GPU_PAIRS): the scores decode K's codes, the weighted sums
+    V's, each by its own format, in one kernel (a thread's dims: the smaller count of both
+    sides, at most 8; rows of two sizes); against float64 over each side's dequantized values."""
+    results, _ = _run_case(fmt, head_dim, group, [300, 0, 1, 33], "float32", rng, num_splits=3)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < 1e-5, f"slot {m}"
 
 
 @pytest.mark.gpu

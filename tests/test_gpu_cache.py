@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold
+from kvcore.gpu.cache import GPU_FORMATS, GPU_PAIRS   # the formats and K/V pairs the GPU kernels hold
 from kvcore import (CapacityError, FORMATS, FormatError, KVCache, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError, quantize)
 
@@ -238,6 +238,56 @@ def test_q4_append_equals_cpu_on_edge_blocks(gpu, fmt, rng):
         with pytest.raises(FormatError, match=f"slot 1: a value out of range of format {fmt}"):
             cache.check()
     assert list(cache.lengths_host()) == [T, 0]
+    cache.free()
+
+
+@pytest.mark.parametrize("fmt", GPU_PAIRS)
+def test_pair_appends_and_snapshots_equal_the_cpu_cache(gpu, fmt, rng):
+    """K and V in two formats: batched and one-slot appends store each side's
+    kvcore.quantize codes (the CPU cache's snapshot, bit for bit), a CPU snapshot restores
+    into a slot, each side's views have its format's shapes, and a value past V's limit
+    (not K's) is refused naming both sides."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=96, capacity=12, format=fmt)
+    cache = new_cache(gpu, spec, 3)
+    cpus = [KVCache(spec) for _ in range(3)]
+    keep = []
+    for _ in range(2):
+        for layer in range(2):
+            k, v = rows(rng, (3, 2, 96), np.float32), rows(rng, (3, 2, 96), np.float32)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            cache.append(layer, keep[-2], keep[-1])
+            for s in range(3):
+                cpus[s].append(layer, k[s:s + 1], v[s:s + 1])
+        cache.advance()
+        for c in cpus:
+            c.advance()
+    for layer in range(2):
+        k, v = rows(rng, (5, 2, 96), np.float16), rows(rng, (5, 2, 96), np.float16)
+        keep += [dev(gpu, k), dev(gpu, v)]
+        cache.append(layer, keep[-2], keep[-1], slot=2)
+        cpus[2].append(layer, k, v)
+    cache.advance(slot=2, steps=5)
+    cpus[2].advance()
+    cache.check()
+    for s in range(3):
+        _same(cache.snapshot(s), cpus[s].snapshot())
+    cache.restore(cpus[2].snapshot(), 0)
+    _same(cache.snapshot(0), cpus[2].snapshot())
+    kf, vf = spec.k_fmt, spec.v_fmt
+    assert cache.keys(1).shape == (3, 2, 12, kf.code_width(96)) and cache.keys(1).dtype == kf.code_dtype
+    assert cache.values(1).shape == (3, 2, 12, 48) and cache.value_scales(1).shape == (3, 2, 12, 3)
+    if not kf.quantized:
+        with pytest.raises(FormatError, match=rf"format {kf.name} has no scales \(K of {fmt}\)"):
+            cache.key_scales(0)
+    big = rows(rng, (3, 2, 96), np.float32)
+    v = big.copy()
+    v[1, 0, 5] = 6e5       # past q4_0's 524160, within K's range only for the K side
+    cache.append(0, dev(gpu, big), dev(gpu, v))
+    cache.advance()
+    with pytest.raises(FormatError, match=rf"slot 1: a value out of range of format {fmt} "
+                                          rf"\(K {kf.name}, V q4_0\).*\|v\| >= 524160"):
+        cache.check()
+    assert list(cache.lengths_host()) == [8, 2, 8]   # slot 1 refused, the others committed
     cache.free()
 
 

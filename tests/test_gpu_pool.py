@@ -488,6 +488,8 @@ DECODE_CASES = [   # format, GQA ratio, head_dim, page_size, max_pages_per_seq, 
     ("q8_0", 8, 96, 4, 80, np.float32),    # 3 f16 scales per row: 2-byte aligned rows
     ("q4_0", 4, 96, 4, 80, np.float16),    # 48-byte code rows, 2-byte aligned scale rows
     ("q4_1", 2, 128, 16, 20, np.float32),  # (d, m) pairs
+    ("q8_0/q4_0", 8, 128, 16, 20, np.float16),   # K/V pairs: each side in its format
+    ("f16/q4_0", 1, 96, 4, 80, np.float32),      # K without scales, V's 2-byte aligned
 ]
 
 

@@ -68,17 +68,24 @@ def resident(regs: int, smem: int, threads: int) -> tuple[int, str]:
 
 def split_in_flight(fmt: str, d: int, gb: int) -> int:
     """Bytes of K/V codes and scales one split-kernel block has in flight at most
-    (cuda/attention.cuh AttnCfg: tile, STAGES)."""
-    cb, pack = CODE_BYTES[fmt], PACK.get(fmt, 1)
-    dpt = min(16 * pack // cb, 8 if gb >= 4 else 16)
-    tpr = d // dpt
+    (cuda/attention.cuh AttnCfg: tile, STAGES); fmt: a format or a K/V pair "<k>_<v>"."""
+    k, v = next(((a, b) for a in CODE_BYTES for b in CODE_BYTES if f"{a}_{b}" == fmt), (fmt, fmt))
+
+    def dpt(f: str) -> int:
+        return min(16 * PACK.get(f, 1) // CODE_BYTES[f], 8 if gb >= 4 else 16)
+
+    def rb(f: str) -> int:                   # code bytes of a row
+        return d * CODE_BYTES[f] // PACK.get(f, 1)
+
+    def sb(f: str) -> int:                   # scale bytes of a row
+        return int(d * SCALE_BYTES[f]) if f in SCALE_BYTES else 4 if CODE_BYTES[f] == 1 else 0
+
+    tpr = d // min(dpt(k), dpt(v))
     rg = 128 // tpr
-    rb = d * cb // pack                      # code bytes of a row
-    rows_cap = min(4096 // pack // rb, 64)   # 4 KiB of K a tile, 2 KiB for 4-bit codes
-    tile = rg * max(rows_cap // rg, 1)
-    sb = int(d * SCALE_BYTES[fmt]) if fmt in SCALE_BYTES else 4 if cb == 1 else 0
+    rows_cap = min(4096 // PACK.get(k, 1) // rb(k), 4096 // PACK.get(v, 1) // rb(v), 64)
+    tile = rg * max(rows_cap // rg, 1)      # 4 KiB of K a tile (2 KiB for 4-bit codes), as much of V
     stages = 3 if gb >= 8 else 4
-    return (stages - 1) * tile * 2 * (rb + sb)
+    return (stages - 1) * tile * (rb(k) + sb(k) + rb(v) + sb(v))
 
 
 def ptxas_resources(ptx_dir: str) -> tuple[dict, dict]:

@@ -38,6 +38,7 @@ import numpy as np
 from .._validate import check_index
 from ..attention import _check_variants as _cpu_check_variants
 from ..errors import DTypeError, FormatError, RangeError, ShapeError, StateError
+from ..formats import PAIR_SEP
 from . import driver, kernels
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
@@ -200,11 +201,12 @@ def check_head_dim(head_dim: int, what: str) -> None:
 
 def split_kernel(fmt_name: str, head_dim: int, group: int, ctx, *, paged: bool):
     """(function, heads per block, resident blocks on the device) of the split kernel for
-    a GpuKVCache (paged=False) or a GpuKVPool (paged=True)."""
+    a GpuKVCache (paged=False) or a GpuKVPool (paged=True); fmt_name: a format, or a K/V
+    pair "<k>/<v>" (module attention_<k>_<v>)."""
     gb = heads_per_block(group)
     d = head_dim if head_dim in _FIXED_HEAD_DIMS else "x"
-    fn = kernels.function(f"attention_{fmt_name}",
-                          f"kv_{'pattn' if paged else 'attn'}_{fmt_name}_d{d}_g{gb}", ctx)
+    name = fmt_name.replace(PAIR_SEP, "_")
+    fn = kernels.function(f"attention_{name}", f"kv_{'pattn' if paged else 'attn'}_{name}_d{d}_g{gb}", ctx)
     with ctx:
         per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", fn.handle, THREADS, 0)
     return fn, gb, max(1, per_sm) * ctx.sm_count
