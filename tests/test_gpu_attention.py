@@ -298,7 +298,7 @@ def test_pair_attention_matches_float64(fmt, head_dim, group, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "q4_0"])   # q4_1 for both 4-bit formats
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if get_format(f).pack == 1])   # the 4-bit decode: above
 def test_attention_long_context(fmt, rng):
     results, _ = _run_case(fmt, 128, 4, [65536, 0, 7], "float32", rng)
     for m, got, ref, *_ in results:
