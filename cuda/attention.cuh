@@ -1,6 +1,8 @@
 // kvcore decode attention straight from the compressed GPU cache (flash-decoding).
 // The split kernel template; cuda/attention_<format>.cu instantiate it one PTX module per
-// format (so a process JIT-compiles only the formats it uses), cuda/attention.cu merges.
+// format (so a process JIT-compiles only the formats it uses), cuda/attention_<k>_<v>.cu
+// per K/V pair of two formats (K in one, V in the other; only kvcore.gpu.GPU_PAIRS),
+// cuda/attention.cu merges.
 //
 // 1. Storage (docs/gpu.md): the kernel reads K/V codes and scales of one layer through a
 //    storage policy, the only part that differs between the stores:
@@ -10,20 +12,22 @@
 //      KvPagedStorage (GpuKVPool, kv_pattn_*): the pool's token-major layer
 //        [P * page_size][Hkv][D] through block tables; query row r of the step is token t
 //        of sequence b by CSR q_offsets, and sees lengths[b] - count_b + t + 1 (causal).
-//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16.) Everything is
-//    read on the device, so one captured graph serves every step.
+//    (S = 1 f32 for int8/fp8, D/32 f16 for q8_0 and q4_0, 2 D/32 f16 (d, m) for q4_1,
+//    none for f32/f16/bf16; 4-bit codes are D/2 bytes a row.) Everything is read on the
+//    device, so one captured graph serves every step.
 // 2. Grid (nsplit, Hkv * G / GB, rows), 128 threads. A block takes GB query heads of one
 //    kv head (GB = G for G in 1, 2, 4, 8), so each K/V row is read from memory once per
 //    group of query heads, and one split of the row's positions: the chunk is computed on
 //    the device from the row's length, max(ceil(n / nsplit), KV_MIN_SPLIT) rounded up to
 //    the tile, so short rows leave splits empty and the grid needs no host-side length.
-// 3. Tiles of T positions (T * D * code bytes <= 4 KiB of K and as much of V; T <= 64
-//    except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
+// 3. Tiles of T positions (T * row code bytes <= 4 KiB of K and as much of V, 2 KiB for
+//    4-bit codes; T <= 64 except for tiny D) stream through a cp.async pipeline of STAGES shared-memory stages
 //    (16-byte copies, one head row of D * code bytes at a time, at the storage's row(p)).
 //    Per tile:
 //      a. scores: thread (c, rg) dots its DPT dims of rows rg, rg + RG, ... with the GB
 //         query vectors held in registers, dequantizing in registers (scales applied to
-//         the partial dot; q8_0 per block of 32), partials to shared memory;
+//         the partial dot; q8_0 and q4_0 per block of 32; q4_1 decodes q * d + m per
+//         value), partials to shared memory;
 //      b. online softmax (base 2, q pre-scaled by log2(e) / sqrt(D)): one warp per head
 //         sums the partials, takes the tile max, rescales its running sum;
 //      c. values: acc[g][DPT] += p[g][row] * scale * v[row][dims], in float32 registers;
@@ -32,10 +36,12 @@
 //    the natural lse; otherwise it writes its normalized partial o and lse = m + log2(l)
 //    (-inf when the split is empty, o then unwritten) to the workspace and kv_attn_merge
 //    combines them (log-sum-exp).
-// 5. Accumulation is float32 throughout; codes are converted exactly (int8 via the 2^23
-//    trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift).
+// 5. Accumulation is float32 throughout; codes are converted exactly (int8 and 4-bit via
+//    the 2^23 trick, fp8 via f16 bit placement, f16 by cvt, bf16 by a shift). A thread's
+//    4-bit codes are 4 or 8 bytes of one block, dims j and 16 + j of it (AttnCfg::kofs).
 // 6. Head dims: D = 64, 128, 256 are compiled as constants; the _dx instances take any
-//    multiple of 16 up to 256 at run time (same code, D not folded).
+//    multiple of 16 up to 256 at run time (q8_0, q4_0, q4_1: of 32; same code, D not
+//    folded).
 // 7. Variants (docs/variants.md), run-time arguments of every instance (0 / null: off, and
 //    the kernel computes exactly what it does without them): window W and sink_tokens S
 //    select the positions the query at n - 1 sees, [0, min(S, n - W)) and [n - W, n)
@@ -51,7 +57,7 @@
 
 #define KV_ATTN_THREADS 128
 #define KV_ATTN_WARPS (KV_ATTN_THREADS / 32)
-#define KV_TILE_BYTES 4096
+#define KV_TILE_BYTES 4096     // K codes per stage (AttnCfg::TB: half for 4-bit codes)
 #define KV_MAX_TILE 64         // positions per tile at most (the fixed head_dims reach it at
                                // int8/fp8/q8_0 D = 64; it bounds the run-time-D shared memory)
 #define KV_MIN_SPLIT 128       // a split covers at least this many positions (if it has any)
@@ -98,6 +104,21 @@ template <> __device__ __forceinline__ void kv_dec_word<KV_Q8_0>(uint32_t w, flo
 template <> __device__ __forceinline__ void kv_dec_word<KV_FP8_E4M3>(uint32_t w, float* f) { kv_dec_e4m3x4(w, f); }
 template <> __device__ __forceinline__ void kv_dec_word<KV_FP8_E5M2>(uint32_t w, float* f) { kv_dec_e5m2x4(w, f); }
 
+// 4 bytes of 4-bit codes -> 8 floats: the low nibbles (f[0..3]), then the high ones
+// (f[4..7]), each minus `bias` (8: q4_0, 0: q4_1); exact, by the 2^23 trick.
+template <int BIAS>
+__device__ __forceinline__ void kv_dec_u4x8(uint32_t w, float* f) {
+    const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+    constexpr float base = 8388608.0f + BIAS;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[i] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + i)) - base;
+        f[4 + i] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + i)) - base;
+    }
+}
+template <> __device__ __forceinline__ void kv_dec_word<KV_Q4_0>(uint32_t w, float* f) { kv_dec_u4x8<8>(w, f); }
+template <> __device__ __forceinline__ void kv_dec_word<KV_Q4_1>(uint32_t w, float* f) { kv_dec_u4x8<0>(w, f); }
+
 // ---- cp.async --------------------------------------------------------------------------
 
 #ifdef KVCORE_EMU
@@ -135,7 +156,8 @@ __device__ __forceinline__ void kv_cp_wait() { asm volatile("cp.async.wait_group
 // ---- storages: where the block's kv head keeps position p ------------------------------
 // A storage names the block's query row (of q, out, lse), how many positions it sees (n),
 // the bases of its kv head's K/V codes and scales, and row(p): position p's codes lie at
-// k + row(p) * RB, its scales at ks + row(p) * SB (RB, SB: bytes of one head row's codes
+// k + row(p) * RBK, its scales at ks + row(p) * SBK, V's at v + row(p) * RBV and vs + row(p)
+// * SBV (RB*, SB*: bytes of one head row's codes
 // and scales). The split kernel reads nothing else of the storage.
 
 // A GpuKVCache slot (blockIdx.z = slot m): per-slot head-major [Hkv][N][D] from k_ptrs[m]
@@ -149,14 +171,14 @@ struct KvSlotStorage {
 __device__ __forceinline__ KvSlotStorage kv_slot_storage(
     const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,
     const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,
-    const int* lengths, int extra, int capacity, int kvh, int RB, int SB) {
+    const int* lengths, int extra, int capacity, int kvh, int RBK, int RBV, int SBK, int SBV) {
     const int m = blockIdx.z;
     const size_t head = (size_t)kvh * capacity;  // first row of this head in the slot
     KvSlotStorage s;
-    s.k = (const unsigned char*)k_ptrs[m] + head * RB;
-    s.v = (const unsigned char*)v_ptrs[m] + head * RB;
-    s.ks = SB ? (const unsigned char*)ks_ptrs[m] + head * SB : nullptr;
-    s.vs = SB ? (const unsigned char*)vs_ptrs[m] + head * SB : nullptr;
+    s.k = (const unsigned char*)k_ptrs[m] + head * RBK;
+    s.v = (const unsigned char*)v_ptrs[m] + head * RBV;
+    s.ks = SBK ? (const unsigned char*)ks_ptrs[m] + head * SBK : nullptr;
+    s.vs = SBV ? (const unsigned char*)vs_ptrs[m] + head * SBV : nullptr;
     const int n = lengths[m] + extra;
     s.qrow = m;
     s.n = n < 0 ? 0 : (n < capacity ? n : capacity);
@@ -184,7 +206,7 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
     const unsigned char* k_codes, const unsigned char* v_codes,
     const unsigned char* k_scales, const unsigned char* v_scales,
     const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,
-    int max_batch, int page_size, int hkv, int causal, int kvh, int RB, int SB) {
+    int max_batch, int page_size, int hkv, int causal, int kvh, int RBK, int RBV, int SBK, int SBV) {
     const int r = blockIdx.z;
     int lo = 0, hi = max_batch;  // the last b with q_offsets[b] <= r (q_offsets[0] = 0)
     while (hi - lo > 1) {
@@ -199,10 +221,10 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
         n = n < 0 ? 0 : (n < len ? n : len);
     }
     KvPagedStorage s;
-    s.k = k_codes + (size_t)kvh * RB;
-    s.v = v_codes + (size_t)kvh * RB;
-    s.ks = SB ? k_scales + (size_t)kvh * SB : nullptr;
-    s.vs = SB ? v_scales + (size_t)kvh * SB : nullptr;
+    s.k = k_codes + (size_t)kvh * RBK;
+    s.v = v_codes + (size_t)kvh * RBV;
+    s.ks = SBK ? k_scales + (size_t)kvh * SBK : nullptr;
+    s.vs = SBV ? v_scales + (size_t)kvh * SBV : nullptr;
     s.table = block_tables + (size_t)lo * max_pages;
     s.page_size = page_size;
     s.hkv = hkv;
@@ -213,14 +235,51 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
 
 // ---- the split kernel ------------------------------------------------------------------
 
-template <int FMT, int GB>
-struct AttnCfg {
+// One side's codes (K or V) of format FMT at DPT dims per thread.
+template <int FMT, int DPT>
+struct KvSide {
     static constexpr int CB = FMT == KV_F32 ? 4 : (FMT == KV_F16 || FMT == KV_BF16) ? 2 : 1;
-    // dims per thread: one 16-byte vector of codes, at most 8 dims from 4 heads on, so
-    // that q and acc (GB * DPT floats each) leave room for 2-4 blocks per SM
-    static constexpr int DPT_CAP = GB >= 4 ? 8 : 32 / GB;
-    static constexpr int DPT = (16 / CB) < DPT_CAP ? (16 / CB) : DPT_CAP;
-    static constexpr int VB = DPT * CB;                    // code bytes per thread-row
+    static constexpr int PACK = FMT >= KV_Q4_0 ? 2 : 1;    // values per code byte
+    static constexpr int VB = DPT * CB / PACK;             // code bytes per thread-row
+    // code bytes of a stage: 4 KiB; 2 KiB for 4-bit codes, whose tiles then hold as many
+    // positions as q8_0's (the partial scores, positions x threads per row, and the
+    // stages must fit the 48 KiB of static shared memory)
+    static constexpr int TB = KV_TILE_BYTES / PACK;
+    // Element k of thread c is dim d0(c) + kofs(k): dim c * DPT + k, except for the 4-bit
+    // formats, whose byte j of a block holds dims j (low nibble) and 16 + j (high): the
+    // thread's word i (code bytes c * VB + 4i.., all in one block) gives elements 8i..8i+3
+    // (low nibbles) and 8i+4..8i+7 (high), kv_dec_u4x8's order. kofs(k)..kofs(k) + 3 are
+    // consecutive for k % 4 == 0.
+    __host__ __device__ static constexpr int d0(int c) {
+        return PACK == 1 ? c * DPT : c * VB / 16 * 32 + c * VB % 16;
+    }
+    __host__ __device__ static constexpr int kofs(int k) {
+        return PACK == 1 ? k : k / 4 % 2 * 16 + k / 8 * 4 + k % 4;
+    }
+    __host__ __device__ static constexpr int rb(int D) { return D * CB / PACK; }  // code bytes per head row
+    __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
+        return FMT == KV_Q8_0 || FMT == KV_Q4_0 ? D / 16 : FMT == KV_Q4_1 ? D / 8 : FMT >= KV_INT8 ? 4 : 0;
+    }
+};
+
+// Dims per thread of a format: one 16-byte vector of codes, at most 16 dims (4-bit codes:
+// 8 bytes; 32 dims took 211 registers), at most 8 from 4 heads on, so that q and acc
+// (GB * DPT floats each) leave room for 2-4 blocks per SM.
+__host__ __device__ constexpr int kv_dpt(int fmt, int gb) {
+    const int cb = fmt == KV_F32 ? 4 : (fmt == KV_F16 || fmt == KV_BF16) ? 2 : 1;
+    const int dims = 16 * (fmt >= KV_Q4_0 ? 2 : 1) / cb, cap = gb >= 4 ? 8 : 16;
+    return dims < cap ? dims : cap;
+}
+
+// K in format KF, V in format VF (the same for one format), GB query heads per block.
+template <int KF, int VF, int GB>
+struct AttnCfg {
+    // dims per thread: the smaller of both sides', at most 8 for a K/V pair (16 made ptxas
+    // spill on sm_80)
+    static constexpr int DPT_KV = kv_dpt(KF, GB) < kv_dpt(VF, GB) ? kv_dpt(KF, GB) : kv_dpt(VF, GB);
+    static constexpr int DPT = KF == VF || DPT_KV < 8 ? DPT_KV : 8;
+    using K = KvSide<KF, DPT>;
+    using V = KvSide<VF, DPT>;
     static constexpr int STAGES = GB >= 8 ? 3 : 4;
     static constexpr int HPW = (GB + KV_ATTN_WARPS - 1) / KV_ATTN_WARPS;  // heads per warp
     // q in shared memory (q_s, read where it is used) instead of registers: at GB 8 and
@@ -231,52 +290,73 @@ struct AttnCfg {
     // Not for f32 (DPT 4: 4 blocks already), nor the 1-byte formats at D = 256 or a
     // run-time D (the 8 KiB of q_s would pass the 48 KiB of static shared memory).
     __host__ __device__ static constexpr bool qs(int DT) {
-        return GB >= 8 && DPT == 8 && (CB == 2 || (DT > 0 && DT <= 128));
+        return GB >= 8 && DPT == 8 && ((K::CB == 2 && V::CB == 2) || (DT > 0 && DT <= 128));
     }
     // __launch_bounds__' minimum blocks per SM (0: none, as without the argument; nvcc then
     // writes no .minnctapersm). 3 for the int8 pool kernels: at 4 (128 registers) ptxas
     // spills 4-24 bytes on sm_80 (none on sm_90).
+    // 3 too for the pool kernels of a K/V pair at 4 heads, or with q_s (at 128 registers
+    // ptxas spills 4-52 bytes on sm_80).
     __host__ __device__ static constexpr int min_blocks(int DT, bool paged) {
-        return qs(DT) ? (FMT == KV_INT8 && paged ? 3 : 4) : 0;
+        return KF != VF && paged && (GB == 4 || qs(DT)) ? 3 : qs(DT) ? (KF == KV_INT8 && paged ? 3 : 4) : 0;
     }
-    static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 block");
-    // Geometry of head_dim D (a multiple of 16 up to 256; q8_0: of 32):
-    __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
-        return FMT == KV_Q8_0 ? D / 16 : FMT >= KV_INT8 ? 4 : 0;
-    }
+    static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 / q4 block");
+    // Geometry of head_dim D (a multiple of 16 up to 256; q8_0, q4_0, q4_1: of 32):
     __host__ __device__ static constexpr int tpr(int D) { return D / DPT; }  // threads per row
     __host__ __device__ static constexpr int rg(int D) { return KV_ATTN_THREADS / tpr(D); }  // row groups
-    // positions per tile: <= 4 KiB of K and <= KV_MAX_TILE positions (unless one row group
-    // pass takes more: small D), a whole number of row-group passes
+    // positions per tile: <= a stage's codes of K and of V and <= KV_MAX_TILE positions
+    // (unless one row group pass takes more: small D), a whole number of row-group passes
     __host__ __device__ static constexpr int tile(int D) {
         return rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
     }
     __host__ __device__ static constexpr int rows_cap(int D) {
-        return KV_TILE_BYTES / (D * CB) < KV_MAX_TILE ? KV_TILE_BYTES / (D * CB) : KV_MAX_TILE;
+        const int k = K::TB / K::rb(D), v = V::TB / V::rb(D), kv = k < v ? k : v;
+        return kv < KV_MAX_TILE ? kv : KV_MAX_TILE;
     }
-    // Bounds over the head_dims of an instance: DT, or every one when DT == 0.
+    // Bounds over the head_dims of an instance: DT, or every one when DT == 0 (multiples of
+    // 32 for the 4-bit formats, whose DPT of 32 at GB 1 leaves D = 16 no thread).
     __host__ __device__ static constexpr int max_over(int DT, int what) {
         int m = 0;
-        for (int D = DT ? DT : 16; D <= (DT ? DT : 256); D += 16) {
+        constexpr int step = K::PACK == 2 || V::PACK == 2 ? 32 : 16;
+        for (int D = DT ? DT : step; D <= (DT ? DT : 256); D += step) {
             const int x = what == 0 ? tile(D) : what == 1 ? tile(D) * tpr(D)
-                        : what == 2 ? tile(D) * sb(D) : (rg(D) / 2) * D * 4 * GB;
+                        : what == 2 ? tile(D) * K::sb(D) : what == 4 ? tile(D) * V::sb(D)
+                        : (rg(D) / 2) * D * 4 * GB;
             m = x > m ? x : m;
         }
         return m;
     }
     __host__ __device__ static constexpr int t_max(int DT) { return max_over(DT, 0); }
     __host__ __device__ static constexpr int part_max(int DT) { return max_over(DT, 1); }
-    __host__ __device__ static constexpr int scale_stride(int DT) { return (max_over(DT, 2) + 15) / 16 * 16; }
-    __host__ __device__ static constexpr int stage_bytes(int DT) { return 2 * KV_TILE_BYTES + 2 * scale_stride(DT); }
     __host__ __device__ static constexpr int red_max(int DT) { return max_over(DT, 3); }
+    // A stage: K codes at 0, V codes at V_OFF, K scales at ks_off, V scales at vs_off;
+    // padded so that the stages hold the reduction buffer (only the 4-bit formats' smaller
+    // stages at D = 256 need it).
+    static constexpr int V_OFF = K::TB;
+    // K and V rows of the same code and scale bytes (one format): copied in one loop
+    static constexpr bool SAME_ROWS = K::CB == V::CB && K::PACK == V::PACK && K::sb(32) == V::sb(32);
+    __host__ __device__ static constexpr int ks_off(int DT) { return K::TB + V::TB; }
+    __host__ __device__ static constexpr int vs_off(int DT) { return ks_off(DT) + (max_over(DT, 2) + 15) / 16 * 16; }
+    __host__ __device__ static constexpr int stage_bytes(int DT) {
+        return vs_off(DT) + (max_over(DT, 4) + 15) / 16 * 16 > (red_max(DT) + STAGES * 16 - 1) / (STAGES * 16) * 16
+            ? vs_off(DT) + (max_over(DT, 4) + 15) / 16 * 16 : (red_max(DT) + STAGES * 16 - 1) / (STAGES * 16) * 16;
+    }
 };
 
-// Scale of row r for the thread's dims starting at d0, read from a stage's scale bytes.
-template <int FMT>
-__device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, int d0, int D) {
-    if constexpr (FMT == KV_Q8_0) {
+// The thread's DPT decoded codes f of row r (dims in one block, the first d0) and a
+// stage's scale bytes s -> the factor of the row's partial dot (K) or weight (V): the row
+// or block scale, 1 for the float formats. q4_1 instead dequantizes f in place, f = q * d
+// + m with the CPU's two roundings (m does not factor out), and returns 1.
+template <int FMT, int DPT>
+__device__ __forceinline__ float kv_tile_dequant(const unsigned char* s, int r, int d0, int D, float* f) {
+    if constexpr (FMT == KV_Q8_0 || FMT == KV_Q4_0) {
         const uint16_t* h = (const uint16_t*)s;
         return kv_f16_to_f32(h[r * (D / 32) + d0 / 32]);
+    } else if constexpr (FMT == KV_Q4_1) {
+        float dm[2];  // (d, m) of the block: one aligned 4-byte word
+        kv_dec_h2(((const uint32_t*)s)[r * (D / 32) + d0 / 32], dm);
+#pragma unroll
+        for (int k = 0; k < DPT; k++) f[k] = __fadd_rn(__fmul_rn(f[k], dm[0]), dm[1]);
     } else if constexpr (FMT == KV_FP8_E4M3) {
         return ((const float*)s)[r] * 256.0f;  // the decoder returns value * 2^-8
     } else if constexpr (FMT >= KV_INT8) {
@@ -285,18 +365,21 @@ __device__ __forceinline__ float kv_tile_scale(const unsigned char* s, int r, in
     return 1.0f;
 }
 
-// The thread's VB code bytes of one row (16 or 8, aligned) -> DPT floats.
-template <int FMT, int GB>
+// The thread's VB code bytes of one row (16, 8 or 4, aligned) of side S (a KvSide of
+// format FMT) -> DPT floats (in the order of KvSide::kofs).
+template <int FMT, class S>
 __device__ __forceinline__ void kv_load_row(const unsigned char* p, float* f) {
-    using C = AttnCfg<FMT, GB>;
-    constexpr int PER_WORD = 4 / C::CB;
+    using C = S;
+    constexpr int PER_WORD = 4 * C::PACK / C::CB;
     uint32_t w[4];
     if constexpr (C::VB == 16) {
         const uint4 u = *(const uint4*)p;
         w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
-    } else {
+    } else if constexpr (C::VB == 8) {
         const uint2 u = *(const uint2*)p;
         w[0] = u.x; w[1] = u.y;
+    } else {  // 4-bit codes from 4 heads on: 4 bytes, 8 dims
+        w[0] = *(const uint32_t*)p;
     }
 #pragma unroll
     for (int i = 0; i < C::VB / 4; i++) kv_dec_word<FMT>(w[i], f + i * PER_WORD);
@@ -315,20 +398,40 @@ __device__ __forceinline__ void kv_lds4(const float* p, float* f) {
 #endif
 }
 
+// One side's scale rows of a tile (a K/V pair: each side on its own): rows [0, rows) of
+// SB bytes from base + row(p0 + r) * SB into dst, 4-byte copies, or 2-byte loads when SB
+// is not a multiple of 4 (q8_0 / q4_0 at D % 64 == 32); nothing without scales (HAS false).
+template <bool HAS, class Src>
+__device__ __forceinline__ void kv_copy_scales(unsigned char* dst, const unsigned char* base, int SB,
+                                               int T, int rows, int p0, const Src& src, int tid) {
+    if constexpr (HAS) {
+        const int n = SB % 4 == 0 ? SB / 4 : SB / 2, w = SB % 4 == 0 ? 4 : 2;
+        for (int i = tid; i < T * n; i += KV_ATTN_THREADS) {
+            const int r = i / n;
+            const bool ok = r < rows;
+            const size_t off = ok ? src.row(p0 + r) * SB + (size_t)(i - r * n) * w : 0;
+            if (w == 4) kv_cp4(dst + i * 4, base + off, ok ? 4 : 0);
+            else ((uint16_t*)dst)[i] = ok ? *(const uint16_t*)(base + off) : 0;
+        }
+    }
+}
+
 // The kv head of the block: blockIdx.y = kv head x groups of GB query heads.
 __device__ __forceinline__ int kv_block_kvh(int group, int gb) { return blockIdx.y / (group / gb); }
 
 // One (split, GB query heads of one kv head, query row) per block; DT = head_dim, or 0
 // for the instance that takes any supported head_dim at run time (d).
-template <int FMT, int DT, int GB, class Src>
+template <int KF, int VF, int DT, int GB, class Src>
 __device__ __forceinline__ void kv_attn_split(
     const Src& src, int d, const void* __restrict__ q, int q_dtype, int hq, int group, float qk_scale,
     float* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ ws_o,
     float* __restrict__ ws_lse, int window, int sink_tokens, float softcap2,
     const float* __restrict__ sinks) {
-    using C = AttnCfg<FMT, GB>;
+    using C = AttnCfg<KF, VF, GB>;
+    using K = typename C::K;
+    using V = typename C::V;
     constexpr int T_MAX = C::t_max(DT), RW = (T_MAX + 31) / 32;
-    constexpr int SCALE_STRIDE = C::scale_stride(DT), STAGE_BYTES = C::stage_bytes(DT);
+    constexpr int KS_OFF = C::ks_off(DT), VS_OFF = C::vs_off(DT), STAGE_BYTES = C::stage_bytes(DT);
     static_assert(C::red_max(DT) <= C::STAGES * STAGE_BYTES, "reduction buffer must fit");
     __shared__ __align__(16) unsigned char stages[C::STAGES][STAGE_BYTES];
     __shared__ __align__(16) float part[GB * C::part_max(DT)];  // [g][row][c]
@@ -339,7 +442,8 @@ __device__ __forceinline__ void kv_attn_split(
     __shared__ int win_s[3];
 
     const int D = DT ? DT : d;
-    const int RB = D * C::CB, SB = C::sb(D), TPR = C::tpr(D), RG = C::rg(D);
+    const int RBK = K::rb(D), RBV = V::rb(D), SBK = K::sb(D), SBV = V::sb(D);
+    const int TPR = C::tpr(D), RG = C::rg(D);
     const int T = C::tile(D), RPT = T / RG;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = tid % TPR, rg = tid / TPR;  // threads with rg >= RG only copy and reduce
@@ -403,16 +507,36 @@ __device__ __forceinline__ void kv_attn_split(
             unsigned char* st = stages[t % C::STAGES];
             const int p0 = tile_pos(t, w);
             const int rows = tile_rows(t, w);
-            const int ppr = RB / 16;  // 16-byte pieces per row
-            for (int i = tid; i < T * ppr; i += KV_ATTN_THREADS) {
-                const int r = i / ppr;
-                const bool ok = r < rows;
-                const size_t off = ok ? src.row(p0 + r) * RB + (size_t)(i - r * ppr) * 16 : 0;
-                kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
-                kv_cp16(st + KV_TILE_BYTES + i * 16, src.v + off, ok ? 16 : 0);
+            // 16-byte pieces of the K and V rows: one loop over both when their rows are
+            // of the same size (one format), else one over each
+            const int pk = RBK / 16, pv = RBV / 16;
+            auto piece = [&](int i, int pieces, int rbytes, bool& ok) -> size_t {
+                const int r = i / pieces;
+                ok = r < rows;
+                return ok ? src.row(p0 + r) * rbytes + (size_t)(i - r * pieces) * 16 : 0;
+            };
+            if constexpr (C::SAME_ROWS) {
+                for (int i = tid; i < T * pk; i += KV_ATTN_THREADS) {
+                    bool ok;
+                    const size_t off = piece(i, pk, RBK, ok);
+                    kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
+                    kv_cp16(st + C::V_OFF + i * 16, src.v + off, ok ? 16 : 0);
+                }
+            } else {
+                for (int i = tid; i < T * pk; i += KV_ATTN_THREADS) {
+                    bool ok;
+                    const size_t off = piece(i, pk, RBK, ok);
+                    kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
+                }
+                for (int i = tid; i < T * pv; i += KV_ATTN_THREADS) {
+                    bool ok;
+                    const size_t off = piece(i, pv, RBV, ok);
+                    kv_cp16(st + C::V_OFF + i * 16, src.v + off, ok ? 16 : 0);
+                }
             }
-            if constexpr (C::sb(16) > 0) {
-                unsigned char* ss = st + 2 * KV_TILE_BYTES;
+            if constexpr (C::SAME_ROWS && K::sb(16) > 0) {
+                unsigned char* ss = st + KS_OFF;
+                const int SB = SBK;
                 if (SB % 4 == 0) {
                     const int wpr = SB / 4;
                     for (int i = tid; i < T * wpr; i += KV_ATTN_THREADS) {
@@ -420,9 +544,9 @@ __device__ __forceinline__ void kv_attn_split(
                         const bool ok = r < rows;
                         const size_t off = ok ? src.row(p0 + r) * SB + (size_t)(i - r * wpr) * 4 : 0;
                         kv_cp4(ss + i * 4, src.ks + off, ok ? 4 : 0);
-                        kv_cp4(ss + SCALE_STRIDE + i * 4, src.vs + off, ok ? 4 : 0);
+                        kv_cp4(st + VS_OFF + i * 4, src.vs + off, ok ? 4 : 0);
                     }
-                } else {  // q8_0 with D % 64 == 32: rows of 2-byte scales, loaded directly
+                } else {  // q8_0 / q4_0 with D % 64 == 32: rows of 2-byte scales, loaded directly
                     const int hpr = SB / 2;
                     for (int i = tid; i < T * hpr; i += KV_ATTN_THREADS) {
                         const int r = i / hpr;
@@ -434,9 +558,12 @@ __device__ __forceinline__ void kv_attn_split(
                             b = *(const uint16_t*)(src.vs + off);
                         }
                         ((uint16_t*)ss)[i] = a;
-                        ((uint16_t*)(ss + SCALE_STRIDE))[i] = b;
+                        ((uint16_t*)(st + VS_OFF))[i] = b;
                     }
                 }
+            } else if constexpr (!C::SAME_ROWS) {   // each side's scales (none for a float side)
+                kv_copy_scales<K::sb(16) != 0>(st + KS_OFF, src.ks, SBK, T, rows, p0, src, tid);
+                kv_copy_scales<V::sb(16) != 0>(st + VS_OFF, src.vs, SBV, T, rows, p0, src, tid);
             }
         }
         kv_cp_commit();  // always one group per tile slot, so wait_group counts stay uniform
@@ -467,9 +594,9 @@ __device__ __forceinline__ void kv_attn_split(
     } else {
 #pragma unroll
         for (int g = 0; g < GB; g++) {
-            const long long base = (long long)(row0_out + g) * D + c * C::DPT;
+            const long long base = (long long)(row0_out + g) * D + K::d0(c);
 #pragma unroll
-            for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + k) * qk_scale;
+            for (int k = 0; k < C::DPT; k++) qr[g][k] = kv_load_input(q, q_dtype, base + K::kofs(k)) * qk_scale;
         }
     }
     float acc[GB][C::DPT];
@@ -494,14 +621,14 @@ __device__ __forceinline__ void kv_attn_split(
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float kf[C::DPT];
-                kv_load_row<FMT, GB>(st + r * RB + c * C::VB, kf);
-                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES, r, c * C::DPT, D);
+                kv_load_row<KF, K>(st + r * RBK + c * K::VB, kf);
+                const float sc = kv_tile_dequant<KF, C::DPT>(st + KS_OFF, r, K::d0(c), D, kf);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
                     float qv[C::DPT];
                     if constexpr (QS) {
 #pragma unroll
-                        for (int k = 0; k < C::DPT; k += 4) kv_lds4(q_s + g * D + c * C::DPT + k, qv + k);
+                        for (int k = 0; k < C::DPT; k += 4) kv_lds4(q_s + g * D + K::d0(c) + K::kofs(k), qv + k);
                     } else {
 #pragma unroll
                         for (int k = 0; k < C::DPT; k++) qv[k] = qr[g][k];
@@ -571,8 +698,8 @@ __device__ __forceinline__ void kv_attn_split(
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float vf[C::DPT];
-                kv_load_row<FMT, GB>(st + KV_TILE_BYTES + r * RB + c * C::VB, vf);
-                const float sc = kv_tile_scale<FMT>(st + 2 * KV_TILE_BYTES + SCALE_STRIDE, r, c * C::DPT, D);
+                kv_load_row<VF, V>(st + C::V_OFF + r * RBV + c * V::VB, vf);
+                const float sc = kv_tile_dequant<VF, C::DPT>(st + VS_OFF, r, V::d0(c), D, vf);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
                     const float pv = prob[r * GB + g] * sc;
@@ -631,7 +758,7 @@ __device__ __forceinline__ void kv_attn_split(
             for (int k = 0; k < C::DPT; k += 4) {
                 const float4 v = make_float4(acc[g][k] * inv, acc[g][k + 1] * inv,
                                              acc[g][k + 2] * inv, acc[g][k + 3] * inv);
-                *(float4*)(dst + c * C::DPT + k) = v;
+                *(float4*)(dst + V::d0(c) + V::kofs(k)) = v;
             }
             if (c == 0) {
                 const float lse2 = m_s[g] + log2f(l_s[g]);  // base 2, of the scaled (capped) scores
@@ -655,40 +782,44 @@ __device__ __forceinline__ void kv_attn_split(
 #define KV_ATTN_PASS d, q, q_dtype, hq, group, qk_scale, out, lse, ws_o, ws_lse, window, \
         sink_tokens, softcap2, sinks
 
-// kv_attn_<format>_d<D>_g<GB>: GpuKVCache slots. Grid (nsplit, Hkv * G / GB, M).
-//   k_ptrs/v_ptrs [M] u64 -> codes [Hkv][N][D] of the format; ks_ptrs/vs_ptrs [M] u64 ->
-//   scales [Hkv][N][S] (int8/fp8 f32, q8_0 f16; ignored by float formats); lengths [M]
-//   int32 (+ extra, at most capacity N).
+// kv_attn_<format>_d<D>_g<GB> (a pair: <format> = <k>_<v>): GpuKVCache slots. Grid
+//   (nsplit, Hkv * G / GB, M). k_ptrs/v_ptrs [M] u64 -> codes [Hkv][N][W] of K's / V's
+//   format; ks_ptrs/vs_ptrs [M] u64 -> scales [Hkv][N][S] (int8/fp8 f32, q8_0/q4_0/q4_1
+//   f16; ignored by float formats); lengths [M] int32 (+ extra, at most capacity N).
 // kv_pattn_<format>_d<D>_g<GB>: GpuKVPool step rows (KvPagedStorage). Grid (nsplit,
 //   Hkv * G / GB, R). k_codes.. v_scales: one layer's bases; block_tables int32
 //   [max_batch][max_pages]; lengths int32 [max_batch]; q_offsets int32 [max_batch + 1].
 // D is 64, 128, 256 or x (any multiple of 16 up to 256, given as d).
-#define KV_ATTN_INSTANCE(FMT, NAME, DN, DT, GB)                                                \
-    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<FMT, GB>::min_blocks(DT, false)) kv_attn_##NAME##_d##DN##_g##GB( \
+#define KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, GB)                                             \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, false)) kv_attn_##NAME##_d##DN##_g##GB( \
         const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,                    \
         const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,                  \
         const int* lengths, int extra, int capacity, KV_ATTN_ARGS) {                           \
-        using C = AttnCfg<FMT, GB>;                                                            \
+        using C = AttnCfg<KF, VF, GB>;                                                         \
         const int D = DT ? DT : d;                                                             \
-        kv_attn_split<FMT, DT, GB>(                                                            \
+        kv_attn_split<KF, VF, DT, GB>(                                                         \
             kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity,        \
-                            kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);      \
+                            kv_block_kvh(group, GB), C::K::rb(D), C::V::rb(D), C::K::sb(D),    \
+                            C::V::sb(D)), KV_ATTN_PASS);                                       \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<FMT, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
+    extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
         const unsigned char* k_codes, const unsigned char* v_codes,                            \
         const unsigned char* k_scales, const unsigned char* v_scales,                          \
         const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,      \
         int max_batch, int page_size, int hkv, int causal, KV_ATTN_ARGS) {                     \
-        using C = AttnCfg<FMT, GB>;                                                            \
+        using C = AttnCfg<KF, VF, GB>;                                                         \
         const int D = DT ? DT : d;                                                             \
-        kv_attn_split<FMT, DT, GB>(                                                            \
+        kv_attn_split<KF, VF, DT, GB>(                                                         \
             kv_paged_storage(k_codes, v_codes, k_scales, v_scales, block_tables, max_pages,    \
                              lengths, q_offsets, max_batch, page_size, hkv, causal,            \
-                             kv_block_kvh(group, GB), D * C::CB, C::sb(D)), KV_ATTN_PASS);     \
+                             kv_block_kvh(group, GB), C::K::rb(D), C::V::rb(D), C::K::sb(D),   \
+                             C::V::sb(D)), KV_ATTN_PASS);                                      \
     }
-#define KV_ATTN_GB(FMT, NAME, DN, DT) \
-    KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 1) KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 2) \
-    KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 4) KV_ATTN_INSTANCE(FMT, NAME, DN, DT, 8)
-#define KV_ATTN_FORMAT(FMT, NAME) \
-    KV_ATTN_GB(FMT, NAME, 64, 64) KV_ATTN_GB(FMT, NAME, 128, 128) KV_ATTN_GB(FMT, NAME, 256, 256) \
-    KV_ATTN_GB(FMT, NAME, x, 0)
+#define KV_ATTN_GB(KF, VF, NAME, DN, DT) \
+    KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 1) KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 2) \
+    KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 4) KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 8)
+// Every instance of K in format KF and V in VF (one format: KF == VF), named NAME.
+#define KV_ATTN_PAIR(KF, VF, NAME) \
+    KV_ATTN_GB(KF, VF, NAME, 64, 64) KV_ATTN_GB(KF, VF, NAME, 128, 128) \
+    KV_ATTN_GB(KF, VF, NAME, 256, 256) KV_ATTN_GB(KF, VF, NAME, x, 0)
+#define KV_ATTN_FORMAT(FMT, NAME) KV_ATTN_PAIR(FMT, FMT, NAME)

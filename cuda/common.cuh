@@ -1,7 +1,8 @@
 // kvcore device codecs, shared by every kernel in cuda/*.cu.
 //
 // 1. Format ids equal kvcore/formats.py: f32=0, f16=1, bf16=2, int8=3, fp8_e4m3=4,
-//    fp8_e5m2=5, q8_0=6. Kernel inputs (q, k, v) use the first three as dtype ids.
+//    fp8_e5m2=5, q8_0=6, q4_0=7, q4_1=8. Kernel inputs (q, k, v) use the first three as
+//    dtype ids.
 // 2. Every encoder here is bit-identical to the CPU encoder of kvcore/_quant.pyx for
 //    finite input (the CPU is the reference). Rules that need separate roundings use
 //    the explicit __fdiv_rn / __fmul_rn intrinsics, so neither FMA contraction nor
@@ -12,10 +13,17 @@
 //      fp8_e5m2  s = amax / 57344 (f32), c = E5M2(x / s), RNE, saturating;    s = 0 -> c = 0
 //      q8_0      per 32 values: d = amax / 127 (f32), id = d ? 1 / d : 0,
 //                q = round-half-away(x * id), scale stored as f16(d) (RNE)
+//      q4_0      per 32 values: max = the first x of largest |x|, d = max / -8, id = d ? 1 / d : 0,
+//                q = u4(x * id + 8.5), scale f16(d)
+//      q4_1      per 32 values: min, max (the last of equal values), d = (max - min) / 15,
+//                id = d ? 1 / d : 0, q = u4((x - min) * id + 0.5), scales f16(d), f16(min)
+//                (u4: numpy's float -> uint8 cast of the truncated value, at most 15: kv_u4)
 //    A finite input |x| >= kv_input_limit(fmt) is refused (f16 and bf16: it would round
-//    to inf; q8_0: its f16 block scale would; int8: 127 * s would), as NaN and inf are
-//    by every format.
-//    Decoding: x = code * scale (f32 multiply); q8_0 x = q * f32(f16 scale).
+//    to inf; q8_0 and q4_0: its f16 block scale would; q4_1: the f16 bound; int8: 127 * s
+//    would), as NaN and inf are by every format.
+//    Decoding: x = code * scale (f32 multiply); q8_0 x = q * f32(f16 scale); q4_0
+//    x = (q - 8) * f32(d); q4_1 x = q * f32(d) + f32(m) (two roundings).
+//    4-bit codes: two per byte, byte j of a block holds value j (low nibble) and 16 + j.
 // 4. Codes are passed around as their raw bits: f16/bf16 as uint16, fp8 as uint8.
 #pragma once
 
@@ -28,10 +36,11 @@
 #define KV_FP8_E4M3 4
 #define KV_FP8_E5M2 5
 #define KV_Q8_0 6
-#define KV_Q4_0 7  // no kernels yet: the GPU layer refuses q4_0 / q4_1 (GPU_FORMATS)
+#define KV_Q4_0 7
 #define KV_Q4_1 8
 
 #define KV_Q8_0_BLOCK 32
+#define KV_QK 32  // values per block of q8_0, q4_0, q4_1
 #define KV_LN2 0.6931471805599453f  // ln 2, float: base-2 log-sum-exp -> natural
 #define KV_LOG2E 1.4426950408889634f  // log2(e), float: natural logits -> base 2
 #define KV_INT8_MAX 127.0f
@@ -44,6 +53,10 @@
 #define KV_F16_LIMIT 65520.0f
 #define KV_BF16_LIMIT_BITS 0x7f7f8000
 #define KV_Q8_0_LIMIT 8321040.0f
+// q4_0: d = max / -8 is exact, so f16(d) is inf exactly from 8 * 65520 on; q4_1: the f16
+// bound on every value (kvcore._quant.Q4_1_LIMIT: its f16 min and d are finite below it).
+#define KV_Q4_0_LIMIT 524160.0f
+#define KV_Q4_1_LIMIT KV_F16_LIMIT
 #define KV_INT8_LIMIT_BITS 0x7f7fffff
 
 // Bits of the device error flag (one int32 per cache; see docs/gpu.md).
@@ -149,6 +162,15 @@ __device__ __forceinline__ int8_t kv_q8_0_code(float x, float id) {
     return x == 0.0f ? (int8_t)0 : (int8_t)(int)r;
 }
 
+// numpy's np.trunc(v).astype(np.uint8).clip(0, 15) on x86, as gguf-py's q4_0 / q4_1 (and
+// kvcore._quant._np_to_u4): the float -> int32 conversion of trunc(v) (NaN and values
+// outside int32 give 0x80000000), its low byte, at most 15.
+__device__ __forceinline__ uint32_t kv_u4(float v) {
+    const float t = truncf(v);
+    const uint32_t c = t > -2147483648.0f && t < 2147483648.0f ? (uint32_t)(int)t & 0xFFu : 0u;
+    return c > 15u ? 15u : c;
+}
+
 // Row scale of int8 / fp8 rows, and q8_0 block scale d, from amax.
 __device__ __forceinline__ float kv_row_scale(int fmt, float amax) {
     float div = fmt == KV_FP8_E4M3 ? KV_E4M3_MAX : fmt == KV_FP8_E5M2 ? KV_E5M2_MAX : KV_INT8_MAX;
@@ -192,11 +214,17 @@ __device__ __forceinline__ float kv_input_limit(int fmt) {
     if (fmt == KV_F16) return KV_F16_LIMIT;
     if (fmt == KV_BF16) return __int_as_float(KV_BF16_LIMIT_BITS);
     if (fmt == KV_Q8_0) return KV_Q8_0_LIMIT;
+    if (fmt == KV_Q4_0) return KV_Q4_0_LIMIT;
+    if (fmt == KV_Q4_1) return KV_Q4_1_LIMIT;
     if (fmt == KV_INT8) return __int_as_float(KV_INT8_LIMIT_BITS);
     return __int_as_float(0x7f800000);
 }
 
-// Code bytes per element for a format id.
-__device__ __forceinline__ int kv_code_bytes(int fmt) {
-    return fmt == KV_F32 ? 4 : (fmt == KV_F16 || fmt == KV_BF16) ? 2 : 1;
+// Bytes of the codes / the scales of one head row of D values (docs/formats.md).
+__device__ __forceinline__ int kv_code_row_bytes(int fmt, int D) {
+    return fmt == KV_F32 ? 4 * D : (fmt == KV_F16 || fmt == KV_BF16) ? 2 * D : fmt >= KV_Q4_0 ? D / 2 : D;
+}
+
+__device__ __forceinline__ int kv_scale_row_bytes(int fmt, int D) {
+    return fmt == KV_Q8_0 || fmt == KV_Q4_0 ? D / 16 : fmt == KV_Q4_1 ? D / 8 : fmt >= KV_INT8 ? 4 : 0;
 }

@@ -13,6 +13,41 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+__device__ __forceinline__ float warp_min(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One 4-bit block (q4_0 / q4_1) of 32 values, value `lane` in x of each lane (finite,
+// |x| below the format's limit): writes the block's 16 code bytes and its f16 scales
+// (q4_0: d; q4_1: d, m), as kvcore/_quant.pyx _encode_q4_0 / _encode_q4_1.
+__device__ __forceinline__ void encode_q4_block(int fmt, float x, uint8_t* codes, uint16_t* scales,
+                                                int lane) {
+    float d, id, v;
+    if (fmt == KV_Q4_0) {
+        // max: the signed value of the first lane holding the largest |x|
+        const float amax = warp_max(fabsf(x));
+        const float mx = __shfl_sync(0xffffffffu, x, __ffs(__ballot_sync(0xffffffffu, fabsf(x) == amax)) - 1);
+        d = __fdiv_rn(mx, -8.0f);
+        id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+        v = __fadd_rn(__fmul_rn(x, id), 8.5f);
+        if (lane == 0) scales[0] = kv_f32_to_f16(d);
+    } else {
+        // min and max: of equal values the last lane's (only a zero's sign can differ)
+        const float lo = warp_min(x), hi = warp_max(x);
+        const float mn = __shfl_sync(0xffffffffu, x, 31 - __clz(__ballot_sync(0xffffffffu, x == lo)));
+        const float mx = __shfl_sync(0xffffffffu, x, 31 - __clz(__ballot_sync(0xffffffffu, x == hi)));
+        d = __fdiv_rn(__fsub_rn(mx, mn), 15.0f);
+        id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+        v = __fadd_rn(__fmul_rn(__fsub_rn(x, mn), id), 0.5f);
+        if (lane == 0) { scales[0] = kv_f32_to_f16(d); scales[1] = kv_f32_to_f16(mn); }
+    }
+    const uint32_t q = kv_u4(v);
+    const uint32_t q_hi = __shfl_down_sync(0xffffffffu, q, 16);  // value 16 + lane
+    if (lane < 16) codes[lane] = (uint8_t)(q | q_hi << 4);
+}
+
 // Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
 // Returns 0, or (writing nothing) KV_ERR_NONFINITE / KV_ERR_RANGE for a row holding NaN
 // or inf / a finite |x| >= kv_input_limit(fmt).
@@ -39,8 +74,8 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
         }
     } else if (fmt == KV_Q8_0) {
         // D % 32 == 0: one warp pass is exactly one block of 32 values
-        for (int b = 0; b < D / KV_Q8_0_BLOCK; ++b) {
-            int j = b * KV_Q8_0_BLOCK + lane;
+        for (int b = 0; b < D / KV_QK; ++b) {
+            int j = b * KV_QK + lane;
             float x = kv_load_input(in, in_dtype, base + j);
             float bmax = warp_max(fabsf(x));
             float d = __fdiv_rn(bmax, KV_INT8_MAX);
@@ -48,6 +83,11 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
             ((int8_t*)codes)[j] = kv_q8_0_code(x, id);
             if (lane == 0) ((uint16_t*)scales)[b] = kv_f32_to_f16(d);
         }
+    } else if (fmt == KV_Q4_0 || fmt == KV_Q4_1) {
+        const int S = fmt == KV_Q4_0 ? 1 : 2;  // scales per block
+        for (int b = 0; b < D / KV_QK; ++b)
+            encode_q4_block(fmt, kv_load_input(in, in_dtype, base + b * KV_QK + lane),
+                            (uint8_t*)codes + b * (KV_QK / 2), (uint16_t*)scales + b * S, lane);
     } else {  // int8, fp8_e4m3, fp8_e5m2: one f32 scale per row
         float s = kv_row_scale(fmt, warp_max(amax));
         for (int j = lane; j < D; j += WARP)
@@ -58,16 +98,14 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
 }
 
 // Quantizes input row `base` of K (is_v false) or V into storage row `row` of a layer:
-// codes at row * D * code bytes, scales at row * S * scale bytes (S = 0: none). Returns
-// encode_row's status.
+// codes at row * kv_code_row_bytes, scales at row * kv_scale_row_bytes (0: none).
+// Returns encode_row's status.
 __device__ __forceinline__ int encode_row_into(const void* k_in, const void* v_in, int in_dtype,
                                                long long base, int D, int fmt, bool is_v,
                                                void* k_codes, void* v_codes, void* k_scales,
                                                void* v_scales, long long row, int lane) {
-    const int cb = kv_code_bytes(fmt);
-    const int S = fmt == KV_Q8_0 ? D / KV_Q8_0_BLOCK : (fmt >= KV_INT8 ? 1 : 0);
-    const int sb = fmt == KV_Q8_0 ? 2 : 4;
-    char* codes = (char*)(is_v ? v_codes : k_codes) + row * D * cb;
-    char* scales = S ? (char*)(is_v ? v_scales : k_scales) + row * S * sb : nullptr;
+    const int sb = kv_scale_row_bytes(fmt, D);
+    char* codes = (char*)(is_v ? v_codes : k_codes) + row * kv_code_row_bytes(fmt, D);
+    char* scales = sb ? (char*)(is_v ? v_scales : k_scales) + row * sb : nullptr;
     return encode_row(is_v ? v_in : k_in, in_dtype, base, D, fmt, codes, scales, lane);
 }

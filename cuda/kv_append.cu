@@ -1,8 +1,9 @@
 // Writes into a GpuKVCache: quantize-on-append and the commit of a step.
 //
-// 1. One layer of the cache, per slot, is head-major: codes [M][Hkv][N][D] (code dtype of
-//    the format), scales [M][Hkv][N][S] (S = 1 f32 for int8/fp8, D/32 f16 for q8_0, none
-//    for f32/f16/bf16). Kernels get the layer's base pointers; slot s, head h, position p
+// 1. One layer of the cache, per slot, is head-major: codes [M][Hkv][N][W] (code dtype of
+//    the format; W = D, or D/2 bytes for q4_0 / q4_1), scales [M][Hkv][N][S] (S = 1 f32 for
+//    int8/fp8, D/32 f16 for q8_0 and q4_0, 2 D/32 f16 (d, m) for q4_1, none for
+//    f32/f16/bf16). Kernels get the layer's base pointers; slot s, head h, position p
 //    is row (s * Hkv + h) * N + p.
 // 2. The write position comes from the device lengths, so one captured graph replays the
 //    same launches step after step; kv_advance commits the step afterwards.
@@ -19,7 +20,8 @@
 
 // Appends one step to one layer.
 //   k_in, v_in [R][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
-//   k_codes, v_codes [M][Hkv][N][D] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
+//   k_codes, v_codes [M][Hkv][N][W] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
+//   k_fmt, v_fmt: the formats of K and of V (the same but for a K/V pair)
 //   lengths int32[M] (read only), status int32[M] (OR'ed), active int32[M] or null
 //   slot < 0: R = M, row r goes to slot r at position lengths[r] (when active[r] != 0)
 //   slot >= 0: R = T rows go to slot `slot` at positions lengths[slot] + r
@@ -30,7 +32,7 @@ extern "C" __global__ void kv_append(
         long long s_r, long long s_h,
         void* k_codes, void* v_codes, void* k_scales, void* v_scales,
         const int* __restrict__ lengths, int* status, const int* __restrict__ active,
-        int fmt, int M, int Hkv, int N, int D, int slot, int T) {
+        int k_fmt, int v_fmt, int M, int Hkv, int N, int D, int slot, int T) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int R = slot < 0 ? M : T;
@@ -51,8 +53,9 @@ extern "C" __global__ void kv_append(
     const int pos = len + (slot < 0 ? 0 : r);
     const long long row = ((long long)s * Hkv + h) * N + pos;
 
-    const int refused = encode_row_into(k_in, v_in, in_dtype, r * s_r + h * s_h, D, fmt, is_v,
-                                        k_codes, v_codes, k_scales, v_scales, row, lane);
+    const int refused = encode_row_into(k_in, v_in, in_dtype, r * s_r + h * s_h, D,
+                                        is_v ? v_fmt : k_fmt, is_v, k_codes, v_codes,
+                                        k_scales, v_scales, row, lane);
     if (refused && lane == 0) atomicOr(&status[s], refused);
 }
 

@@ -2,8 +2,9 @@
 // (The pool's decode attention is the split kernel of attention.cuh, kv_pattn_*.)
 //
 // 1. One layer of the pool is token-major, as the CPU KVPool's storage: codes
-//    [P * page_size][Hkv][D] (code dtype), scales [P * page_size][Hkv][S] (S = 1 f32 for
-//    int8/fp8, D/32 f16 for q8_0, none for f32/f16/bf16). Slot r (a "row", vLLM's slot)
+//    [P * page_size][Hkv][W] (code dtype; W = D, or D/2 bytes for q4_0 / q4_1), scales
+//    [P * page_size][Hkv][S] (S = 1 f32 for int8/fp8, D/32 f16 for q8_0 and q4_0, 2 D/32
+//    f16 (d, m) for q4_1, none for f32/f16/bf16). Slot r (a "row", vLLM's slot)
 //    is position r % page_size of page r / page_size; its head h is row r * Hkv + h.
 // 2. Where each input row goes comes from the device slot mapping (int64, written by the
 //    host between steps), so one captured graph replays the same launch step after step.
@@ -23,15 +24,16 @@
 
 // Appends T input rows to one layer.
 //   k_in, v_in [T][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
-//   k_codes, v_codes [num_slots][Hkv][D]; k_scales, v_scales [num_slots][Hkv][S] (layer bases)
+//   k_codes, v_codes [num_slots][Hkv][W]; k_scales, v_scales [num_slots][Hkv][S] (layer bases)
 //   slots int64[cap]: row t goes to slot slots[t] (-1: skipped); status int32 (OR'ed)
+//   k_fmt, v_fmt: the formats of K and of V (the same but for a K/V pair)
 // One warp per head row: warps [0, T*Hkv) write K, [T*Hkv, 2*T*Hkv) write V.
 extern "C" __global__ void kv_paged_append(
         const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
         long long s_r, long long s_h,
         void* k_codes, void* v_codes, void* k_scales, void* v_scales,
         const long long* __restrict__ slots, long long num_slots, int* status,
-        int fmt, int T, int cap, int Hkv, int D) {
+        int k_fmt, int v_fmt, int T, int cap, int Hkv, int D) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const long long rows = (long long)T * Hkv;
@@ -56,7 +58,8 @@ extern "C" __global__ void kv_paged_append(
     if (slot < 0) return;
     const long long row = slot * Hkv + h;
 
-    const int refused = encode_row_into(k_in, v_in, in_dtype, t * s_r + h * s_h, D, fmt, is_v,
-                                        k_codes, v_codes, k_scales, v_scales, row, lane);
+    const int refused = encode_row_into(k_in, v_in, in_dtype, t * s_r + h * s_h, D,
+                                        is_v ? v_fmt : k_fmt, is_v, k_codes, v_codes,
+                                        k_scales, v_scales, row, lane);
     if (refused && lane == 0) atomicOr(status, refused);
 }

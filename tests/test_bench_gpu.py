@@ -22,7 +22,7 @@ def test_bench_gpu_smoke_sizes_run(capsys):
     lines = [line for line in paged.splitlines() if line.startswith("| ") and "---" not in line]
     header, rows = lines[0], [r.strip("| ").split(" | ") for r in lines[1:]]
     assert "paged / contiguous" in header and "decode / copy" in header and "decode / SDPA" in header
-    assert len(rows) == 7 * 2 * 2                      # formats x batches x contexts
+    assert len(rows) == len(bench_gpu.PAGED_FORMATS) * 2 * 2   # formats x batches x contexts
     assert {r[0] for r in rows} == set(bench_gpu.PAGED_FORMATS)
     for r in rows:   # decode time, paged / contiguous, decode / copy
         assert float(r[3]) > 0 and float(r[6]) > 0 and float(r[9]) > 0

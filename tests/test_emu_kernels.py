@@ -67,7 +67,7 @@ def test_entries_from_the_signatures():
     P = kernels.ParamInfo
     assert mod.entries["kv_advance"] == (P(8, True),) * 3 + (P(4, False),) * 4
     sizes = [p.size for p in mod.entries["kv_append"]]
-    assert sizes == [8, 8, 4, 8, 8] + [8] * 7 + [4] * 7
+    assert sizes == [8, 8, 4, 8, 8] + [8] * 7 + [4] * 8    # ..., k_fmt, v_fmt, M, Hkv, N, D, slot, T
     attn = kernels.load("attention_q8_0")
     # (slot and paged storage) x (D 64, 128, 256, run-time D) x (1, 2, 4, 8 heads per block)
     assert len(attn.entries) == 32 and {"kv_attn_q8_0_d256_g8", "kv_pattn_q8_0_dx_g1"} <= set(attn.entries)
@@ -186,7 +186,7 @@ def test_kv_append_bit_exact_with_quantize(fmt, in_dtype, rng):
     heads = M * Hkv * 2
     _launch(mod, "kv_append", ((heads + 7) // 8, 1, 1), (256, 1, 1), k, v, dt_id,
             k.strides[0] // isz, k.strides[1] // isz, k_codes, v_codes,
-            k_scales if S else 0, v_scales if S else 0, lengths, err, 0, f.id, M, Hkv, N, D, -1, 1, seed=3)
+            k_scales if S else 0, v_scales if S else 0, lengths, err, 0, f.id, f.id, M, Hkv, N, D, -1, 1, seed=3)
     assert (err == 0).all()
     for src, codes, scales in ((k, k_codes, k_scales), (v, v_codes, v_scales)):
         ref_codes, ref_scales = kvcore.quantize(src, fmt)
@@ -213,7 +213,7 @@ def test_kv_append_rows_into_one_slot_and_refusals(fmt, rng):
     codes = np.full((M, Hkv, N, D * f.code_bytes), 0xFF, np.uint8)
     scales = np.full((M, Hkv, N, max(sb, 1)), 0xFF, np.uint8)
     args = (x, x, 0, Hkv * D, D, codes, codes.copy(), scales if S else 0, scales.copy() if S else 0,
-            lengths, err, 0, f.id, M, Hkv, N, D)
+            lengths, err, 0, f.id, f.id, M, Hkv, N, D)
     _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T)
     assert list(err) == [0, 2]  # KV_ERR_NONFINITE for the NaN row, on its slot
     ref = kvcore.quantize(np.nan_to_num(x), fmt)
@@ -230,7 +230,7 @@ def test_kv_append_rows_into_one_slot_and_refusals(fmt, rng):
     err[:] = 0
     fresh = np.full_like(codes, 0xFF)
     args = (x, x, 0, Hkv * D, D, fresh, fresh.copy(), scales if S else 0, scales.copy() if S else 0,
-            lengths, err, 0, f.id, M, Hkv, 6, D)
+            lengths, err, 0, f.id, f.id, M, Hkv, 6, D)
     _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T)
     assert list(err) == [0, 1] and (fresh == 0xFF).all()
 
@@ -247,7 +247,7 @@ def test_f16_conversions_exact(rng):
     codes = np.full((R, 1, 1, 256 * 4), 0xFF, np.uint8)
     err = np.zeros(R, np.int32)  # status per slot
     _launch(mod, "kv_append", ((2 * R + 7) // 8, 1, 1), (256, 1, 1), h, h, 1, 256, 256, codes, codes.copy(),
-            0, 0, np.zeros(R, np.int32), err, 0, 0, R, 1, 1, 256, -1, 1)
+            0, 0, np.zeros(R, np.int32), err, 0, 0, 0, R, 1, 1, 256, -1, 1)
     assert (err == 0).all()
     np.testing.assert_array_equal(codes.view(np.float32).reshape(R, 256), h.reshape(R, 256).astype(np.float32))
     # f32 -> f16: halfway points between neighbouring f16 values (ties to even), +-1 ulp of
@@ -263,7 +263,7 @@ def test_f16_conversions_exact(rng):
     R = x.shape[0]
     codes = np.full((R, 1, 1, 512), 0xFF, np.uint8)
     _launch(mod, "kv_append", ((2 * R + 7) // 8, 1, 1), (256, 1, 1), x, x, 0, 256, 256, codes, codes.copy(),
-            0, 0, np.zeros(R, np.int32), err, 0, 1, R, 1, 1, 256, -1, 1)
+            0, 0, np.zeros(R, np.int32), err, 0, 1, 1, R, 1, 1, 256, -1, 1)
     assert (err == 0).all()
     np.testing.assert_array_equal(codes.view(np.uint16).reshape(-1), x.astype(np.float16).view(np.uint16).reshape(-1))
 

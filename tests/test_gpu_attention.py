@@ -17,20 +17,25 @@ from kvcore import KVSpec, get_format
 from kvcore.errors import DTypeError, FormatError, ShapeError, StateError
 from kvcore.gpu.attention import (MAX_SPLITS, MIN_SPLIT_POSITIONS, choose_splits, heads_per_block,
                                   tile_positions)
+from kvcore.gpu.cache import GPU_FORMATS as FORMATS
 from kvcore.snapshot import Snapshot
 
-FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+# the 4-bit formats at a subset of head_dim x GQA: both thread layouts (16 dims from 8 code
+# bytes at 1-2 heads a block, 8 from 4 bytes at 4-8) and q in shared memory (8 heads, D <= 128)
+MATRIX = [(f, d, g) for f in FORMATS if get_format(f).pack == 1 for d in (64, 128, 256) for g in (1, 4, 8)]
+MATRIX += [("q4_0", 64, 1), ("q4_0", 128, 8), ("q4_0", 256, 4), ("q4_1", 64, 8), ("q4_1", 128, 4),
+           ("q4_1", 256, 1)]
 
 
 # ----------------------------------------------------------------------------- helpers
 
 def random_parts(spec, n, rng):
     """Valid random codes and scales of n positions: (k_codes, v_codes, k_scales, v_scales)
-    token-major [L, n, Hkv, D] / [L, n, Hkv, S]."""
-    f = spec.fmt
-    shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    token-major [L, n, Hkv, W] / [L, n, Hkv, S] (W = D, or D/2 for the 4-bit formats), each
+    side in its own format."""
 
-    def codes():
+    def codes(f):
+        shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
         if f.name == "f32":
             return rng.standard_normal(shape, dtype=np.float32)
         if f.name == "f16":
@@ -40,20 +45,28 @@ def random_parts(spec, n, rng):
         if f.name in ("int8", "q8_0"):
             return rng.integers(-127, 128, shape, dtype=np.int8)
         c = rng.integers(0, 256, shape, dtype=np.uint8)
+        if f.pack == 2:                          # two 4-bit codes a byte: all valid
+            return c
         if f.name == "fp8_e4m3":
             c[(c & 0x7F) == 0x7F] ^= 1          # NaN -> 448 (0x7E)
         else:
             c[(c & 0x7F) >= 0x7C] &= 0xBF       # inf/NaN -> exponent 15
         return c
 
-    def scales():
+    def scales(f):
         if not f.quantized:
             return None
-        s_shape = shape[:3] + (f.scales_per_row(spec.head_dim),)
-        top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344}[f.name]
-        return rng.uniform(0.25 * top, top, s_shape).astype(f.scale_dtype)
+        s_shape = (spec.num_layers, n, spec.num_kv_heads, f.scales_per_row(spec.head_dim))
+        top = {"int8": 2.0 / 127, "q8_0": 2.0 / 127, "fp8_e4m3": 2.0 / 448, "fp8_e5m2": 2.0 / 57344,
+               "q4_0": 2.0 / 8, "q4_1": 4.0 / 15}[f.name]
+        s = rng.uniform(0.25 * top, top, s_shape)
+        if f.name == "q4_0":        # d = max / -8 takes either sign
+            s *= rng.choice([-1.0, 1.0], s_shape)
+        elif f.name == "q4_1":      # (d, m): m = the block's minimum, in [-2, 0)
+            s[..., 1::2] = rng.uniform(-2.0, 0.0, s[..., 1::2].shape)
+        return s.astype(f.scale_dtype)
 
-    return codes(), codes(), scales(), scales()
+    return codes(spec.k_fmt), codes(spec.v_fmt), scales(spec.k_fmt), scales(spec.v_fmt)
 
 
 def dequantize(codes, scales, fmt):
@@ -71,6 +84,15 @@ def dequantize(codes, scales, fmt):
     if scales is None:
         return x
     s = scales.astype(np.float64)
+    if f.pack == 2:   # 4-bit: byte j of a block holds value j (low nibble) and 16 + j (high)
+        nb = x.shape[-1] // 16
+        b = codes.reshape(*codes.shape[:-1], nb, 16)
+        x = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float64)
+        if f.name == "q4_0":
+            return ((x - 8) * s[..., None]).reshape(*codes.shape[:-1], 32 * nb)
+        d = s[..., 0::2, None].astype(np.float32)
+        return (x.astype(np.float32) * d + s[..., 1::2, None].astype(np.float32)).astype(
+            np.float64).reshape(*codes.shape[:-1], 32 * nb)   # float32 q * d + m, as stored
     if f.name == "q8_0":
         # explicit block count: a -1 cannot be inferred for an empty slot (size 0)
         return (x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32) * s[..., None]).reshape(x.shape)
@@ -130,6 +152,8 @@ def test_tile_positions():
     assert tile_positions(get_format("int8"), 128) == 32
     assert tile_positions(get_format("f16"), 128) == 16
     assert tile_positions(get_format("f32"), 256) == 4
+    # 4-bit: 2 KiB of codes, as many positions as q8_0's tiles
+    assert [tile_positions(get_format("q4_1"), d) for d in (64, 128, 256)] == [64, 32, 16]
 
 
 @pytest.mark.parametrize("blocks", [1, 8, 64, 256, 1024, 4096])
@@ -220,7 +244,7 @@ def _run_case(fmt, head_dim, group, lengths, q_dtype, rng, *, q_gain=1.0, num_sp
         for m, n in enumerate(lengths):
             parts = random_parts(spec, n, rng)
             cache.scatter(Snapshot(spec, n, *parts), m)
-            kvs.append((dequantize(parts[0], parts[2], fmt)[0], dequantize(parts[1], parts[3], fmt)[0]))
+            kvs.append((dequantize(parts[0], parts[2], spec.k_fmt)[0], dequantize(parts[1], parts[3], spec.v_fmt)[0]))
         qh = (rng.standard_normal((M, spec.num_heads, head_dim)) * q_gain).astype(_q_dtype(q_dtype))
         q = _device_array(qh)
         out = _device_array(np.full((M, spec.num_heads, head_dim), np.nan, np.float32))  # poisoned
@@ -252,9 +276,7 @@ LENGTHS = [1, 33, 0, 4095, 4096, 4097]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,head_dim,group", MATRIX)
 def test_attention_matches_float64(fmt, head_dim, group, rng):
     q_dtype = ("float32", "float16", "bfloat16")[(head_dim // 64 + group) % 3]
     tol = 1e-5 if q_dtype == "float32" else 1e-3
@@ -264,7 +286,19 @@ def test_attention_matches_float64(fmt, head_dim, group, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,head_dim,group", [("q8_0/q4_0", 128, 8), ("q8_0/q4_0", 96, 2),
+                                                ("f16/q4_0", 64, 1), ("f16/q4_0", 256, 4)])
+def test_pair_attention_matches_float64(fmt, head_dim, group, rng):
+    """K and V in two formats (GPU_PAIRS): the scores decode K's codes, the weighted sums
+    V's, each by its own format, in one kernel (a thread's dims: the smaller count of both
+    sides, at most 8; rows of two sizes); against float64 over each side's dequantized values."""
+    results, _ = _run_case(fmt, head_dim, group, [300, 0, 1, 33], "float32", rng, num_splits=3)
+    for m, got, ref, *_ in results:
+        assert rel_err(got, ref) < 1e-5, f"slot {m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if get_format(f).pack == 1])   # the 4-bit decode: above
 def test_attention_long_context(fmt, rng):
     results, _ = _run_case(fmt, 128, 4, [65536, 0, 7], "float32", rng)
     for m, got, ref, *_ in results:
@@ -292,14 +326,54 @@ def test_forced_split_counts(num_splits, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,head_dim,group", [
     ("f16", 80, 1), ("q8_0", 96, 8), ("int8", 112, 4), ("f32", 160, 2), ("fp8_e5m2", 192, 8),
-    ("bf16", 16, 1), ("fp8_e4m3", 96, 1)])
+    ("bf16", 16, 1), ("fp8_e4m3", 96, 1), ("q4_0", 96, 2), ("q4_1", 32, 4), ("q4_1", 224, 8)])
 def test_attention_any_head_dim(fmt, head_dim, group, rng):
-    """The run-time-D instance (every multiple of 16 up to 256 besides 64/128/256): q8_0 at
-    D = 96 has rows of 3 f16 scales (not 4-byte aligned), f32 at 160 a row group count
-    that is not a power of two; lengths across tiles and splits."""
+    """The run-time-D instance (every multiple of 16 up to 256 besides 64/128/256): q8_0 and
+    q4_0 at D = 96 have rows of 3 f16 scales (not 4-byte aligned), f32 at 160 a row group
+    count that is not a power of two, q4_1 at 32 one block a row; lengths across tiles and
+    splits."""
     results, _ = _run_case(fmt, head_dim, group, [300, 0, 1, 33], "float32", rng, num_splits=3)
     for m, got, ref, *_ in results:
         assert rel_err(got, ref) < 1e-5, f"slot {m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_4bit_decode_every_code_and_scale(fmt):
+    """The kernel's 4-bit decode, exhaustively: the output of a one-position slot is its V
+    row as the kernel decodes it (weight 1), here every code in every nibble of each block
+    with every finite f16 scale (q4_0: d of either sign; q4_1: m, each with a d >= 0, every
+    one of those too); it equals kvcore.dequantize value for value (zeros of either sign)."""
+    import kvcore
+    from kvcore.gpu import GpuKVCache
+    from kvcore.gpu.attention import AttentionPlan
+    h = np.arange(65536).astype(np.uint16)
+    finite = h[(h & 0x7C00) != 0x7C00]                       # 63488 f16 values
+    H = finite.size // 8                                      # rows of 8 blocks (D = 256)
+    if fmt == "q4_0":
+        scales = finite.reshape(H, 8)
+    else:
+        d = np.resize(finite[finite < 0x8000], finite.size)   # every d >= 0, repeated
+        scales = np.stack([d, finite], axis=-1).reshape(H, 16)
+    j = np.arange(16)
+    codes = np.tile((j | (15 - j) << 4).astype(np.uint8), (H, 8))   # codes 0..15 and 15..0
+    spec = KVSpec(num_layers=1, num_kv_heads=H, head_dim=256, capacity=1, num_heads=H, format=fmt)
+    zeros = np.zeros((1, 1) + scales.shape, np.float16)
+    snap = Snapshot(spec, 1, np.zeros((1, 1, H, 128), np.uint8), codes[None, None], zeros,
+                    scales.view(np.float16)[None, None])
+    cache = GpuKVCache(spec, slots=1)
+    try:
+        cache.restore(snap, 0)
+        q = _device_array(np.zeros((1, H, 256), np.float32))
+        out = _device_array(np.full((1, H, 256), np.nan, np.float32))
+        plan = AttentionPlan(cache, q_dtype="float32")
+        plan.run(q, out, 0)
+        cache.check()
+        got = out.to_numpy()[0]
+        plan.free()
+    finally:
+        cache.free()
+    assert np.array_equal(got, kvcore.dequantize(codes, scales.view(np.float16), fmt))
 
 
 @pytest.mark.gpu
@@ -594,7 +668,8 @@ def test_variants_every_format(fmt, rng):
     tiles mid-way, in one split (its splits follow W + S, not the lengths); an empty slot
     gets out 0 and lse = its sink."""
     i = FORMATS.index(fmt)
-    group, head_dim = (1, 8)[i % 2], (64, 80, 128)[i % 3] if fmt != "q8_0" else 96
+    group = (1, 8)[i % 2]
+    head_dim = (96, 64, 128)[i % 3] if get_format(fmt).block else (64, 80, 128)[i % 3]
     Hq = 2 * group
     sinks = rng.uniform(-1, 3, Hq).astype(np.float32)
     nsplit, *_ = _variants_case(fmt, head_dim, group, VARIANT_LENGTHS, rng, num_splits=3,

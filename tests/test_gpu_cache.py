@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
+from kvcore.gpu.cache import GPU_FORMATS, GPU_PAIRS   # the formats and K/V pairs the GPU kernels hold
 from kvcore import (CapacityError, FORMATS, FormatError, KVCache, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError, quantize)
 
@@ -138,7 +138,7 @@ def _check_against_cpu(gpu, fmt, in_dtype, D, rng, slots=4, L=2, H=3, N=9):
     f = spec.fmt
     cache = new_cache(gpu, spec, slots)
     S = f.scales_per_row(D)
-    exp = [[poisoned((slots, H, N, D), f.code_dtype) for _ in range(2)] for _ in range(L)]
+    exp = [[poisoned((slots, H, N, f.code_width(D)), f.code_dtype) for _ in range(2)] for _ in range(L)]
     exps = [[poisoned((slots, H, N, S), f.scale_dtype) for _ in range(2)] for _ in range(L)] if f.quantized else None
     keep = []
 
@@ -182,9 +182,113 @@ def test_append_equals_cpu_encoder(gpu, fmt, in_dtype, rng):
 
 
 @pytest.mark.parametrize("fmt, D", [(f, d) for f in GPU_FORMATS for d in (1, 40, 96, 256)
-                                     if f != "q8_0" or d % 32 == 0])  # q8_0: head_dim % 32 == 0
+                                     if d % (FORMATS[f].block or 1) == 0])  # q8_0, q4_*: D % 32 == 0
 def test_append_equals_cpu_encoder_head_dims(gpu, fmt, D, rng):
     _check_against_cpu(gpu, fmt, np.float32, D, rng, slots=5, L=1, H=2, N=12)
+
+
+def q4_blocks(fmt, rng):
+    """Blocks of 32 float32 values [B, 32] for the 4-bit encoders' edges: signed zeros,
+    ties of |max| (q4_0 takes the first) and of min / max (q4_1 the last), codes at exact
+    truncation ties (x * id + 8.5, (x - min) * id + 0.5 on a whole number), d = 0,
+    subnormal d (1 / d past float32, or huge and inexact), the largest values below the
+    format's limit, and random blocks over 2^-140..2^18, a multiple of 4 in all."""
+    lim = np.float32(kvcore.quant.Q4_0_LIMIT if fmt == "q4_0" else kvcore.quant.Q4_1_LIMIT)
+    top = np.nextafter(lim, np.float32(0))
+    j = np.arange(32.0)
+    z = np.zeros(32)
+    crafted = [
+        z, -z, np.where(j % 3 == 0, -0.0, 0.0), np.where(j % 3 == 2, -0.0, 0.0),
+        np.r_[-3.0, 3.0, z[2:]], np.r_[3.0, -3.0, z[2:]], np.r_[z[:5], 2.0, -2.0, z[7:]],
+        np.r_[-8.0, j[1:] / 2 - 8], np.r_[8.0, 8 - j[1:] / 2],     # q4_0: d = -1 / 1, all halves
+        np.r_[0.0, 15.0, j[2:] / 2],                               # q4_1: d = 1, all halves
+        np.full(32, 5.0), np.full(32, -1e-45), np.r_[7.0, np.full(31, -0.0)],
+        (j - 16) * 1e-40, (j - 16) * 3e-39, (j - 17) * 2**-127, j * 1e-45,    # subnormal d
+        np.r_[top, -top, (j[2:] - 16) * 1e4], np.r_[-top, top, j[2:]], np.r_[top, z[1:]],
+        np.full(32, -top), np.r_[(j[:16] - 8) * top / 8, z[16:]],
+    ]
+    n = 64 + -len(crafted) % 4  # whole rows of 2 heads x 64 values
+    rand = rng.standard_normal((n, 32)) * np.exp2(rng.uniform(-140, 18, (n, 1)))
+    x = np.concatenate([np.array(crafted), rand]).astype(np.float32)
+    return np.clip(x, -top, top)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_q4_append_equals_cpu_on_edge_blocks(gpu, fmt, rng):
+    """The device q4_0 / q4_1 encoders bit for bit against kvcore.quantize over q4_blocks
+    (K) and their negations (V); the limit itself, of either sign, is refused."""
+    x = q4_blocks(fmt, rng).reshape(-1, 2, 64)
+    T = x.shape[0]
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=T, format=fmt)
+    cache = new_cache(gpu, spec, 2)
+    cache.append(0, dev(gpu, x), dev(gpu, -x), slot=0)
+    cache.advance(slot=0, steps=T)
+    cache.check()
+    snap = cache.snapshot(0)
+    for codes, scales, src in ((snap.k_codes, snap.k_scales, x), (snap.v_codes, snap.v_scales, -x)):
+        want_codes, want_scales = quantize(src, fmt)
+        assert codes[0].tobytes() == want_codes.tobytes()
+        assert scales[0].view(np.uint16).tobytes() == want_scales.view(np.uint16).tobytes()
+    lim = np.float32(kvcore.quant.Q4_0_LIMIT if fmt == "q4_0" else kvcore.quant.Q4_1_LIMIT)
+    for bad in (lim, -lim):
+        y = x[:1].copy()
+        y[0, 1, 40] = bad
+        cache.append(0, dev(gpu, y), dev(gpu, x[:1]), slot=1)
+        cache.advance(slot=1)
+        with pytest.raises(FormatError, match=f"slot 1: a value out of range of format {fmt}"):
+            cache.check()
+    assert list(cache.lengths_host()) == [T, 0]
+    cache.free()
+
+
+@pytest.mark.parametrize("fmt", GPU_PAIRS)
+def test_pair_appends_and_snapshots_equal_the_cpu_cache(gpu, fmt, rng):
+    """K and V in two formats: batched and one-slot appends store each side's
+    kvcore.quantize codes (the CPU cache's snapshot, bit for bit), a CPU snapshot restores
+    into a slot, each side's views have its format's shapes, and a value past V's limit
+    (not K's) is refused naming both sides."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=96, capacity=12, format=fmt)
+    cache = new_cache(gpu, spec, 3)
+    cpus = [KVCache(spec) for _ in range(3)]
+    keep = []
+    for _ in range(2):
+        for layer in range(2):
+            k, v = rows(rng, (3, 2, 96), np.float32), rows(rng, (3, 2, 96), np.float32)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            cache.append(layer, keep[-2], keep[-1])
+            for s in range(3):
+                cpus[s].append(layer, k[s:s + 1], v[s:s + 1])
+        cache.advance()
+        for c in cpus:
+            c.advance()
+    for layer in range(2):
+        k, v = rows(rng, (5, 2, 96), np.float16), rows(rng, (5, 2, 96), np.float16)
+        keep += [dev(gpu, k), dev(gpu, v)]
+        cache.append(layer, keep[-2], keep[-1], slot=2)
+        cpus[2].append(layer, k, v)
+    cache.advance(slot=2, steps=5)
+    cpus[2].advance()
+    cache.check()
+    for s in range(3):
+        _same(cache.snapshot(s), cpus[s].snapshot())
+    cache.restore(cpus[2].snapshot(), 0)
+    _same(cache.snapshot(0), cpus[2].snapshot())
+    kf, vf = spec.k_fmt, spec.v_fmt
+    assert cache.keys(1).shape == (3, 2, 12, kf.code_width(96)) and cache.keys(1).dtype == kf.code_dtype
+    assert cache.values(1).shape == (3, 2, 12, 48) and cache.value_scales(1).shape == (3, 2, 12, 3)
+    if not kf.quantized:
+        with pytest.raises(FormatError, match=rf"format {kf.name} has no scales \(K of {fmt}\)"):
+            cache.key_scales(0)
+    big = rows(rng, (3, 2, 96), np.float32)
+    v = big.copy()
+    v[1, 0, 5] = 6e5       # past q4_0's 524160, within K's range only for the K side
+    cache.append(0, dev(gpu, big), dev(gpu, v))
+    cache.advance()
+    with pytest.raises(FormatError, match=rf"slot 1: a value out of range of format {fmt} "
+                                          rf"\(K {kf.name}, V q4_0\).*\|v\| >= 524160"):
+        cache.check()
+    assert list(cache.lengths_host()) == [8, 2, 8]   # slot 1 refused, the others committed
+    cache.free()
 
 
 def test_append_reads_strided_input(gpu, rng):

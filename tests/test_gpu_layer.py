@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
+from kvcore.gpu.cache import GPU_FORMATS, GPU_PAIRS   # the formats and K/V pairs the GPU kernels hold
 from kvcore import FORMATS, KVSpec, SpecError
 from kvcore.gpu import GpuKVCache, GpuLayout, is_available, max_slots_for_memory
 from kvcore.gpu import cache as gpu_cache
@@ -102,32 +102,29 @@ def test_gpu_unavailable_error_is_an_import_error_of_kvcore():
     assert issubclass(GpuUnavailableError, kvcore.KVCacheError)
 
 
-@pytest.mark.parametrize("fmt", GPU_FORMATS)
+@pytest.mark.parametrize("fmt", GPU_FORMATS + GPU_PAIRS)
 @pytest.mark.parametrize("slots", [1, 3, 7])
 def test_layout_arithmetic(fmt, slots):
     spec = KVSpec(num_layers=3, num_kv_heads=5, head_dim=64, capacity=37, format=fmt)
     lay = GpuLayout(spec, slots)
-    f = spec.fmt
-    S = f.scales_per_row(64)
-    assert lay.code_shape == (3, slots, 5, 37, 64)
-    assert lay.scale_shape == (3, slots, 5, 37, S)
-    assert lay.code_strides == np.empty(lay.code_shape, f.code_dtype).strides
-    if f.quantized:
-        assert lay.scale_strides == np.empty(lay.scale_shape, f.scale_dtype).strides
-    code_bytes = 3 * slots * 5 * 37 * 64 * f.code_bytes
-    scale_bytes = 3 * slots * 5 * 37 * S * (f.scale_dtype.itemsize if f.quantized else 0)
-    assert lay.code_region_bytes == code_bytes and lay.scale_region_bytes == scale_bytes
-    off = lay.offsets
-    assert all(v % 256 == 0 for v in off.values())
-    assert off["v_codes"] >= code_bytes and off["k_scales"] >= off["v_codes"] + code_bytes
-    assert off["v_scales"] >= off["k_scales"] + scale_bytes
-    assert lay.data_bytes >= off["v_scales"] + scale_bytes
-    assert lay.data_bytes - 2 * code_bytes - 2 * scale_bytes < 4 * 256
-    # slot (layer 2, slot s) starts where the [L][M][Hkv][N][D] index says
-    for s in range(slots):
-        want = ((2 * slots + s) * 5 * 37 * 64) * f.code_bytes
-        assert lay.slot_offset("k_codes", 2, s) == want
-        assert lay.slot_offset("v_codes", 2, s) == off["v_codes"] + want
+    off, total = lay.offsets, 0
+    for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        f = spec.k_fmt if region[0] == "k" else spec.v_fmt   # each side in its own format
+        codes = region.endswith("codes")
+        width = f.code_width(64) if codes else f.scales_per_row(64)   # W = 32 bytes for q4_0 / q4_1
+        dtype = f.code_dtype if codes else f.scale_dtype
+        assert lay.shape(region) == (3, slots, 5, 37, width)
+        if dtype is not None:
+            assert lay.strides(region) == np.empty(lay.shape(region), dtype).strides
+        nbytes = 3 * slots * 5 * 37 * width * (dtype.itemsize if dtype is not None else 0)
+        assert lay.region_bytes(region) == nbytes
+        assert off[region] % 256 == 0 and off[region] >= total   # in order, 256-byte aligned
+        total = off[region] + nbytes
+        # slot (layer 2, slot s) starts where the [L][M][Hkv][N][W] index says
+        for s in range(slots):
+            want = ((2 * slots + s) * 5 * 37 * width) * (dtype.itemsize if dtype is not None else 0)
+            assert lay.slot_offset(region, 2, s) == off[region] + want
+    assert total <= lay.data_bytes < total + 4 * 256
     m = lay.meta_offsets
     assert m["v_codes"] == 3 * slots * 8 and m["lengths"] == 4 * 3 * slots * 8
     assert m["status"] == m["lengths"] + 4 * slots and lay.meta_bytes == m["status"] + 4 * slots
@@ -166,28 +163,21 @@ def test_cache_validates_before_touching_a_device():
             GpuKVCache(spec, bad)
 
 
-@pytest.mark.parametrize("fmt", [f for f in kvcore.formats.ROW_FORMATS if f not in GPU_FORMATS])
-def test_formats_without_gpu_kernels_are_refused(fmt):
-    # q4_0 / q4_1 are CPU-only for now: every GPU object refuses them before touching a
-    # device, naming the format
-    from kvcore.gpu import GpuKVPool
-    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=8, format=fmt)
-    msg = rf"format {fmt} is not on the GPU yet: the GPU kernels do not have it"
-    for make in (lambda: GpuKVCache(spec), lambda: GpuKVCache.fit(spec), lambda: GpuLayout(spec, 1),
-                 lambda: max_slots_for_memory(spec, 2**30),
-                 lambda: GpuKVPool(spec, 4, 4, max_batch=1, max_pages_per_seq=2)):
-        with pytest.raises(kvcore.FormatError, match=msg):
-            make()
+def test_every_format_and_gpu_pair_has_kernels():
+    assert GPU_FORMATS == tuple(kvcore.formats.ROW_FORMATS)    # q4_1ch (K by channel): CPU only
+    for fmt in GPU_FORMATS + GPU_PAIRS:
+        assert os.path.exists(os.path.join(ROOT, "cuda", f"attention_{fmt.replace('/', '_')}.ptx"))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0/q4_0", "f16/int8"])
-def test_kv_pairs_are_refused(fmt):
-    """K and V in different formats are CPU-only for now: every GPU object refuses the spec
-    before touching a device, naming both formats."""
+@pytest.mark.parametrize("fmt", ["q4_0/q8_0", "f16/int8", "int8/f16"])
+def test_kv_pairs_without_gpu_kernels_are_refused(fmt):
+    """K and V in two formats other than GPU_PAIRS' have no GPU kernels: every GPU object
+    refuses the spec before touching a device, naming both formats and the pairs it holds."""
     from kvcore.gpu import GpuKVPool
     k, v = fmt.split("/")
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, capacity=8, format=fmt)
-    msg = rf"K format {k} and V format {v} differ: K/V pairs are not on the GPU yet"
+    msg = (rf"K format {k} and V format {v}: the GPU kernels hold one format for both or the "
+           rf"K/V pairs q8_0/q4_0, f16/q4_0 \(KVCache")
     for make in (lambda: GpuKVCache(spec), lambda: GpuKVCache.fit(spec), lambda: GpuLayout(spec, 1),
                  lambda: max_slots_for_memory(spec, 2**30),
                  lambda: GpuKVPool(spec, 4, 4, max_batch=1, max_pages_per_seq=2)):
@@ -202,16 +192,18 @@ def _defines(text: str) -> dict[str, str]:
 def test_device_constants_match_python():
     with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
         d = _defines(f.read())
-    for name, fmt in FORMATS.items():     # q4_0 / q4_1 too: ids reserved, no kernels yet
+    for name, fmt in FORMATS.items():
         if not fmt.group:                 # q4_1ch (K by channel) is CPU-only: no device id
             assert int(d["KV_" + name.upper()]) == fmt.id
-    assert int(d["KV_Q8_0_BLOCK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
+    assert int(d["KV_Q8_0_BLOCK"]) == int(d["KV_QK"]) == kvcore.formats.Q8_0_BLOCK == kvcore.formats.QK
     assert int(d["KV_ERR_CAPACITY"]) == gpu_cache.ERR_CAPACITY
     assert int(d["KV_ERR_NONFINITE"]) == gpu_cache.ERR_NONFINITE
     assert int(d["KV_ERR_RANGE"]) == gpu_cache.ERR_RANGE
     from kvcore import _quant
     limit = {name: np.float32(_quant.input_limit(f.id)) for name, f in FORMATS.items()}
     assert np.float32(d["KV_Q8_0_LIMIT"].rstrip("f")) == limit["q8_0"]
+    assert np.float32(d["KV_Q4_0_LIMIT"].rstrip("f")) == limit["q4_0"]
+    assert d["KV_Q4_1_LIMIT"] == "KV_F16_LIMIT" and limit["q4_1"] == limit["f16"]
     assert np.float32(d["KV_F16_LIMIT"].rstrip("f")) == limit["f16"]
     assert np.uint32(int(d["KV_BF16_LIMIT_BITS"], 16)).view(np.float32) == limit["bf16"]
     assert np.uint32(int(d["KV_INT8_LIMIT_BITS"], 16)).view(np.float32) == limit["int8"]
@@ -280,7 +272,7 @@ def test_build_py_ships_cuda_sources_ptx_and_the_emulator(tmp_path):
     assert os.path.isdir(os.path.join(cuda, "emu")), "cuda/emu/ (the emulator's headers) is missing"
     wanted = [os.path.relpath(os.path.join(d, f), cuda) for d, _, files in os.walk(cuda) for f in files
               if f.endswith((".ptx", ".cu", ".cuh")) or os.path.basename(d) == "emu"]
-    assert len([w for w in wanted if w.endswith(".ptx")]) == 11
+    assert len([w for w in wanted if w.endswith(".ptx")]) == 15
     missing = [w for w in wanted if not os.path.isfile(os.path.join(tmp_path, "kvcore", "_cuda", w))]
     assert not missing, missing
     for module in ("_emu/__init__.py", "_emu/driver.py", "_emu/kernels.py", "_ptx.py"):

@@ -86,7 +86,7 @@ def test_cache_copies_past_2gib_keep_every_pitch_within_the_drivers_limit(n):
         n = 7 * 1021          # (the same shape, with fewer segments to enumerate)
     lay = GpuLayout(BIG, 2)
     row, H, L = 1024, BIG.num_kv_heads, BIG.num_layers
-    assert lay.code_strides[2] == BIG.capacity * row > MAX_PITCH
+    assert lay.strides("k_codes")[2] == BIG.capacity * row > MAX_PITCH
     dev = CopySide(True, (1 << 40) + lay.slot_offset("k_codes", 0, 1), BIG.capacity, 2 * H)
     host = CopySide(False, 1 << 20, n, H)
     plans = [check_plan(row, H, n, L, dev, host), check_plan(row, H, n, L, host, dev)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcore import decode_attention as kvcore_attention
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
+from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold
 from kvcore import (FORMATS, CapacityError, DTypeError, FormatError, KVPool, KVSpec,
                     NonFiniteError, OutOfRangeError, RangeError, ShapeError, SnapshotError,
                     StateError, quantize)
@@ -206,7 +206,7 @@ def test_append_fork_truncate_equal_cpu_pool(gpu, rng, fmt):
     cp.advance([a])
     codes, scales = quantize(k0, fmt)
     row = cp._table.rows(a, 3, 4)[0]
-    got = gp.keys(1).to_numpy().reshape(-1, H, D)[row]
+    got = gp.keys(1).to_numpy().reshape(-1, H, FORMATS[fmt].code_width(D))[row]
     assert got.tobytes() == np.ascontiguousarray(codes[0]).view(FORMATS[fmt].code_dtype).tobytes()
     if scales is not None:
         assert gp.key_scales(1).to_numpy().reshape(-1, H, scales.shape[-1])[row].tobytes() \
@@ -486,6 +486,10 @@ DECODE_CASES = [   # format, GQA ratio, head_dim, page_size, max_pages_per_seq, 
     ("fp8_e4m3", 8, 80, 16, 20, np.float32),
     ("fp8_e5m2", 1, 128, 4, 80, np.float32),
     ("q8_0", 8, 96, 4, 80, np.float32),    # 3 f16 scales per row: 2-byte aligned rows
+    ("q4_0", 4, 96, 4, 80, np.float16),    # 48-byte code rows, 2-byte aligned scale rows
+    ("q4_1", 2, 128, 16, 20, np.float32),  # (d, m) pairs
+    ("q8_0/q4_0", 8, 128, 16, 20, np.float16),   # K/V pairs: each side in its format
+    ("f16/q4_0", 1, 96, 4, 80, np.float32),      # K without scales, V's 2-byte aligned
 ]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore import FORMATS, KVPool, KVSpec, SpecError, StateError
-from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold (no q4_0 / q4_1 yet)
+from kvcore.gpu.cache import GPU_FORMATS   # the formats the GPU kernels hold
 from kvcore import apply_rope as cpu_rope
 from kvcore import decode_attention as cpu_attention
 

@@ -160,7 +160,7 @@ def bench_append(opts) -> None:
                  "copy GB/s (r+w)", "append / copy", "eager step us"], rows)
 
 
-PAGED_FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+PAGED_FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
 FLUSH_BYTES = 256 << 20     # more than the L2 of any GPU kvcore targets (H100: 50 MiB)
 
 
@@ -172,7 +172,7 @@ def _random_codes(rng, fmt, shape) -> np.ndarray:
         return (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     if fmt.name in ("int8", "q8_0"):
         return rng.integers(-127, 128, shape).astype(fmt.code_dtype)
-    return rng.integers(0, 0x7C, shape).astype(np.uint8).view(fmt.code_dtype)  # finite fp8
+    return rng.integers(0, 0x7C, shape).astype(np.uint8).view(fmt.code_dtype)  # finite fp8; 4-bit pairs
 
 
 def _fill(view, block: np.ndarray, stream) -> None:
@@ -207,7 +207,7 @@ def _contiguous(spec, B: int, N: int, q, out, rng, stream):
     (cache, plan, run) with run() the decode of q into out on `stream`."""
     f = spec.fmt
     cache = gpu.GpuKVCache(spec, B, stream=stream)
-    block = (1, spec.num_kv_heads, min(N, 64), spec.head_dim)
+    block = (1, spec.num_kv_heads, min(N, 64), f.code_width(spec.head_dim))
     _fill(cache.keys(0), _random_codes(rng, f, block), stream)
     _fill(cache.values(0), _random_codes(rng, f, block), stream)
     if f.quantized:
@@ -258,8 +258,8 @@ def bench_paged(opts) -> None:
                                      max_pages_per_seq=pages_per_seq, max_tokens=N - 1)
                 pool._table.free[:] = rng.permutation(pool.num_pages).tolist()  # scattered pages
                 block = min(pool.num_pages, 64)
-                _fill(pool.keys(0), _random_codes(rng, f, (block, PS, HKV, D)), pool.stream)
-                _fill(pool.values(0), _random_codes(rng, f, (block, PS, HKV, D)), pool.stream)
+                _fill(pool.keys(0), _random_codes(rng, f, (block, PS, HKV, f.code_width(D))), pool.stream)
+                _fill(pool.values(0), _random_codes(rng, f, (block, PS, HKV, f.code_width(D))), pool.stream)
                 if f.quantized:
                     S = f.scales_per_row(D)
                     for view in (pool.key_scales(0), pool.value_scales(0)):

@@ -28,7 +28,7 @@ from _benchlib import print_table  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096, 16384, 32768)
-FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
 REPEAT = 15
 
 
@@ -76,7 +76,7 @@ def _fill_random(torch, cache, ctx_len):
             t.view(torch.int16).copy_(torch.randn(t.shape, device="cuda", dtype=torch.bfloat16).view(torch.int16))
         elif f.name in ("int8", "q8_0"):
             t.random_(-127, 128)
-        else:  # fp8: finite codes only
+        else:  # fp8: finite codes only; 4-bit: any byte
             t.random_(0, 0x7C)
     if f.quantized:
         for arr in (cache.key_scales(0), cache.value_scales(0)):

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTENTION_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "-k", "attention"]
 POOL_TESTS = ["tests/test_gpu_pool.py", "tests/test_gpu_pool_graph.py"]
 APPEND_TESTS = ["tests/test_gpu_cache.py", "tests/test_emu_kernels.py", "-k", "append or cache or f16"]
+Q4_TESTS = ["tests/test_gpu_cache.py", "tests/test_gpu_attention.py", "-k", "q4 or 4bit"]
 VARIANT_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "tests/test_gpu_pool.py",
                  "tests/test_gpu_graph.py", "-k", "variant or window or sink"]
 
@@ -91,6 +92,24 @@ MUTANTS = {
         "u += 0x80000u;                          // ties away from zero",
         "the fp8 e4m3 encoder rounds ties away from zero instead of to even",
         APPEND_TESTS),
+    "q4_0-last-max": (
+        "encode.cuh",
+        "__shfl_sync(0xffffffffu, x, __ffs(__ballot_sync(0xffffffffu, fabsf(x) == amax)) - 1);",
+        "__shfl_sync(0xffffffffu, x, 31 - __clz(__ballot_sync(0xffffffffu, fabsf(x) == amax)));",
+        "the q4_0 encoder takes the last of the values of largest |x| instead of the first",
+        Q4_TESTS),
+    "q4-nibbles-swapped": (
+        "attention.cuh",
+        "const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;",
+        "const uint32_t hi = w & 0x0F0F0F0Fu, lo = (w >> 4) & 0x0F0F0F0Fu;",
+        "the 4-bit decoder reads a byte's high nibble as value j and its low one as 16 + j",
+        Q4_TESTS),
+    "q4_1-d-m-swapped": (     # (fusing q * d + m is no bug: q * d is exact, f16 x 4 bits)
+        "attention.cuh",
+        "f[k] = __fadd_rn(__fmul_rn(f[k], dm[0]), dm[1]);",
+        "f[k] = __fadd_rn(__fmul_rn(f[k], dm[1]), dm[0]);",
+        "the q4_1 decoder reads a block's (d, m) as (m, d)",
+        Q4_TESTS),
     "short-launch-unchecked": (
         "paged.cu",
         "const bool short_launch = T < cap && slots[T] != -1;",

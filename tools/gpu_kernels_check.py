@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvcore  # noqa: E402
 from kvcore import gpu  # noqa: E402
 
-FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
 TOL = 1e-3
 
 
@@ -210,7 +210,7 @@ def big_pitch_case(fmt: str, D: int, group: int, rng, small: bool) -> str:
 def cases(formats, small: bool):
     for fmt in formats:
         dims = [(128, 8)] if small else [(128, 8), (128, 1), (64, 4)]
-        if fmt == "q8_0":
+        if kvcore.get_format(fmt).block:   # q8_0, q4_0, q4_1
             dims.append((96, 4))             # D % 64 == 32: 2-byte scale loads, the _dx kernel
         elif not small and fmt in ("f16", "int8"):
             dims.append((80, 2))             # a run-time head_dim (_dx kernel)

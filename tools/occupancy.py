@@ -15,12 +15,12 @@ reserves; 2048 threads; 32 blocks), blocks of 128 threads for the split kernels 
 others: the block kvcore launches them with, column `threads`).
 
 Bytes in flight (K/V codes and scales a resident block has requested and not yet
-received): the split kernels (cuda/attention.cuh) stream tiles of T positions (T * D *
-code bytes <= 4 KiB of K, as much of V, and their scales) through a cp.async pipeline of
+received): the split kernels (cuda/attention.cuh) stream tiles of T positions (T * row
+code bytes <= 4 KiB of K, 2 KiB for 4-bit codes, as much of V, and their scales) through a cp.async pipeline of
 STAGES stages; at the top of each tile the block waits until at most STAGES - 2 tiles are
 pending, then issues one more, so while it computes a tile STAGES - 1 tiles are in flight
 (at most; STAGES - 2 just after the wait). The figure is that maximum,
-(STAGES - 1) x T x 2 x (D x code bytes + scale bytes), per block and times the resident
+(STAGES - 1) x T x 2 x (row code bytes + scale bytes), per block and times the resident
 blocks per SM. The _dx instances are counted at D = 128. The other kernels do not stream:
 they read one input row per warp (appends), one float per split and thread (merge) or
 one row per block (rope) and write it back; their column is the bytes one resident block
@@ -42,7 +42,10 @@ RESOURCES = os.path.join(ROOT, "cuda", "resources.json")
 
 SMS, REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 132, 65536, 228 * 1024, 2048, 32
 
-CODE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "q8_0": 1}
+CODE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "q8_0": 1,
+              "q4_0": 1, "q4_1": 1}
+PACK = {"q4_0": 2, "q4_1": 2}   # values per code byte (others: 1)
+SCALE_BYTES = {"q8_0": 2 / 32, "q4_0": 2 / 32, "q4_1": 4 / 32}   # per value (int8/fp8: 4 a row)
 # block sizes kvcore launches the other kernels with, and their reads per pass (D = 128)
 OTHERS = {"kv_attn_merge": (128, 128 * 4, "one ws_o float per thread and split"),
           "kv_append": (256, 8 * 128 * 4, "one input head row (f32) per warp"),
@@ -65,16 +68,24 @@ def resident(regs: int, smem: int, threads: int) -> tuple[int, str]:
 
 def split_in_flight(fmt: str, d: int, gb: int) -> int:
     """Bytes of K/V codes and scales one split-kernel block has in flight at most
-    (cuda/attention.cuh AttnCfg: tile, STAGES)."""
-    cb = CODE_BYTES[fmt]
-    dpt = min(16 // cb, 8 if gb >= 4 else 32 // gb)
-    tpr = d // dpt
+    (cuda/attention.cuh AttnCfg: tile, STAGES); fmt: a format or a K/V pair "<k>_<v>"."""
+    k, v = next(((a, b) for a in CODE_BYTES for b in CODE_BYTES if f"{a}_{b}" == fmt), (fmt, fmt))
+
+    def dpt(f: str) -> int:
+        return min(16 * PACK.get(f, 1) // CODE_BYTES[f], 8 if gb >= 4 else 16)
+
+    def rb(f: str) -> int:                   # code bytes of a row
+        return d * CODE_BYTES[f] // PACK.get(f, 1)
+
+    def sb(f: str) -> int:                   # scale bytes of a row
+        return int(d * SCALE_BYTES[f]) if f in SCALE_BYTES else 4 if CODE_BYTES[f] == 1 else 0
+
+    tpr = d // min(dpt(k), dpt(v))
     rg = 128 // tpr
-    rows_cap = min(4096 // (d * cb), 64)
-    tile = rg * max(rows_cap // rg, 1)
-    sb = d // 16 if fmt == "q8_0" else 4 if cb == 1 else 0
+    rows_cap = min(4096 // PACK.get(k, 1) // rb(k), 4096 // PACK.get(v, 1) // rb(v), 64)
+    tile = rg * max(rows_cap // rg, 1)      # 4 KiB of K a tile (2 KiB for 4-bit codes), as much of V
     stages = 3 if gb >= 8 else 4
-    return (stages - 1) * tile * 2 * (d * cb + sb)
+    return (stages - 1) * tile * (rb(k) + sb(k) + rb(v) + sb(v))
 
 
 def ptxas_resources(ptx_dir: str) -> tuple[dict, dict]:

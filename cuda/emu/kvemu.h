@@ -195,6 +195,9 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
 inline float __fsqrt_rn(float a) { return sqrtf(a); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+// As on the device: __ffs(0) = 0, __clz(0) = 32.
+inline int __ffs(int x) { return x ? __builtin_ctz((unsigned)x) + 1 : 0; }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 
 // cvt.rni.s32.f32: round to nearest even, saturating, NaN -> 0.
 inline int __float2int_rn(float x) {

@@ -38,16 +38,18 @@ import numpy as np
 from .._validate import check_index
 from ..attention import _check_variants as _cpu_check_variants
 from ..errors import DTypeError, FormatError, RangeError, ShapeError, StateError
+from ..formats import PAIR_SEP
 from . import driver, kernels
 from .memory import DeviceArray, DeviceBuffer, as_device_array
 
 if TYPE_CHECKING:
     from typing import Any
 
-HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0: % 32 too)
+HEAD_DIMS = tuple(range(16, 257, 16))   # head_dims of the decode kernel (q8_0, q4_0, q4_1: % 32 too)
 _FIXED_HEAD_DIMS = (64, 128, 256)         # compiled for exactly that D; others: the _dx instance
 THREADS = 128               # threads per block of the split kernel
 TILE_BYTES = 4096           # K codes per tile (cuda/attention.cuh KV_TILE_BYTES)
+MAX_TILE = 64               # positions per tile at most (KV_MAX_TILE)
 MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions (KV_MIN_SPLIT)
 MAX_SPLITS = 256
 MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
@@ -165,9 +167,9 @@ def heads_per_block(group: int) -> int:
 
 
 def tile_positions(fmt, head_dim: int) -> int:
-    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, at most
-    64 positions: cuda/attention.cuh KV_MAX_TILE)."""
-    return TILE_BYTES // (head_dim * fmt.code_bytes)
+    """Positions per tile of the split kernel at head_dim >= 64 (4 KiB of K codes, 2 KiB
+    for the 4-bit formats, at most 64 positions: cuda/attention.cuh AttnCfg::tile)."""
+    return min(TILE_BYTES // fmt.pack // fmt.code_row_bytes(head_dim), MAX_TILE)
 
 
 def choose_splits(blocks: int, resident: int, max_length: int | None = None) -> int:
@@ -199,11 +201,12 @@ def check_head_dim(head_dim: int, what: str) -> None:
 
 def split_kernel(fmt_name: str, head_dim: int, group: int, ctx, *, paged: bool):
     """(function, heads per block, resident blocks on the device) of the split kernel for
-    a GpuKVCache (paged=False) or a GpuKVPool (paged=True)."""
+    a GpuKVCache (paged=False) or a GpuKVPool (paged=True); fmt_name: a format, or a K/V
+    pair "<k>/<v>" (module attention_<k>_<v>)."""
     gb = heads_per_block(group)
     d = head_dim if head_dim in _FIXED_HEAD_DIMS else "x"
-    fn = kernels.function(f"attention_{fmt_name}",
-                          f"kv_{'pattn' if paged else 'attn'}_{fmt_name}_d{d}_g{gb}", ctx)
+    name = fmt_name.replace(PAIR_SEP, "_")
+    fn = kernels.function(f"attention_{name}", f"kv_{'pattn' if paged else 'attn'}_{name}_d{d}_g{gb}", ctx)
     with ctx:
         per_sm = driver.call("cuOccupancyMaxActiveBlocksPerMultiprocessor", fn.handle, THREADS, 0)
     return fn, gb, max(1, per_sm) * ctx.sm_count

@@ -2,7 +2,8 @@
 
 1. Storage (`GpuLayout`, pure arithmetic, CPU-testable): one device allocation of four
    256-byte-aligned regions [K codes][V codes][K scales][V scales]:
-       codes  [L][M][Hkv][N][D]  code dtype      (head-major: one head's history is contiguous)
+       codes  [L][M][Hkv][N][W]  code dtype      (head-major: one head's history is contiguous;
+                                                  W = D, or D/2 bytes for q4_0 / q4_1)
        scales [L][M][Hkv][N][S]  scale dtype     (S = 0: the scale regions are empty)
    and one small metadata allocation: per layer the M slot base pointers of K codes, V codes,
    K scales, V scales (uint64 [L][M] each; 0 for formats without scales), the lengths
@@ -30,10 +31,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .._quant import input_limit
+from .._storage import REGIONS   # k_codes, v_codes, k_scales, v_scales: the allocation order
 from .._validate import check_index, float_input_dtypes
 from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError, ShapeError,
                       SnapshotError, SpecError, StateError)
-from ..formats import Format
+from ..formats import Format, describe
 from ..snapshot import Snapshot, fit_snapshot
 from ..spec import KVSpec
 from . import driver, kernels
@@ -51,32 +53,36 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
-"""The formats the GPU kernels hold; the 4-bit ones (q4_0, q4_1) are CPU-only for now."""
+GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
+"""The formats the GPU kernels hold for K and V (every one of kvcore.formats.ROW_FORMATS)."""
+GPU_PAIRS = ("q8_0/q4_0", "f16/q4_0")
+"""The K/V pairs of two formats the GPU kernels hold (KVSpec(k_format=, v_format=))."""
 
 
 def check_gpu_format(spec: KVSpec, what: str) -> None:
-    """FormatError unless the GPU kernels have spec's format (one for K and V: a K/V
-    pair of two formats is CPU-only for now)."""
+    """FormatError unless the GPU kernels have spec's format: every format that stores K
+    and V (kvcore.formats.ROW_FORMATS) for both, and the K/V pairs of GPU_PAIRS."""
     if spec.k_fmt.group:
         raise FormatError(f"{what}: K format {spec.k_format} (by channel over groups of "
                           f"{spec.k_fmt.group} positions) is not on the GPU: KVCache on the "
                           f"CPU holds it")
-    if spec.paired:
-        raise FormatError(f"{what}: K format {spec.k_format} and V format {spec.v_format} "
-                          f"differ: K/V pairs are not on the GPU yet (KVCache and KVPool on "
-                          f"the CPU hold them); the GPU layer takes one format for both")
-    if spec.format not in GPU_FORMATS:
-        raise FormatError(f"{what}: format {spec.format} is not on the GPU yet: the GPU "
-                          f"kernels do not have it (KVCache and KVPool on the CPU do); the GPU "
-                          f"layer holds {', '.join(GPU_FORMATS)}")
+    if spec.paired and spec.format not in GPU_PAIRS:
+        raise FormatError(f"{what}: K format {spec.k_format} and V format {spec.v_format}: the "
+                          f"GPU kernels hold one format for both or the K/V pairs "
+                          f"{', '.join(GPU_PAIRS)} (KVCache and KVPool on the CPU hold every pair)")
+
+
+def region_format(spec: KVSpec, region: str) -> Format:
+    """The format of a region: K's for k_codes / k_scales, V's for v_codes / v_scales."""
+    return spec.k_fmt if region.startswith("k") else spec.v_fmt
 
 
 @dataclass(frozen=True)
 class GpuLayout:
     """Byte layout of a GpuKVCache of `slots` slots. Offsets are from the allocation's
-    base; `*_strides` are byte strides of codes [L, M, Hkv, N, D] / scales [L, M, Hkv, N, S].
-    FormatError for a format the GPU kernels do not have (GPU_FORMATS)."""
+    base; `strides(region)` are byte strides of codes [L, M, Hkv, N, W] / scales
+    [L, M, Hkv, N, S] (W = fmt.code_width(D): D, or D/2 for the 4-bit formats; each side
+    in its own format). FormatError for a K/V pair the GPU has no kernels for."""
 
     spec: KVSpec
     slots: int
@@ -84,50 +90,37 @@ class GpuLayout:
     def __post_init__(self) -> None:
         check_gpu_format(self.spec, "GpuLayout")
 
-    @property
-    def fmt(self) -> Format:
-        return self.spec.fmt
+    def shape(self, region: str) -> tuple[int, ...]:
+        """[L, M, Hkv, N, W] of a codes region, [L, M, Hkv, N, S] of a scales region."""
+        s, f = self.spec, region_format(self.spec, region)
+        width = f.code_width(s.head_dim) if region.endswith("codes") else f.scales_per_row(s.head_dim)
+        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, width)
 
-    @property
-    def scales_per_row(self) -> int:
-        return self.fmt.scales_per_row(self.spec.head_dim)
+    def itemsize(self, region: str) -> int:
+        """Bytes of one element of a region (0: a scales region of a float format)."""
+        f = region_format(self.spec, region)
+        if region.endswith("codes"):
+            return f.code_bytes
+        return f.scale_dtype.itemsize if f.quantized else 0
 
-    @property
-    def code_shape(self) -> tuple[int, ...]:
-        s = self.spec
-        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, s.head_dim)
+    def strides(self, region: str) -> tuple[int, ...]:
+        return _strides(self.shape(region), self.itemsize(region))
 
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        return self.code_shape[:4] + (self.scales_per_row,)
-
-    @property
-    def code_strides(self) -> tuple[int, ...]:
-        return _strides(self.code_shape, self.fmt.code_bytes)
-
-    @property
-    def scale_strides(self) -> tuple[int, ...]:
-        return _strides(self.scale_shape, self.fmt.scale_dtype.itemsize if self.fmt.quantized else 0)
-
-    @property
-    def code_region_bytes(self) -> int:
-        return int(np.prod(self.code_shape)) * self.fmt.code_bytes
-
-    @property
-    def scale_region_bytes(self) -> int:
-        if not self.fmt.quantized:
-            return 0
-        return int(np.prod(self.scale_shape)) * self.fmt.scale_dtype.itemsize
+    def region_bytes(self, region: str) -> int:
+        return int(np.prod(self.shape(region))) * self.itemsize(region)
 
     @property
     def offsets(self) -> dict[str, int]:
         """Byte offsets of the regions k_codes, v_codes, k_scales, v_scales."""
-        c, s = _align(self.code_region_bytes), _align(self.scale_region_bytes)
-        return {"k_codes": 0, "v_codes": c, "k_scales": 2 * c, "v_scales": 2 * c + s}
+        out, off = {}, 0
+        for region in REGIONS:
+            out[region] = off
+            off += _align(self.region_bytes(region))
+        return out
 
     @property
     def data_bytes(self) -> int:
-        return 2 * _align(self.code_region_bytes) + 2 * _align(self.scale_region_bytes)
+        return sum(_align(self.region_bytes(r)) for r in REGIONS)
 
     # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
     # then lengths int32[M], then the status int32[M] (error bits per slot)
@@ -147,8 +140,8 @@ class GpuLayout:
         return self.data_bytes + self.meta_bytes
 
     def slot_offset(self, region: str, layer: int, slot: int) -> int:
-        """Byte offset of (layer, slot)'s [Hkv][N][D] codes / [Hkv][N][S] scales."""
-        strides = self.code_strides if region.endswith("codes") else self.scale_strides
+        """Byte offset of (layer, slot)'s [Hkv][N][W] codes / [Hkv][N][S] scales."""
+        strides = self.strides(region)
         return self.offsets[region] + layer * strides[0] + slot * strides[1]
 
 
@@ -181,7 +174,7 @@ class GpuKVCache(driver.DeviceOwner):
     """M slots (sequences) of `spec` in device memory; see the module docstring.
 
     Device views (DeviceArray; DLPack / __cuda_array_interface__):
-      keys(layer), values(layer)             [M, Hkv, N, D] code dtype
+      keys(layer), values(layer)             [M, Hkv, N, W] code dtype (W = D, or D/2 for q4_0 / q4_1)
       key_scales(layer), value_scales(layer) [M, Hkv, N, S] scale dtype
       k_ptrs(layer), v_ptrs(layer), k_scale_ptrs(layer), v_scale_ptrs(layer)  uint64[M]
       lengths                                int32[M];  status  int32[M] (error bits per slot)
@@ -247,10 +240,10 @@ class GpuKVCache(driver.DeviceOwner):
         lay, L, M = self.layout, self.spec.num_layers, self.slots
         out = np.zeros(lay.meta_bytes, np.uint8)
         base = self._data.ptr
-        for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
-            if region.endswith("scales") and not self.spec.fmt.quantized:
+        for region in REGIONS:
+            if not lay.itemsize(region):
                 continue
-            strides = lay.code_strides if region.endswith("codes") else lay.scale_strides
+            strides = lay.strides(region)
             ptrs = (np.uint64(base + lay.offsets[region])
                     + np.arange(L, dtype=np.uint64)[:, None] * np.uint64(strides[0])
                     + np.arange(M, dtype=np.uint64)[None, :] * np.uint64(strides[1]))
@@ -266,9 +259,14 @@ class GpuKVCache(driver.DeviceOwner):
         self._alive()
         layer = check_index("layer", layer, self.spec.num_layers)
         slot = check_index("slot", slot, self.slots)
-        if region.endswith("scales") and not self.spec.fmt.quantized:
-            raise FormatError(f"format {self.spec.format} has no scales")
+        self._check_scales(region)
         return self._data.ptr + self.layout.slot_offset(region, layer, slot)
+
+    def _check_scales(self, region: str) -> None:
+        """FormatError for the scales of a side whose format has none."""
+        if not self.layout.itemsize(region):
+            raise FormatError(f"format {region_format(self.spec, region).name} has no scales"
+                              + (f" ({region[0].upper()} of {self.spec.format})" if self.spec.paired else ""))
 
     def k_ptr(self, layer: int, slot: int) -> int:
         """Address of K codes [Hkv][N][D] of (layer, slot)."""
@@ -322,18 +320,14 @@ class GpuKVCache(driver.DeviceOwner):
     def _region_view(self, region: str, layer) -> DeviceArray:
         self._alive()
         layer = check_index("layer", layer, self.spec.num_layers)
-        f, lay = self.spec.fmt, self.layout
-        if region.endswith("codes"):
-            shape, dtype, strides = lay.code_shape[1:], f.code_dtype, lay.code_strides
-        else:
-            if not f.quantized:
-                raise FormatError(f"format {self.spec.format} has no scales")
-            shape, dtype, strides = lay.scale_shape[1:], f.scale_dtype, lay.scale_strides
-        return self._data.view(shape, dtype, offset=lay.offsets[region] + layer * strides[0],
-                               producer=self)
+        f, lay = region_format(self.spec, region), self.layout
+        self._check_scales(region)
+        dtype = f.code_dtype if region.endswith("codes") else f.scale_dtype
+        return self._data.view(lay.shape(region)[1:], dtype,
+                               offset=lay.offsets[region] + layer * lay.strides(region)[0], producer=self)
 
     def keys(self, layer: int) -> DeviceArray:
-        """K codes of `layer`, every slot, full capacity: [M, Hkv, N, D] code dtype."""
+        """K codes of `layer`, every slot, full capacity: [M, Hkv, N, W] code dtype."""
         return self._region_view("k_codes", layer)
 
     def values(self, layer: int) -> DeviceArray:
@@ -397,11 +391,12 @@ class GpuKVCache(driver.DeviceOwner):
             (k.strides[0] // isz, ctypes.c_longlong), (k.strides[1] // isz, ctypes.c_longlong),
             (base + lay.slot_offset("k_codes", layer, 0), None),
             (base + lay.slot_offset("v_codes", layer, 0), None),
-            (base + lay.slot_offset("k_scales", layer, 0) if s.fmt.quantized else 0, None),
-            (base + lay.slot_offset("v_scales", layer, 0) if s.fmt.quantized else 0, None),
+            (base + lay.slot_offset("k_scales", layer, 0) if s.k_fmt.quantized else 0, None),
+            (base + lay.slot_offset("v_scales", layer, 0) if s.v_fmt.quantized else 0, None),
             (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["status"], None),
             (self._active_ptr(active, slot), None),
-            (s.fmt.id, ctypes.c_int), (self.slots, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
+            (s.k_fmt.id, ctypes.c_int), (s.v_fmt.id, ctypes.c_int), (self.slots, ctypes.c_int),
+            (s.num_kv_heads, ctypes.c_int),
             (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
             (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
         ], stream=st)
@@ -484,7 +479,7 @@ class GpuKVCache(driver.DeviceOwner):
         if not bad.size:
             return
         self._meta.copy_from_host(np.zeros(self.slots, np.int32), offset=off)
-        names = {"fmt": self.spec.format, "cap": self.spec.capacity}
+        names = {"fmt": describe(self.spec.format), "cap": self.spec.capacity}
         why = "; ".join(f"slot {int(m)}: " + ", ".join(text.format(**names) for bit, text in _REASONS
                                                        if status[m] & bit)
                         for m in bad[:16]) + ("; ..." if bad.size > 16 else "")
@@ -494,7 +489,7 @@ class GpuKVCache(driver.DeviceOwner):
         if every & ERR_NONFINITE:
             raise NonFiniteError(detail)
         if every & ERR_RANGE:
-            raise FormatError(f"{detail} (|x| >= {input_limit(self.spec.fmt.id)})")
+            raise FormatError(f"{detail} ({range_limits(self.spec)})")
         raise CapacityError(f"{detail}: a step would pass capacity {self.spec.capacity}")
 
     def check(self) -> None:
@@ -545,7 +540,7 @@ class GpuKVCache(driver.DeviceOwner):
         [len(layers)][Hkv][n][row] (either way), or from slot 0 of src. One cuMemcpy3DAsync
         when every pitch is within the device's largest (plan_copy3d)."""
         drv = driver.cuda()
-        f, s = self.spec.fmt, self.spec
+        f, s = region_format(self.spec, region), self.spec
         row = f.code_row_bytes(s.head_dim) if region.endswith("codes") else f.scale_row_bytes(s.head_dim)
         heads = s.num_kv_heads
         dev = CopySide(True, self._data.ptr + self.layout.slot_offset(region, layers.start, slot),
@@ -574,17 +569,18 @@ class GpuKVCache(driver.DeviceOwner):
     @driver.in_context
     def snapshot(self, slot: int) -> Snapshot:
         """Positions [0, length) of `slot`, all layers, as the token-major Snapshot the CPU
-        cache gives (k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        cache gives (k_codes [L, n, Hkv, W], scales [L, n, Hkv, S])."""
         n = self.length(slot)
-        s, f = self.spec, self.spec.fmt
+        s = self.spec
         L, H = s.num_layers, s.num_kv_heads
         parts = {}
-        for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        for region in REGIONS:
+            f = region_format(s, region)
             if region.endswith("scales") and not f.quantized:
                 parts[region] = None
                 continue
             codes = region.endswith("codes")
-            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            width = f.code_width(s.head_dim) if codes else f.scales_per_row(s.head_dim)
             dtype = f.code_dtype if codes else f.scale_dtype
             host = np.empty((L, H, n, width), dtype)
             if n:
@@ -633,16 +629,15 @@ class GpuKVCache(driver.DeviceOwner):
             self._check_source(src.spec, n, "source cache")
             self._sync("scatter")
             src.stream.synchronize()
-            regions = ("k_codes", "v_codes") + (("k_scales", "v_scales") if s.fmt.quantized else ())
             if n:
-                for region in regions:
+                for region in (r for r in REGIONS if self.layout.itemsize(r)):
                     self._copy3d(region, slot, layers, n, src=src)
         elif isinstance(src, Snapshot):
             src = fit_snapshot(s, src, requantize=requantize)
             n = src.length
             self._sync("scatter")
             hosts = []  # kept alive until the stream has copied them
-            for region in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            for region in REGIONS:
                 arr = getattr(src, region)
                 if arr is None or not n:
                     continue
@@ -744,6 +739,14 @@ def plan_copy3d(row: int, heads: int, n: int, depth: int, a: CopySide, b: CopySi
                   x.head_rows // d) for x in (a, b)]
         out.append(Copy3D(sides[0], sides[1], d * row, n // d, heads))
     return out
+
+
+def range_limits(spec: KVSpec) -> str:
+    """The input limits of a spec for messages: "|x| >= L", or for a K/V pair
+    "|k| >= LK or |v| >= LV" (kvcore._quant.input_limit)."""
+    if not spec.paired:
+        return f"|x| >= {input_limit(spec.k_fmt.id)}"
+    return f"|k| >= {input_limit(spec.k_fmt.id)} or |v| >= {input_limit(spec.v_fmt.id)}"
 
 
 def _round32(n: int) -> int:

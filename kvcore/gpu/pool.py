@@ -2,7 +2,7 @@
 
 1. Storage: one device allocation of four 256-byte-aligned regions [K codes][V codes]
    [K scales][V scales], each token-major as the CPU pool's storage (kvcore/_storage.py):
-       codes  [L][P * page_size][Hkv][D]  code dtype
+       codes  [L][P * page_size][Hkv][W]  code dtype (W = D, or D/2 bytes for q4_0 / q4_1)
        scales [L][P * page_size][Hkv][S]  scale dtype (S = 0: the scale regions are empty)
    Page g is rows [g * page_size, (g + 1) * page_size) of every layer, as on the CPU, so a
    page is the same bytes in both pools and a step's new position of every head is one
@@ -47,25 +47,24 @@ from ..attention import _check_scale
 from .._pages import PageTable
 from .._prefix import PrefixIndex
 from .._prefix_keys import ROOT, chain_key, encode_extra, token_array
-from .._quant import input_limit
-from .._storage import region_shapes, zeroed_pages
+from .._storage import REGIONS, region_shapes, zeroed_pages
 from .._validate import check_index, check_seq_ids
 from .._window import (WindowViews, check_window, positions, restore_need, snapshot_index,
                        snapshot_span)
 from ..errors import (CapacityError, CudaError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
+from ..formats import describe
 from ..pool import KVPool, PoolStats, _attached, _counts, completed_chunks, consult_store
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
-from .cache import check_gpu_format, largest_divisor_at_most
+from .cache import check_gpu_format, largest_divisor_at_most, range_limits, region_format
 from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
 from .cache import _check_input
 from .driver import Context, Event, Stream
 from .memory import DeviceArray, DeviceBuffer, PinnedHost, as_device_array
 
-REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")
 ERR_NONFINITE, ERR_RANGE, ERR_SLOT, ERR_ROWS = 2, 4, 8, 16   # status bits (cuda/paged.cu)
 _APPEND_WARPS = 4
 
@@ -224,11 +223,11 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                             "while their copies run)")
         self._store_hits = self._store_faults = 0
         self._last_fault: str | None = None
-        f, L, H, D = spec.fmt, spec.num_layers, spec.num_kv_heads, spec.head_dim
-        # region -> (row bytes, bytes of one layer, offset)
+        L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        # region -> bytes of one row (slot) of it: each side in its own format
         rows = P * ps
-        self._row = {"k_codes": H * f.code_row_bytes(D), "k_scales": H * f.scale_row_bytes(D)}
-        self._row["v_codes"], self._row["v_scales"] = self._row["k_codes"], self._row["k_scales"]
+        self._row = {r: H * (region_format(spec, r).code_row_bytes(D) if r.endswith("codes")
+                             else region_format(spec, r).scale_row_bytes(D)) for r in REGIONS}
         self.offsets, off = {}, 0
         for region in REGIONS:
             self.offsets[region] = off
@@ -401,17 +400,18 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def _region_view(self, region: str, layer: int) -> DeviceArray:
         self._alive()
         layer = check_index("layer", layer, self.spec.num_layers)
-        s, f = self.spec, self.spec.fmt
+        s, f = self.spec, region_format(self.spec, region)
         if region.endswith("scales") and not f.quantized:
-            raise FormatError(f"format {s.format} has no scales")
-        width = s.head_dim if region.endswith("codes") else f.scales_per_row(s.head_dim)
+            raise FormatError(f"format {f.name} has no scales"
+                              + (f" ({region[0].upper()} of {s.format})" if s.paired else ""))
+        width = f.code_width(s.head_dim) if region.endswith("codes") else f.scales_per_row(s.head_dim)
         dtype = f.code_dtype if region.endswith("codes") else f.scale_dtype
         rows = self.num_pages * self.page_size
         return self._data.view((self.num_pages, self.page_size, s.num_kv_heads, width), dtype,
                                offset=self.offsets[region] + layer * rows * self._row[region])
 
     def keys(self, layer: int) -> DeviceArray:
-        """K codes of `layer`: [P, page_size, Hkv, D] code dtype."""
+        """K codes of `layer`: [P, page_size, Hkv, W] code dtype (W = D, or D/2 for q4_0 / q4_1)."""
         return self._region_view("k_codes", layer)
 
     def values(self, layer: int) -> DeviceArray:
@@ -427,7 +427,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     # ------------------------------------------------------------------ page copies
 
     def _regions(self) -> tuple[str, ...]:
-        return REGIONS if self.spec.fmt.quantized else REGIONS[:2]
+        return tuple(r for r in REGIONS if self._row[r])
 
     def _copy_page(self, region: str, page: int, *, dst_page: int | None = None,
                    host: np.ndarray | None = None, index: int = 0, to_host: bool = False,
@@ -880,9 +880,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
         isz = k.dtype.itemsize
         rows = self.num_pages * self.page_size
-        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] for r in REGIONS]
-        if not s.fmt.quantized:
-            base[2] = base[3] = 0
+        base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] if self._row[r] else 0
+                for r in REGIONS]
         meta = self._meta.ptr
         warps = 2 * T * s.num_kv_heads
         driver.launch(self._fn_append, ((warps + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1),
@@ -892,7 +891,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             *((b, None) for b in base),
             (meta + self.meta_offsets["slot_mapping"], None), (rows, ctypes.c_longlong),
             (meta + self.meta_offsets["status"], None),
-            (s.fmt.id, ctypes.c_int), (T, ctypes.c_int),
+            (s.k_fmt.id, ctypes.c_int), (s.v_fmt.id, ctypes.c_int), (T, ctypes.c_int),
             (self.max_batch * self.max_tokens, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
             (s.head_dim, ctypes.c_int),
         ], stream=st)
@@ -958,9 +957,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         bound = splits_bound(None, v)
         nsplit = self.num_splits if bound is None else self._window_splits(bound)
         n_rows = self.num_pages * self.page_size
-        base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] for r in REGIONS]
-        if not s.fmt.quantized:
-            base[2] = base[3] = 0
+        base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] if self._row[r] else 0
+                for r in REGIONS]
         meta = self._meta.ptr
         storage = [*((b, None) for b in base),
                    (meta + self.meta_offsets["block_tables"], None),
@@ -1046,7 +1044,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             raise NonFiniteError("a GPU paged append got non-finite input (NaN or inf); "
                                  "its row was not written")
         raise FormatError(f"a GPU paged append got a value out of range of format "
-                          f"{self.spec.format} (|x| >= {input_limit(self.spec.fmt.id)}); its row "
+                          f"{describe(self.spec.format)} ({range_limits(self.spec)}); its row "
                           f"was not written")
 
     @_one_call
@@ -1101,13 +1099,14 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def _gather(self, seq: int) -> dict[str, np.ndarray | None]:
         """Every region of seq's held pages, [L][pages * page_size][Hkv][W] (host copies)."""
-        s, f = self.spec, self.spec.fmt
+        s = self.spec
         pages = self._table.get(seq).pages
         self._await(pages)
         out = dict.fromkeys(REGIONS)
         for region in self._regions():
+            f = region_format(s, region)
             codes = region.endswith("codes")
-            width = s.head_dim if codes else f.scales_per_row(s.head_dim)
+            width = f.code_width(s.head_dim) if codes else f.scales_per_row(s.head_dim)
             host = np.empty((s.num_layers, len(pages) * self.page_size, s.num_kv_heads, width),
                             f.code_dtype if codes else f.scale_dtype)
             for i, g in enumerate(pages):
@@ -1121,7 +1120,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     @driver.in_context
     def snapshot(self, seq: int, n: int | None = None) -> Snapshot:
         """Committed positions [0, n) of seq (n defaults to its length) as the Snapshot every
-        kvcore cache makes (token-major k_codes [L, n, Hkv, D], scales [L, n, Hkv, S])."""
+        kvcore cache makes (token-major k_codes [L, n, Hkv, W], scales [L, n, Hkv, S])."""
         self._idle("snapshot")
         self._sync()
         table = self._table

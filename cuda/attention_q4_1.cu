@@ -1,0 +1,5 @@
+// Decode attention kernels kv_attn_q4_1_d<D>_g<GB> for the q4_1 format
+// and kv_pattn_* (pool), D 64/128/256/x, GB 1/2/4/8; see attention.cuh.
+#include "attention.cuh"
+
+KV_ATTN_FORMAT(KV_Q4_1, q4_1)
