@@ -58,7 +58,7 @@ def _cpu_check(cache, spec, layer, q_rot, got):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int8", "f16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "q8_0"])     # a float and a scaled format
 def test_replay_equals_eager_equals_cpu(fmt, rng):
     from kvcore.gpu import GpuKVCache
     from kvcore.gpu.graph import DecodeGraph

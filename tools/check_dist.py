@@ -33,7 +33,9 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = ["tests/test_quant.py", "tests/test_cache.py", "tests/test_pool.py", "tests/test_cli.py"]
-EXTENSIONS = ["_attention", "_cache", "_cpu", "_parallel", "_quant"]
+# every kvcore/_*.pyx of the source tree is an extension the wheel must hold
+EXTENSIONS = sorted(os.path.basename(p)[:-4]
+                    for p in glob.glob(os.path.join(ROOT, "kvcore", "_*.pyx")))
 SDIST_MUST_HOLD = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
                    "kvcore/_cache.pyx", "kvcore/_quant.pxd", "kvcore/_parallel.pxd",
                    "kvcore/_cpu.pyx", "kvcore/_attention.pyx", "kvcore/py.typed",
