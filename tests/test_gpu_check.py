@@ -77,6 +77,22 @@ def test_the_kernels_stage_passes(capsys):
     assert "gpu_kernels_check: 5 passed, 0 failed" in capsys.readouterr().out
 
 
+def test_on_a_device_jit_runs_while_the_build_does(tmp_path):
+    import time
+
+    import gpu_check
+    nap = [sys.executable, "-c", "import time; time.sleep(1.5); print('done')"]
+    chosen = [gpu_check.Stage(name, f"{name}.log", nap, 30, 0, "done") for name in ("build", "jit", "pytest")]
+    chosen[2].argv, chosen[2].why = None, "not selected (--only)"
+    t0 = time.monotonic()
+    results = gpu_check.run_stages(chosen, str(tmp_path), t0 + 60, 1.0, overlap=True)
+    assert [(r.name, r.status) for r in results] == [("build", "PASS"), ("jit", "PASS"), ("pytest", "SKIPPED")]
+    assert time.monotonic() - t0 < 2.9       # one nap's time, not two
+    t0 = time.monotonic()
+    gpu_check.run_stages(chosen, str(tmp_path), t0 + 60, 1.0, overlap=False)
+    assert time.monotonic() - t0 >= 3.0
+
+
 def test_a_log_keeps_its_head_and_tail(tmp_path, monkeypatch):
     import gpu_check
     monkeypatch.setattr(gpu_check, "HEAD_BYTES", 100)

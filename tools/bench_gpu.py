@@ -57,6 +57,7 @@ from _benchlib import print_table  # noqa: E402
 from kvcore import KVSpec  # noqa: E402
 from kvcore import gpu  # noqa: E402
 from kvcore.gpu import driver  # noqa: E402
+from kvcore.gpu.attention import MAX_GRID_Z  # noqa: E402
 from kvcore.gpu.attention import AttentionPlan  # noqa: E402
 from kvcore.gpu.memory import PinnedHost  # noqa: E402
 
@@ -254,8 +255,9 @@ def bench_paged(opts) -> None:
                 f = spec.fmt
                 if 3.3 * 2 * B * pages_per_seq * PS * HKV * f.row_bytes(D) > 0.8 * ctx.mem_get_info()[0]:
                     continue   # the pool, the contiguous cache and the copy's destination must fit
+                chunk = min(N - 1, MAX_GRID_Z // B)   # decode's rows: B x max_tokens
                 pool = gpu.GpuKVPool(spec, B * pages_per_seq, PS, max_batch=B,
-                                     max_pages_per_seq=pages_per_seq, max_tokens=N - 1)
+                                     max_pages_per_seq=pages_per_seq, max_tokens=chunk)
                 pool._table.free[:] = rng.permutation(pool.num_pages).tolist()  # scattered pages
                 block = min(pool.num_pages, 64)
                 _fill(pool.keys(0), _random_codes(rng, f, (block, PS, HKV, f.code_width(D))), pool.stream)
@@ -266,8 +268,9 @@ def bench_paged(opts) -> None:
                         _fill(view, rng.uniform(0.001, 0.01, (block, PS, HKV, S)).astype(f.scale_dtype),
                               pool.stream)
                 seqs = [pool.new_sequence() for _ in range(B)]
-                pool.begin_step(seqs, [N - 1] * B)  # N - 1 positions each (the random codes above)
-                pool.advance()
+                for done in range(0, N - 1, chunk):  # N - 1 positions each (the random codes above)
+                    pool.begin_step(seqs, [min(chunk, N - 1 - done)] * B)
+                    pool.advance()
                 pool.begin_step(seqs)               # the decode step: N positions each
                 qo = gpu.DeviceBuffer.alloc(2 * B * HQ * D * 4)
                 q = qo.view((B, HQ, D), np.float32)

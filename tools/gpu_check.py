@@ -2,7 +2,8 @@
 """Everything a device must prove, in one command that ends inside its budget (called by
 tools/gpu_check.sh; docs/gpu.md "On a GPU machine"):
 
-    python3 tools/gpu_check.py [--budget 480] [--emulate] [--out DIR] [--only STAGE,...] [-- PYTEST_ARGS...]
+    python3 tools/gpu_check.py [--budget 480] [--emulate] [--out DIR] [--only STAGE,...]
+        [--sanitize-formats q8_0|all|F,...] [-- PYTEST_ARGS...]
 
 Stages, in order of value, each a child process (its own process group) under a limit
 derived from the time left (its share of the budget, less what the later stages keep):
@@ -11,14 +12,15 @@ derived from the time left (its share of the budget, less what the later stages 
     build      setup.py build_ext --inplace -j                           01_build.log
     jit        every shipped PTX module loaded in parallel processes (warms the driver's
                JIT cache); per kernel registers, static shared memory and resident blocks
-               per SM at 128 threads, as the driver reports them        01_build.log
+               per SM at 128 threads, as the driver reports them; on a device it runs
+               while the build does (it needs only cuda-python)        01_jit.log
     pytest     pytest -m gpu --gpu=device over the gpu test files, --test-timeout per test
                                                                          02_pytest.log
     kernels    tools/gpu_kernels_check.py: every format's append and decode (cache and
                paged pool, 1 and 4 splits), RoPE, a graph replay against the CPU
                                                                          03_kernels.log
     memcheck, racecheck, synccheck: compute-sanitizer over gpu_kernels_check.py --small
-               --formats q8_0                                            04_sanitizer.log
+               --formats q8_0 (--sanitize-formats)                       04_sanitizer.log
     bench      tools/bench_gpu.py append paged at batch 32/1/128 x 16k/4k (the goals' shapes
                first; each paged row is printed as measured), then tiers 05_bench.log
 
@@ -54,7 +56,7 @@ GPU_TESTS = ["tests/test_gpu_host.py", "tests/test_gpu_cache.py", "tests/test_gp
              "tests/test_gpu_pool_graph.py", "tests/test_gpu_prefix.py", "tests/test_gpu_tiers.py",
              "tests/test_bench_gpu.py"]
 EMU_TESTS = ["tests/test_gpu_graph.py", "-k", "stale or int8"]   # a dry run's few tests
-SANITIZE = [PY, "tools/gpu_kernels_check.py", "--small", "--formats", "q8_0"]
+SANITIZE = [PY, "tools/gpu_kernels_check.py", "--small"]   # + --formats (--sanitize-formats)
 ENV = {"CUDA_CACHE_MAXSIZE": str(4 << 30),          # the JIT cache keeps every module warmed
        **os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
        "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
@@ -83,7 +85,7 @@ class Result:
     detail: str
 
 
-def stages(emulate: bool, pytest_args: list[str]) -> list[Stage]:
+def stages(emulate: bool, pytest_args: list[str], sanitize_formats: str = "q8_0") -> list[Stage]:
     emu = ["--emulate"] if emulate else []
     no_device = "the dry run has no device"
     tests = pytest_args or (EMU_TESTS if emulate else GPU_TESTS)
@@ -91,7 +93,7 @@ def stages(emulate: bool, pytest_args: list[str]) -> list[Stage]:
     out = [
         Stage("facts", "00_facts.log", [PY, __file__, "--facts", *emu], 20, 0, r"^device:"),
         Stage("build", "01_build.log", [PY, __file__, "--build"], 200, 220, r"^build: |[Ee]rror"),
-        Stage("jit", "01_build.log", [PY, __file__, "--jit", *emu], 200, 200, r"^jit:"),
+        Stage("jit", "01_jit.log", [PY, __file__, "--jit", *emu], 200, 200, r"^jit:"),
         Stage("pytest", "02_pytest.log",
               [PY, "-m", "pytest", "-m", "gpu", f"--gpu={'emu' if emulate else 'device'}", "-v", "-ra",
                "-p", "no:cacheprovider", "--maxfail=20", "--durations=8", "--continue-on-collection-errors",
@@ -103,14 +105,15 @@ def stages(emulate: bool, pytest_args: list[str]) -> list[Stage]:
     ]
     for tool, want, keep in (("memcheck", 110, 70), ("racecheck", 60, 70), ("synccheck", 60, 60)):
         argv = None if emulate or sanitizer is None else [
-            sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "30", *SANITIZE]
+            sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "30", *SANITIZE,
+            *([] if sanitize_formats == "all" else ["--formats", sanitize_formats])]
         why = no_device if emulate else "compute-sanitizer is not on PATH"
         out.append(Stage(tool, "04_sanitizer.log", argv, want, keep,
                          r"(ERROR|RACECHECK) SUMMARY|^gpu_kernels_check: ", why))
     bench = (["--emulate", "--smoke", "append", "paged", "tiers"] if emulate else
              ["append", "paged", "tiers", "--batches", "32,1,128", "--contexts", "16384,4096",
               "--repeat", "10"])
-    out.append(Stage("bench", "05_bench.log", [PY, "tools/bench_gpu.py", *bench], 150, 0,
+    out.append(Stage("bench", "05_bench.log", [PY, "tools/bench_gpu.py", *bench], 200, 0,
                      r"^bench_gpu: |no usable"))
     return out
 
@@ -179,6 +182,26 @@ def run_stage(st: Stage, out_dir: str, deadline: float, scale: float) -> Result:
         detail = f"rc {rc}; {detail}"
     print(f"    {status} after {seconds:.0f} s: {detail}", flush=True)
     return Result(st.name, status, seconds, limit, detail)
+
+
+def run_stages(chosen: list[Stage], out_dir: str, deadline: float, scale: float, overlap: bool) -> list[Result]:
+    """Each stage in order; with `overlap` (a device run) jit starts with the build and is
+    waited for after it (the dry run's JIT imports kvcore, which the build is writing)."""
+    results: list[Result] = []
+    names = [st.name for st in chosen]
+    side: dict[str, Result] = {}
+    thread = None
+    for st in chosen:
+        if st.name == "jit" and thread is not None:
+            thread.join()
+            results.append(side["jit"])
+            continue
+        if st.name == "build" and overlap and "jit" in names and chosen[names.index("jit")].argv is not None:
+            jit_st = chosen[names.index("jit")]
+            thread = threading.Thread(target=lambda: side.update(jit=run_stage(jit_st, out_dir, deadline, scale)))
+            thread.start()
+        results.append(run_stage(st, out_dir, deadline, scale))
+    return results
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -282,7 +305,7 @@ def jit_module(path: str, emulate: bool) -> int:
         image = f.read() + b"\0"
     log = bytearray(16384)
     opts = [d.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, d.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
-    from kvcore.gpu import _ptx
+    _ptx = _load_ptx_parser()
     kernel = next(iter(_ptx.parse(image).entries))
     t0 = time.perf_counter()
     err, cut = d.cuModuleLoadDataEx(_ptx.entry_image(image, kernel) + b"\0", len(opts), opts, [log, len(log)])
@@ -306,6 +329,16 @@ def jit_module(path: str, emulate: bool) -> int:
     for r in rows:
         print(f"    {r[0]:34s} regs {r[1]!s:>4s}  smem {r[2]!s:>6s}  local {r[3]!s:>4s}  blocks/SM@128 {r[4]}")
     return 0
+
+
+def _load_ptx_parser():
+    """kvcore/gpu/_ptx.py by its path: it needs nothing else of kvcore, so the device's JIT
+    warm-up runs while the extensions build (importing kvcore needs them)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_kvcore_ptx", os.path.join(ROOT, "kvcore", "gpu", "_ptx.py"))
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look it up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def jit(emulate: bool) -> int:
@@ -339,6 +372,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", help="the directory for the logs (default: a new temporary one)")
     ap.add_argument("--only", help="comma-separated stages to run (a rerun with the time left); "
                                    "the others are reported as not selected")
+    ap.add_argument("--sanitize-formats", default="q8_0",
+                    help="the formats compute-sanitizer runs over (comma-separated, or all; default q8_0)")
     ap.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--jit", action="store_true", help=argparse.SUPPRESS)
@@ -357,14 +392,14 @@ def main(argv: list[str]) -> int:
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
     deadline, scale = t0 + args.budget, args.budget / DEFAULT_BUDGET
-    chosen = stages(args.emulate, args.pytest_args)
+    chosen = stages(args.emulate, args.pytest_args, args.sanitize_formats)
     only = args.only.split(",") if args.only else [st.name for st in chosen]
     if set(only) - {st.name for st in chosen}:
         ap.error(f"--only: unknown stages {sorted(set(only) - {st.name for st in chosen})}")
     for st in chosen:
         if st.name not in only:
             st.argv, st.why = None, "not selected (--only)"
-    results = [run_stage(st, out_dir, deadline, scale) for st in chosen]
+    results = run_stages(chosen, out_dir, deadline, scale, overlap=not args.emulate)
     text, rc = summary(results, out_dir, args.budget, time.monotonic() - t0, args.emulate)
     bench_log = os.path.join(out_dir, "05_bench.log")
     if os.path.exists(bench_log):              # the benchmark's tables, then the summary

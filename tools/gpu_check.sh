@@ -4,7 +4,7 @@
 # compute-sanitizer, the benchmark; a summary table last. The stages are in
 # tools/gpu_check.py (read its docstring; docs/gpu.md "On a GPU machine").
 #
-#   tools/gpu_check.sh [--budget SECONDS] [--emulate] [--only STAGE,...] [OUTPUT_DIR] [-- PYTEST_ARGS...]
+#   tools/gpu_check.sh [--budget SECONDS] [--emulate] [--only STAGE,...] [--sanitize-formats F,...|all] [OUTPUT_DIR] [-- PYTEST_ARGS...]
 #
 # --budget: seconds for everything (default 480: give the machine's command 540).
 # --emulate: the dry run on the CPU emulator (tiny sizes, no device figures).
@@ -17,7 +17,7 @@ ARGS=()
 while (( $# )); do
     case "$1" in
         --) ARGS+=("$@"); break ;;
-        --budget|--only) ARGS+=("$1" "${2:?$1 needs a value}"); shift ;;
+        --budget|--only|--sanitize-formats) ARGS+=("$1" "${2:?$1 needs a value}"); shift ;;
         -*) ARGS+=("$1") ;;
         *) ARGS+=(--out "$(realpath -m "$1")") ;;
     esac
