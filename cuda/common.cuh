@@ -185,23 +185,6 @@ __device__ __forceinline__ uint8_t kv_scaled_code(int fmt, float x, float s) {
     return fmt == KV_FP8_E4M3 ? kv_f32_to_e4m3(y) : kv_f32_to_e5m2(y);
 }
 
-// ---- decoding (attention reads) -----------------------------------------------------
-
-// One value of a row: code bits at element i of `codes`, dequantized with `scale`
-// (int8/fp8: the row's f32 scale; q8_0: the block's f32 value of its f16 scale;
-// float formats ignore it).
-__device__ __forceinline__ float kv_decode(int fmt, const void* codes, int i, float scale) {
-    switch (fmt) {
-        case KV_F32: return ((const float*)codes)[i];
-        case KV_F16: return kv_f16_to_f32(((const uint16_t*)codes)[i]);
-        case KV_BF16: return kv_bf16_to_f32(((const uint16_t*)codes)[i]);
-        case KV_INT8:
-        case KV_Q8_0: return __fmul_rn((float)((const int8_t*)codes)[i], scale);
-        case KV_FP8_E4M3: return __fmul_rn(kv_e4m3_to_f32(((const uint8_t*)codes)[i]), scale);
-        default: return __fmul_rn(kv_e5m2_to_f32(((const uint8_t*)codes)[i]), scale);
-    }
-}
-
 // Element i of a float input array (dtype 0 f32, 1 f16, 2 bf16) as f32.
 __device__ __forceinline__ float kv_load_input(const void* p, int dtype, long long i) {
     if (dtype == KV_F32) return ((const float*)p)[i];

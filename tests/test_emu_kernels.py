@@ -14,6 +14,7 @@ import pytest
 import kvcore
 from kvcore.errors import CudaError
 from kvcore.formats import get_format
+from kvcore.gpu import GPU_FORMATS
 from kvcore.gpu._emu import kernels
 
 from _attention_reference import reference_attention
@@ -22,7 +23,6 @@ pytestmark = [pytest.mark.emu,
               pytest.mark.skipif(not kernels.available(), reason="no C++ compiler (g++) on PATH")]
 
 CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu_cases")
-FORMATS = ["f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"]
 IN_DTYPES = {"float32": (0, np.float32), "float16": (1, np.float16), "bfloat16": (2, ml_dtypes.bfloat16)}
 LOG2E = 1.4426950408889634
 POISON32 = 0xFFFFFFFF
@@ -159,7 +159,7 @@ def _raw(a):
     return np.ascontiguousarray(a).view(np.uint8)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
 @pytest.mark.parametrize("in_dtype", list(IN_DTYPES))
 def test_kv_append_bit_exact_with_quantize(fmt, in_dtype, rng):
     f = get_format(fmt)
@@ -171,16 +171,16 @@ def test_kv_append_bit_exact_with_quantize(fmt, in_dtype, rng):
     big = (rng.standard_normal((M, Hkv + 1, D + 8)) * rng.choice([1e-3, 1.0, 300.0], (M, Hkv + 1, 1)))
     big[0, 1] = 0.0                           # an all-zero row (scale 0)
     big[1, 2, 5] = 2.0 ** -20                 # subnormal in f16 / fp8 ranges
-    if fmt != "q8_0":
+    if not f.block:
         big[2, 0, :4] = [0.5, 1.5, -2.5, 65504.0 if fmt not in ("f16",) else 1.0]
     x = big.astype(dt)
     k, v = x[:, :Hkv, :D], x[:, 1:, :D]  # kv_append takes one pair of strides for both
     isz = x.dtype.itemsize
     lengths = np.array([0, 2, 4], np.int32)
     err = np.zeros(M, np.int32)  # status per slot
-    k_codes = np.full((M, Hkv, N, D * f.code_bytes), 0xFF, np.uint8)
+    k_codes = np.full((M, Hkv, N, f.code_width(D) * f.code_bytes), 0xFF, np.uint8)
     v_codes = k_codes.copy()
-    sbytes = S * (2 if fmt == "q8_0" else 4)
+    sbytes = S * (np.dtype(f.scale_dtype).itemsize if S else 0)
     k_scales = np.full((M, Hkv, N, max(sbytes, 1)), 0xFF, np.uint8)
     v_scales = k_scales.copy()
     heads = M * Hkv * 2
