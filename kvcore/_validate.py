@@ -9,6 +9,7 @@ ValueError-family errors for bad values, TypeError-family for wrong types.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
@@ -171,7 +172,8 @@ def check_int32(name: str, value: object) -> int:
     return value
 
 
-def float_input_dtypes() -> list[np.dtype]:
+@functools.cache
+def float_input_dtypes() -> tuple[np.dtype, ...]:
     """float32, float16, and ml_dtypes bfloat16 when ml_dtypes is installed."""
     out: list[np.dtype] = [np.dtype(np.float32), np.dtype(np.float16)]
     try:
@@ -179,7 +181,7 @@ def float_input_dtypes() -> list[np.dtype]:
         out.append(np.dtype(ml_dtypes.bfloat16))
     except ImportError:
         pass
-    return out
+    return tuple(out)
 
 
 # Why a finite value at or past a format's input limit is refused (kvcore._quant.input_limit).

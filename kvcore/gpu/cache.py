@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -92,24 +93,34 @@ class GpuLayout:
 
     def shape(self, region: str) -> tuple[int, ...]:
         """[L, M, Hkv, N, W] of a codes region, [L, M, Hkv, N, S] of a scales region."""
-        s, f = self.spec, region_format(self.spec, region)
-        width = f.code_width(s.head_dim) if region.endswith("codes") else f.scales_per_row(s.head_dim)
-        return (s.num_layers, self.slots, s.num_kv_heads, s.capacity, width)
+        return self._regions[region][0]
 
     def itemsize(self, region: str) -> int:
         """Bytes of one element of a region (0: a scales region of a float format)."""
-        f = region_format(self.spec, region)
-        if region.endswith("codes"):
-            return f.code_bytes
-        return f.scale_dtype.itemsize if f.quantized else 0
+        return self._regions[region][1]
 
     def strides(self, region: str) -> tuple[int, ...]:
-        return _strides(self.shape(region), self.itemsize(region))
+        return self._regions[region][2]
 
     def region_bytes(self, region: str) -> int:
-        return int(np.prod(self.shape(region))) * self.itemsize(region)
+        return self._regions[region][3]
 
-    @property
+    @cached_property
+    def _regions(self) -> dict[str, tuple[tuple[int, ...], int, tuple[int, ...], int]]:
+        """(shape, itemsize, strides, bytes) of each region, computed once: the launch
+        path reads them on every call."""
+        s, out = self.spec, {}
+        for region in REGIONS:
+            f = region_format(s, region)
+            if region.endswith("codes"):
+                width, itemsize = f.code_width(s.head_dim), f.code_bytes
+            else:
+                width, itemsize = f.scales_per_row(s.head_dim), f.scale_dtype.itemsize if f.quantized else 0
+            shape = (s.num_layers, self.slots, s.num_kv_heads, s.capacity, width)
+            out[region] = (shape, itemsize, _strides(shape, itemsize), math.prod(shape) * itemsize)
+        return out
+
+    @cached_property
     def offsets(self) -> dict[str, int]:
         """Byte offsets of the regions k_codes, v_codes, k_scales, v_scales."""
         out, off = {}, 0
@@ -124,7 +135,7 @@ class GpuLayout:
 
     # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
     # then lengths int32[M], then the status int32[M] (error bits per slot)
-    @property
+    @cached_property
     def meta_offsets(self) -> dict[str, int]:
         table = self.spec.num_layers * self.slots * 8
         return {"k_codes": 0, "v_codes": table, "k_scales": 2 * table, "v_scales": 3 * table,
@@ -381,7 +392,7 @@ class GpuKVCache(driver.DeviceOwner):
         if slot is not None and not 1 <= T <= s.capacity:
             raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
                              f"with 1 <= T <= {s.capacity}, got {list(k.shape)}")
-        in_dtype = {"float32": 0, "float16": 1, "bfloat16": 2}[k.dtype.name]
+        in_dtype = float_input_dtypes().index(k.dtype)   # 0 f32, 1 f16, 2 bf16: the kernels' ids
         isz = k.dtype.itemsize
         lay, base, meta = self.layout, self._data.ptr, self._meta.ptr
         heads = k.shape[0] * s.num_kv_heads * 2

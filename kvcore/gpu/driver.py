@@ -496,17 +496,24 @@ def order_after(producer: int, consumer, ctx: Context, what: str = "an input") -
 
 # ---------------------------------------------------------------------------- launches
 
+# (.entry sizes, the args' ctypes or None) -> their ctypes, once their sizes matched
+_LAUNCH_TYPES: dict[tuple[tuple[int, ...], tuple], tuple[type, ...]] = {}
+
+
 def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args, *,
            stream, shmem: int = 0) -> None:
     """cuLaunchKernel of `fn` (a kernels.Kernel) with typed arguments: `args` is a sequence
     of (value, ctype) pairs, ctype None for a device pointer given as an int (passed as
     ctypes.c_void_p). CudaError when their number or byte sizes differ from the kernel's
     .entry (the driver would read past or short of them)."""
-    types = tuple(ctypes.c_void_p if t is None else t for _, t in args)
-    sizes = tuple(ctypes.sizeof(t) for t in types)
-    if sizes != fn.params:
-        raise CudaError(f"cuLaunchKernel({fn.module}.{fn.name}): {len(sizes)} parameters of "
-                        f"{list(sizes)} bytes given, the .entry declares {len(fn.params)} of "
-                        f"{list(fn.params)} bytes")
-    values = tuple(a for a, _ in args)
+    values, kinds = zip(*args) if args else ((), ())
+    types = _LAUNCH_TYPES.get((fn.params, kinds))
+    if types is None:
+        types = tuple(ctypes.c_void_p if t is None else t for t in kinds)
+        sizes = tuple(ctypes.sizeof(t) for t in types)
+        if sizes != fn.params:
+            raise CudaError(f"cuLaunchKernel({fn.module}.{fn.name}): {len(sizes)} parameters of "
+                            f"{list(sizes)} bytes given, the .entry declares {len(fn.params)} of "
+                            f"{list(fn.params)} bytes")
+        _LAUNCH_TYPES[(fn.params, kinds)] = types
     call("cuLaunchKernel", fn.handle, *grid, *block, shmem, stream_handle(stream), (values, types), 0)
