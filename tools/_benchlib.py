@@ -7,6 +7,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 
+# K format / V format pairs the benchmarks measure beside the formats: llama.cpp's -ctk
+# q8_0 -ctv q4_0 and K f16 / V q4_0, and KIVI's K by channel (q4_1ch) with a 4-bit V
+PAIRS = ("q8_0/q4_0", "f16/q4_0", "q4_1ch/q4_1", "q4_1ch/q4_0")
+
+
 def median_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
                 number: int = 1) -> float:
     """Median seconds of one call of fn over `repeat` timed batches of `number` calls."""

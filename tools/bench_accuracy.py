@@ -29,12 +29,11 @@ from typing import Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import print_table  # noqa: E402
+from _benchlib import PAIRS, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 
 HQ, HKV, D, OUTLIERS = 32, 8, 128, 4
-PAIRS = ("q8_0/q4_0", "f16/q4_0", "q4_1ch/q4_1", "q4_1ch/q4_0")   # K format / V format
 
 
 def rel_rms(approx: np.ndarray, exact: np.ndarray) -> float:

@@ -26,7 +26,9 @@ than torch at the same thread count).
   to stay in the CPU caches (the slope between 128 and 512 positions, so fixed costs
   cancel), and the FMAs' share of it (2 * G * D multiply-adds at the measured rate): how
   efficiently the kernel runs its arithmetic, memory aside.
-- kvcore: `kvcore.decode_attention` on a KVCache in each format;
+- kvcore: `kvcore.decode_attention` on a KVCache in each format, and in the K/V pairs
+  (`_benchlib.PAIRS`: K in the first format, V in the second; the goal lines are the
+  formats');
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
 - torch: `scaled_dot_product_attention` float32, [1, Hkv, n, D] K/V, enable_gqa=True.
@@ -47,7 +49,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import copy_bandwidth, print_table  # noqa: E402
+from _benchlib import PAIRS, copy_bandwidth, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 from kvcore._attention import fma_burn, stream_sum  # noqa: E402
@@ -215,7 +217,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     for n in args.contexts:
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
-        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in kvcore.formats.ROW_FORMATS}
+        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in (*kvcore.formats.ROW_FORMATS, *PAIRS)}
         peers = {"numpy f32 grouped matmul": _numpy_calls(k, v, q)}
         if torch is not None:
             peers["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
@@ -278,7 +280,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     kvcore.set_num_threads(1)
     fma1 = fma.get(1) or _fma_rate()
     fma_ns = 2 * (HQ // HKV) * D / fma1 * 1e9
-    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in kvcore.formats.ROW_FORMATS}
+    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in (*kvcore.formats.ROW_FORMATS, *PAIRS)}
     kvcore.set_num_threads(0)
     print_table(f"In cache, 1 thread: ns per position and kv head (the slope between 128 and "
                 f"512 positions) and the FMAs' share of it ({fma_ns:.1f} ns at "
