@@ -23,6 +23,9 @@ derived from the time left (its share of the budget, less what the later stages 
                --formats q8_0 (--sanitize-formats)                       04_sanitizer.log
     bench      tools/bench_gpu.py append paged at batch 32/1/128 x 16k/4k (the goals' shapes
                first; each paged row is printed as measured), then tiers 05_bench.log
+    ncu        Nsight Compute over the paged decode at batch 32 x 16k (f16, q8_0) and
+               torch SDPA's kernel: speed of light, occupancy, warp stalls, memory
+                                                                         05_bench.log
 
 A stage that cannot start in the time left (or needs what is missing, or is left out by
 --only) is SKIPPED with the reason; the summary table comes last (also summary.txt). Each log keeps at most its first
@@ -56,6 +59,7 @@ GPU_TESTS = ["tests/test_gpu_host.py", "tests/test_gpu_cache.py", "tests/test_gp
              "tests/test_gpu_pool_graph.py", "tests/test_gpu_prefix.py", "tests/test_gpu_tiers.py",
              "tests/test_bench_gpu.py"]
 EMU_TESTS = ["tests/test_gpu_graph.py", "-k", "stale or int8"]   # a dry run's few tests
+NCU_KERNELS = r"kv_pattn_(f16|q8_0)_d128_g4|flash|fmha"   # the decode kernels ncu profiles, SDPA's too
 SANITIZE = [PY, "tools/gpu_kernels_check.py", "--small"]   # + --formats (--sanitize-formats)
 ENV = {"CUDA_CACHE_MAXSIZE": str(4 << 30),          # the JIT cache keeps every module warmed
        **os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
@@ -113,8 +117,15 @@ def stages(emulate: bool, pytest_args: list[str], sanitize_formats: str = "q8_0"
     bench = (["--emulate", "--smoke", "append", "paged", "tiers"] if emulate else
              ["append", "paged", "tiers", "--batches", "32,1,128", "--contexts", "16384,4096",
               "--repeat", "10"])
-    out.append(Stage("bench", "05_bench.log", [PY, "tools/bench_gpu.py", *bench], 200, 0,
+    out.append(Stage("bench", "05_bench.log", [PY, "tools/bench_gpu.py", *bench], 200, 60,
                      r"^bench_gpu: |no usable"))
+    ncu = shutil.which("ncu")
+    out.append(Stage("ncu", "05_bench.log", None if emulate or ncu is None else [
+        ncu, "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", "3", "--section", "SpeedOfLight",
+        "--section", "Occupancy", "--section", "WarpStateStats", "--section", "MemoryWorkloadAnalysis",
+        PY, "tools/bench_gpu.py", "paged", "--batches", "32", "--contexts", "16384", "--formats", "f16,q8_0",
+        "--repeat", "1"], 90, 0, r"==PROF== Disconnected|==ERROR==|Memory Throughput",
+        no_device if emulate else "ncu is not on PATH"))
     return out
 
 
