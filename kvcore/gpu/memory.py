@@ -16,6 +16,7 @@ memory (ours or another library's) that torch, CuPy and JAX can wrap without a c
 from __future__ import annotations
 
 import ctypes
+import math
 import weakref
 
 import numpy as np
@@ -144,7 +145,7 @@ class DeviceBuffer(driver.DeviceOwner):
         as in DeviceArray."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset < 0 or offset % dtype.itemsize or offset + nbytes > self.nbytes:
             raise ShapeError(f"invalid view {list(shape)} {dtype} at byte {offset} of a "
                              f"{self.nbytes}-byte buffer")
@@ -235,7 +236,7 @@ class DeviceArray(driver.DeviceOwner):
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
