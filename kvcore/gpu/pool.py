@@ -733,6 +733,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                 blocks.append((key, raw[8 * p:8 * (p + ps)]))
                 parent = key
         pages, evicted = table.plan_take(len(moves))
+        pages.sort()                    # consecutive ones are copied as one run (_runs)
         moves, blocks = moves[:len(pages)], blocks[:len(pages)]
         if fetch.fault is not None:
             self._store_faults += 1
