@@ -373,7 +373,7 @@ def _all_valid(arr: np.ndarray, name: str, fmt: Format, top: float) -> bool:
         return _finite_bits(arr, _EXPONENT_BITS[fmt.name])
     if name.endswith("scales") and fmt.block_scales == 2:
         return False   # q4_1, q4_1ch: d >= 0, m of any sign: _bad_scales looks at each
-    if name.endswith("scales") or fmt.name in ("f32", "f16"):
+    if name.endswith("scales") or fmt.name == "f32":
         lo, hi = float(arr.min()), float(arr.max())
         signed = fmt.name == "q4_0"   # d = max / -8 has either sign
         return bool(np.isfinite(lo) and np.isfinite(hi)
