@@ -198,7 +198,7 @@ def never_lies(t):
             want = t.ref._layer_arrays(layer)
             assert got[0].tobytes() == want[0][rt[key] * PS:(rt[key] + 1) * PS].tobytes()
             assert got[1].tobytes() == want[1][rt[key] * PS:(rt[key] + 1) * PS].tobytes()
-    for key, h in t.host._table.prefix.by_key.items():
+    for key, h in t.host._table.prefix.by_key.items() if t.host else ():
         for layer in range(L):
             for got, want in zip(t.host._layer_arrays(layer), t.ref._layer_arrays(layer)):
                 if got is not None:
@@ -390,11 +390,14 @@ def test_three_tiers_and_a_corrupt_chunk(gpu, tmp_path):
         t.g.free()
 
 
-@pytest.mark.parametrize("way", ["in", "out"])
+@pytest.mark.parametrize("way", ["in", "in, midway", "out"])
 def test_a_failed_store_copy_says_so_and_changes_nothing(gpu, tmp_path, monkeypatch, way):
     """A copy in from the store that fails raises CudaError with the GPU table as it was
-    (no sequence made); a copy out that fails is a counted store fault of a committed step
-    (advance does not raise after committing). Either way the pool goes on."""
+    (no sequence made; midway, after a chunk's first copies were queued: only the cached
+    pages they overwrote are dropped); a copy out that fails is a counted store fault of
+    a committed step (advance does not raise after committing). Either way the pool goes
+    on."""
+    from kvcore.gpu import driver
     from kvcore.store import StoreWriter
     store = store_of(tmp_path)
     with StoreWriter(store) as writer:
@@ -405,24 +408,39 @@ def test_a_failed_store_copy_says_so_and_changes_nothing(gpu, tmp_path, monkeypa
         writer.flush()
         for prompt in PROMPTS[2:]:                    # PROMPTS[0] leaves the GPU
             t.g.free_sequence(t.prefill(prompt)[0])
-        real = type(t.g)._copy_page
+        real = type(t.g)._copy_run
 
-        def failing(self, region, page, **kw):
-            if kw.get("host") is not None and bool(kw.get("to_host")) == (way == "out"):
-                raise CudaError("cuMemcpy3DAsync: CUDA_ERROR_ILLEGAL_ADDRESS: injected")
-            return real(self, region, page, **kw)
+        def failing(self, *args, to_host, **kw):
+            if to_host == (way == "out"):
+                raise CudaError("cuMemcpyHtoDAsync: CUDA_ERROR_ILLEGAL_ADDRESS: injected")
+            return real(self, *args, to_host=to_host, **kw)
+
+        real_call, copies = driver.call, []
+
+        def failing_midway(name, *args):      # the second copy into pages 2, 3 (one run)
+            copies.append(name)
+            if name == "cuMemcpyHtoDAsync" and copies.count(name) == 2:
+                raise CudaError("cuMemcpyHtoDAsync: CUDA_ERROR_ILLEGAL_ADDRESS: injected")
+            return real_call(name, *args)
 
         table = t.g._table
         before = (list(table.refs), list(table.free), list(table.prefix.lru),
                   dict(table.prefix.by_key), sorted(table.seqs))
         with monkeypatch.context() as m:
-            m.setattr(type(t.g), "_copy_page", failing)
+            if way == "in, midway":
+                assert table.free == [3] and list(table.prefix.lru)[0] == 2  # it takes 2, 3
+                m.setattr(driver, "call", failing_midway)
+                with pytest.raises(CudaError, match="injected"):
+                    t.g.match_prefix(PROMPTS[0] + [5])
+                assert sorted(table.seqs) == before[-1] and table.prefix.by_key != before[3]
+                never_lies(t)
+            m.setattr(type(t.g), "_copy_run", failing)
             if way == "in":
                 with pytest.raises(CudaError, match="injected"):
                     t.g.match_prefix(PROMPTS[0] + [5])
                 assert (list(table.refs), list(table.free), list(table.prefix.lru),
                         dict(table.prefix.by_key), sorted(table.seqs)) == before
-            else:
+            elif way == "out":
                 s, _ = t.prefill(list(range(500, 510)))    # a chunk completes: not saved
                 assert t.g.stats.store_faults == 1
                 assert "copy out to the store failed" in t.g.stats.last_store_fault

@@ -169,7 +169,10 @@ def test_restore_refuses_non_snapshot(rng):
 @pytest.mark.parametrize("fmt, part, value, shown", [
     ("f32", "k_codes", np.float32(np.nan), "nan"),
     ("f16", "v_codes", np.float16(np.inf), "inf"),
+    ("f16", "k_codes", np.float16(-np.inf), "-inf"),
+    ("f16", "k_codes", np.float16(np.nan), "nan"),
     ("bf16", "k_codes", np.uint16(0x7F80), "32640"),  # +inf bits
+    ("bf16", "v_codes", np.uint16(0xFFC1), "65473"),  # a negative NaN
     ("int8", "v_codes", np.int8(-128), "-128"),
     ("fp8_e4m3", "k_codes", np.uint8(0xFF), "255"),  # NaN
     ("fp8_e5m2", "k_codes", np.uint8(0x7C), "124"),  # +inf
@@ -185,6 +188,18 @@ def test_restore_refuses_impossible_values(fmt, part, value, shown, rng):
                                             rf"is not a value format {fmt} stores"):
         cache.restore(snap)
     assert cache._storage.tobytes() == before
+
+
+@pytest.mark.parametrize("fmt, extremes", [("f16", np.float16([65504, -65504, 6e-8, -0.0])),
+                                            ("bf16", np.uint16([0x7F7F, 0xFF7F, 0x0001, 0x8000]))])
+def test_restore_takes_the_extreme_finite_values(fmt, extremes, rng):
+    """The largest finite magnitudes, a subnormal and -0 of the 16-bit float formats are
+    values (codes are checked by their exponent bits)."""
+    snap = random_snapshot(fmt, rng)
+    snap.k_codes[1, 3, 0, :4] = extremes
+    cache = KVCache(snap.spec)
+    cache.restore(snap)
+    assert cache.keys(1)[3, 0, :4].tobytes() == extremes.tobytes()
 
 
 @pytest.mark.parametrize("src", ALL)

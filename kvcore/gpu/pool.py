@@ -38,7 +38,7 @@ import contextlib
 import ctypes
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -126,6 +126,20 @@ class _Tier:
         self.awaited: set[int] = set()       # events the pool's stream waits for (ids)
         self.known: set[int] = set()         # ... and has passed: done (no query needed)
         self.host_hits = self.demoted = self.dropped = 0
+
+
+def _runs(moves: list) -> list[tuple[int, Any, int]]:
+    """(GPU page, host page) pairs (_transfer) as (g, h, n): the n pairs from (g, h) on,
+    consecutive on both sides (pages of the same arrays); n = 1 for a host tier page."""
+    runs: list[tuple[int, Any, int]] = []
+    for g, h in moves:
+        if runs and not isinstance(h, int):
+            g0, h0, n = runs[-1]
+            if not isinstance(h0, int) and h0[0] is h[0] and (g, h[1]) == (g0 + n, h0[1] + n):
+                runs[-1] = (g0, h0, n + 1)
+                continue
+        runs.append((g, h, 1))
+    return runs
 
 
 def _check_host(host, spec: KVSpec, page_size: int, prefix_cache: bool, window) -> KVPool | None:
@@ -469,6 +483,32 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         p.Depth = L
         driver.call("cuMemcpy3DAsync", p, (stream or self.stream).handle)
 
+    def _copy_run(self, page: int, host: dict[str, np.ndarray], index: int, n: int, *,
+                  to_host: bool, stream: Stream, touched: list, pairs: list) -> None:
+        """n consecutive pages from GPU page `page` on, every region and layer, to pages
+        index.. of host arrays ([L][pages * page_size][Hkv][W] C order, by region name: a
+        store chunk's, pageable memory) or from them (to_host False), on `stream`; `touched`
+        gets `pairs` once the first copy is queued. One cuMemcpyHtoDAsync / DtoHAsync of
+        n pages per region and layer. From pageable memory the driver stages a copy
+        through page-locked buffers, a 3-D one row by row: a few large 1-D copies per
+        chunk, not a 3-D copy per page (_copy_page)."""
+        drv, ps, L = driver.cuda(), self.page_size, self.spec.num_layers
+        copies = []                     # (device address, host address, bytes)
+        for region in self._regions():
+            row, arr = self._row[region], host[region]
+            dev = self._data.ptr + self.offsets[region] + page * ps * row
+            at = arr.ctypes.data + index * ps * row
+            copies += [(dev + z * self.num_pages * ps * row, at + z * arr.strides[0], n * ps * row)
+                       for z in range(L)]
+        for k, (d, h, size) in enumerate(copies):
+            d = drv.CUdeviceptr(d)
+            if to_host:
+                driver.call("cuMemcpyDtoHAsync", h, d, size, stream.handle)
+            else:
+                driver.call("cuMemcpyHtoDAsync", d, h, size, stream.handle)
+            if k == 0:
+                touched += pairs
+
     def _copy_pages(self, copies) -> None:
         for src, dst in copies:
             for region in self._regions():
@@ -526,13 +566,18 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         a failure left written)."""
         t = self._tier
         driver.order_after(self.stream.ptr, t.stream, self.ctx, "the pool's work")
-        for g, h in moves:
-            regions, index = (self._host._store.regions, h) if isinstance(h, int) else h
-            for region in self._regions():
-                self._copy_page(region, g, host=regions[region], index=index, to_host=to_host,
-                                stream=t.stream)
-                if not touched or touched[-1] != (g, h):
-                    touched.append((g, h))
+        i = 0
+        for g, h, n in _runs(moves):
+            if isinstance(h, int):      # the host tier's (page-locked): page by page
+                for region in self._regions():
+                    self._copy_page(region, g, host=self._host._store.regions[region], index=h,
+                                    to_host=to_host, stream=t.stream)
+                    if not touched or touched[-1] != (g, h):
+                        touched.append((g, h))
+            else:
+                self._copy_run(g, *h, n, to_host=to_host, stream=t.stream, touched=touched,
+                               pairs=moves[i:i + n])
+            i += n
         ev = Event.create(self.ctx, timing=False)
         ev.record(stream=t.stream)
         t.pending.append((ev, written, read, then or []))
@@ -688,6 +733,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                 blocks.append((key, raw[8 * p:8 * (p + ps)]))
                 parent = key
         pages, evicted = table.plan_take(len(moves))
+        pages.sort()                    # consecutive ones are copied as one run (_runs)
         moves, blocks = moves[:len(pages)], blocks[:len(pages)]
         if fetch.fault is not None:
             self._store_faults += 1
