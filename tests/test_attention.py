@@ -70,9 +70,16 @@ def test_formats_gqa_head_dims(rng, fmt, group, d):
     assert rel_err(out, reference(q, cache, 0)) < TOL
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n, T", [(1, 1), (31, 1), (31, 5), (32, 1), (32, 5), (33, 1), (33, 5),
-                                  (3000, 1), (3000, 5)])
+# Every format at every short length; at 3000 positions (many tiles, the threaded split)
+# the one-row decode and the 5-row causal step take alternate formats, f32 both: each
+# format one long case, each path over both 1-byte and wider codes.
+_LONG = [(3000, 1, f) for f in FORMATS[0::2]] + [(3000, 5, f) for f in FORMATS[1::2]]
+_LONG += [(3000, 5, "f32")] if "f32" in FORMATS[0::2] else [(3000, 1, "f32")]
+
+
+@pytest.mark.parametrize("n, T, fmt", [(n, T, f) for n, T in [(1, 1), (31, 1), (31, 5), (32, 1),
+                                                               (32, 5), (33, 1), (33, 5)]
+                                       for f in FORMATS] + _LONG)
 def test_lengths_and_new_tokens(rng, fmt, n, T):
     cache = make_cache(rng, fmt, 8, 4, 128, n, dist="t")
     q = rng.standard_normal((T, 32, 128)).astype(np.float32)

@@ -20,11 +20,20 @@ from kvcore.gpu.attention import (MAX_SPLITS, MIN_SPLIT_POSITIONS, choose_splits
 from kvcore.gpu.cache import GPU_FORMATS as FORMATS
 from kvcore.snapshot import Snapshot
 
+# Every head_dim kernel (64, 128, 256) with every group (1, 4, 8) for one format per code
+# size and scale layout (f32: 4 bytes, f16: 2, int8: 1 with a row scale, q8_0: 1 with block
+# scales), which is what sets a kernel's tiling; the formats that share one of those
+# layouts (bf16, the FP8 pair) differ only in the word decoder, so each takes a Latin
+# square (every head_dim once, every group once; the three together cover every pair).
+MATRIX = [(f, d, g) for f in ("f32", "f16", "int8", "q8_0") for d in (64, 128, 256) for g in (1, 4, 8)]
+MATRIX += [("bf16", 64, 1), ("bf16", 128, 8), ("bf16", 256, 4),
+           ("fp8_e4m3", 64, 4), ("fp8_e4m3", 128, 1), ("fp8_e4m3", 256, 8),
+           ("fp8_e5m2", 64, 8), ("fp8_e5m2", 128, 4), ("fp8_e5m2", 256, 1)]
 # the 4-bit formats at a subset of head_dim x GQA: both thread layouts (16 dims from 8 code
 # bytes at 1-2 heads a block, 8 from 4 bytes at 4-8) and q in shared memory (8 heads, D <= 128)
-MATRIX = [(f, d, g) for f in FORMATS if get_format(f).pack == 1 for d in (64, 128, 256) for g in (1, 4, 8)]
 MATRIX += [("q4_0", 64, 1), ("q4_0", 128, 8), ("q4_0", 256, 4), ("q4_1", 64, 8), ("q4_1", 128, 4),
            ("q4_1", 256, 1)]
+assert {f for f, _, _ in MATRIX} == set(FORMATS)   # every GPU format somewhere
 
 
 # ----------------------------------------------------------------------------- helpers

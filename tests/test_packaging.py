@@ -93,14 +93,17 @@ def test_setup_refuses_a_tree_without_the_cython_sources(tmp_path):
 @pytest.mark.child([sys.executable, os.path.join(ROOT, "tools", "check_dist.py")])
 def test_the_sdist_and_wheel_install_and_run_in_a_new_venv(child):
     """tools/check_dist.py: the sdist holds the build's sources, the wheel built from it
-    holds every extension and is tagged for this platform; in a new venv the wheel
-    imports, runs `python -m kvcore demo --quick` and the sdist's tests; in another, pip
-    builds and installs the sdist, which imports and runs the demo."""
+    (in an isolated build environment, as `pip install` of the sdist builds it: one
+    compilation proves the sdist builds and the wheel installs) holds every extension and
+    every CUDA file setup.py ships, and is tagged for this platform; in a new venv the
+    wheel imports, runs `python -m kvcore demo --quick` and the sdist's tests."""
     out = child.stdout + child.stderr
     assert child.returncode == 0, out[-6000:]
     exts = " ".join(sorted(f[:-4] for f in os.listdir(os.path.join(ROOT, "kvcore"))
                            if f.startswith("_") and f.endswith(".pyx")))
-    assert re.search(r"wheel: kvcore-[\w.]+-cp\d+-cp\d+-\w+\.whl, extensions " + exts, out), out
-    assert out.count("python -m kvcore demo --quick: ok") == 2   # the wheel's venv, the sdist's
-    assert "pip install the sdist: ok" in out and "dist check passed" in out
+    assert re.search(r"wheel: kvcore-[\w.]+-cp\d+-cp\d+-\w+\.whl, extensions " + exts
+                     + r", [1-9]\d* PTX files, \d+ files under kvcore/_cuda/", out), out
+    assert "python -m build (sdist, then the wheel from it): ok" in out
+    assert "pip install the wheel built from the sdist: ok" in out
+    assert "python -m kvcore demo --quick: ok" in out and "dist check passed" in out
     assert re.search(r"\n\d+ passed", out), out

@@ -13,8 +13,8 @@ committed and pending); batched decode attention over the sequences equals, bit 
 bit, attention on a KVCache restored from the model's codes. After every refused call: the storage, the free list, the
 reference counts and every sequence's table, length and pending counts are unchanged.
 
-PrefixMachine runs the same rules over a pool with a prefix cache, K/V a function of the
-token ids, plus match_prefix and free into the cache (its docstring lists its invariants);
+PrefixMachine runs the same rules over a pool with a prefix cache (one format per storage
+layout: f16, int8, q4_1), K/V a function of the token ids, plus match_prefix and free into the cache (its docstring lists its invariants);
 StorePrefixMachine adds a chunk store (a directory) and its writer to that cache.
 WindowMachine and WindowPrefixMachine run them over a pool with a sliding window
 (WindowRules lists what changes and the invariants it adds).
@@ -926,6 +926,12 @@ def _machine_test(fmt, base=PoolMachine, examples=EXAMPLES):
 
 for _fmt in FORMATS:
     globals()[f"TestPool_{_fmt}"] = _machine_test(_fmt)
+# The prefix cache's books (match, register, evict, free into the cache) are the same for
+# every format; what a format changes is the bytes of a page, which TestPool_<fmt> reads
+# back for each. So one format per storage layout: codes only (f16), codes and a float32
+# scale per row (int8), packed 4-bit codes with two float16 values per block (q4_1); the
+# store and window machines below add bf16 and q8_0.
+for _fmt in ("f16", "int8", "q4_1"):
     globals()[f"TestPrefixPool_{_fmt}"] = _machine_test(_fmt, PrefixMachine)
 for _fmt in ("int8", "bf16"):
     globals()[f"TestStorePrefixPool_{_fmt}"] = _machine_test(_fmt, StorePrefixMachine,

@@ -4,24 +4,27 @@
 
 1. `python -m build`: the sdist from this tree, then the wheel from the unpacked sdist
    (so the sdist alone must hold everything a build needs), each in an isolated build
-   environment with only pyproject.toml's build requirements. This is what
-   `pip install kvcore-<v>.tar.gz` does.
+   environment with only pyproject.toml's build requirements. The wheel's build is what
+   `pip install kvcore-<v>.tar.gz` does before it installs the wheel it made (the same
+   PEP 517 build_wheel of the unpacked sdist, in an isolated environment with the same
+   requirements), so installing this wheel, in step 3, is installing the sdist: the one
+   compilation proves both, and no second venv compiles the sdist again.
 2. The sdist holds the Cython sources, the CUDA sources and PTX, the tests, docs and tools,
    and no built file; the wheel is tagged for this platform and holds every compiled
-   extension, the PTX and py.typed.
+   extension, every CUDA file setup.py ships (kvcore/_cuda/: the PTX, the sources, the
+   emulator's headers, resources.json) and py.typed.
 3. In a new venv (no system site-packages, nothing from this tree), pip installs the wheel
    (its dependencies from the index), then, from a directory outside any source tree:
    `import kvcore` (from the venv), `python -m kvcore info`, `python -m kvcore demo --quick`,
    and a short test selection from the sdist's own tests (pytest, hypothesis and ml_dtypes
    installed beside it).
-4. In a second new venv, pip installs the sdist (building it, as a user's
-   `pip install kvcore-<v>.tar.gz` does), then the same import, info and demo.
 
 Prints one line per step and exits non-zero at the first failure, with its output.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import os
 import subprocess
@@ -36,6 +39,21 @@ TESTS = ["tests/test_quant.py", "tests/test_cache.py", "tests/test_pool.py", "te
 # every kvcore/_*.pyx of the source tree is an extension the wheel must hold
 EXTENSIONS = sorted(os.path.basename(p)[:-4]
                     for p in glob.glob(os.path.join(ROOT, "kvcore", "_*.pyx")))
+
+
+def _shipped_cuda() -> list[str]:
+    """The files of cuda/ that setup.py ships as kvcore/_cuda/ (its CUDA_DATA patterns,
+    read from setup.py itself), relative to cuda/."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    patterns, = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", None) == "CUDA_DATA" for t in node.targets)]
+    cuda = os.path.join(ROOT, "cuda")
+    return sorted({os.path.relpath(p, cuda) for pattern in patterns
+                   for p in glob.glob(os.path.join(cuda, pattern)) if os.path.isfile(p)})
+
+
+CUDA_SHIPPED = _shipped_cuda()
 SDIST_MUST_HOLD = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
                    "kvcore/_cache.pyx", "kvcore/_quant.pxd", "kvcore/_parallel.pxd",
                    "kvcore/_cpu.pyx", "kvcore/_attention.pyx", "kvcore/py.typed",
@@ -77,34 +95,14 @@ def check_wheel(path: str) -> None:
         names = whl.namelist()
     exts = sorted(n.split("/")[1].split(".")[0] for n in names
                   if n.startswith("kvcore/_") and n.endswith((".so", ".pyd")))
-    ptx = [n for n in names if n.startswith("kvcore/_cuda/") and n.endswith(".ptx")]
-    if exts != EXTENSIONS or not ptx or "kvcore/py.typed" not in names:
+    cuda = sorted(n[len("kvcore/_cuda/"):] for n in names if n.startswith("kvcore/_cuda/"))
+    ptx = [n for n in cuda if n.endswith(".ptx")]
+    lacking = sorted(set(CUDA_SHIPPED) - set(cuda))
+    if exts != EXTENSIONS or not ptx or lacking or "kvcore/py.typed" not in names:
         fail(f"wheel {name}: extensions {exts} (want {EXTENSIONS}), {len(ptx)} PTX files, "
-             f"py.typed {'kvcore/py.typed' in names}")
-    print(f"wheel: {name}, extensions {' '.join(exts)}, {len(ptx)} PTX files", flush=True)
-
-
-def new_venv(work: str, name: str, what: str, source: str) -> str:
-    """A new venv at work/name with kvcore installed from `source` (a wheel or an sdist:
-    pip builds the sdist as a user's install does); checks that `import kvcore`, from a
-    directory outside any source tree, finds the venv's copy, then runs `kvcore info` and
-    `kvcore demo --quick` there. Returns the venv's python."""
-    venv = os.path.join(work, name)
-    run(f"a new venv ({name})", [sys.executable, "-m", "venv", venv])
-    py = os.path.join(venv, "bin", "python")
-    run(f"pip install the {what}", [py, "-m", "pip", "install", "-q", source])
-    elsewhere = os.path.join(work, "elsewhere")   # no kvcore/ here: imports find the venv's
-    os.makedirs(elsewhere, exist_ok=True)
-    where = run("import kvcore", [py, "-c", "import kvcore; print(kvcore.__file__)"],
-                cwd=elsewhere).strip()
-    if not os.path.realpath(where).startswith(os.path.realpath(venv)):
-        fail(f"import kvcore found {where}, not the copy in {venv}")
-    print(run("python -m kvcore info", [py, "-m", "kvcore", "info"], cwd=elsewhere)
-          .splitlines()[1], flush=True)
-    demo = run("python -m kvcore demo --quick", [py, "-m", "kvcore", "demo", "--quick"],
-               cwd=elsewhere)
-    print(demo.splitlines()[0], flush=True)
-    return py
+             f"lacking CUDA files {lacking}, py.typed {'kvcore/py.typed' in names}")
+    print(f"wheel: {name}, extensions {' '.join(exts)}, {len(ptx)} PTX files, "
+          f"{len(cuda)} files under kvcore/_cuda/", flush=True)
 
 
 def check(work: str, tests: list[str]) -> None:
@@ -116,7 +114,23 @@ def check(work: str, tests: list[str]) -> None:
     check_sdist(sdist)
     check_wheel(wheel)
 
-    py = new_venv(work, "venv-wheel", "wheel", wheel)
+    # a new venv with the wheel built from the sdist: what `pip install` of either installs
+    venv = os.path.join(work, "venv")
+    run("a new venv", [sys.executable, "-m", "venv", venv])
+    py = os.path.join(venv, "bin", "python")
+    run("pip install the wheel built from the sdist", [py, "-m", "pip", "install", "-q", wheel])
+    elsewhere = os.path.join(work, "elsewhere")   # no kvcore/ here: imports find the venv's
+    os.makedirs(elsewhere, exist_ok=True)
+    where = run("import kvcore", [py, "-c", "import kvcore; print(kvcore.__file__)"],
+                cwd=elsewhere).strip()
+    if not os.path.realpath(where).startswith(os.path.realpath(venv)):
+        fail(f"import kvcore found {where}, not the copy in {venv}")
+    print(run("python -m kvcore info", [py, "-m", "kvcore", "info"], cwd=elsewhere)
+          .splitlines()[1], flush=True)
+    demo = run("python -m kvcore demo --quick", [py, "-m", "kvcore", "demo", "--quick"],
+               cwd=elsewhere)
+    print(demo.splitlines()[0], flush=True)
+
     run("pip install pytest, hypothesis, ml_dtypes",
         [py, "-m", "pip", "install", "-q", "pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.4"])
     unpacked = os.path.join(work, "sdist")
@@ -125,10 +139,8 @@ def check(work: str, tests: list[str]) -> None:
     src, = glob.glob(os.path.join(unpacked, "kvcore-*"))
     out = run(f"pytest {' '.join(tests)} (the sdist's tests, the installed wheel)",
               [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", src,
-               *[os.path.join(src, t) for t in tests]], cwd=os.path.join(work, "elsewhere"))
+               *[os.path.join(src, t) for t in tests]], cwd=elsewhere)
     print(out.strip().splitlines()[-1], flush=True)
-
-    new_venv(work, "venv-sdist", "sdist", sdist)
     print(f"dist check passed: {os.path.basename(sdist)}, {os.path.basename(wheel)}")
 
 
