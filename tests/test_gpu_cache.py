@@ -250,17 +250,7 @@ def test_pair_appends_and_snapshots_equal_the_cpu_cache(gpu, fmt, rng):
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=96, capacity=12, format=fmt)
     cache = new_cache(gpu, spec, 3)
     cpus = [KVCache(spec) for _ in range(3)]
-    keep = []
-    for _ in range(2):
-        for layer in range(2):
-            k, v = rows(rng, (3, 2, 96), np.float32), rows(rng, (3, 2, 96), np.float32)
-            keep += [dev(gpu, k), dev(gpu, v)]
-            cache.append(layer, keep[-2], keep[-1])
-            for s in range(3):
-                cpus[s].append(layer, k[s:s + 1], v[s:s + 1])
-        cache.advance()
-        for c in cpus:
-            c.advance()
+    keep = _append_steps(gpu, cache, dict(enumerate(cpus)), rng, steps=2)
     for layer in range(2):
         k, v = rows(rng, (5, 2, 96), np.float16), rows(rng, (5, 2, 96), np.float16)
         keep += [dev(gpu, k), dev(gpu, v)]
@@ -428,6 +418,25 @@ def _cpu_cache(spec, rng, n):
     return cpu
 
 
+def _append_steps(gpu, cache, cpus, rng, steps):
+    """`steps` decode steps of random float32 rows into every slot and layer of `cache`,
+    slot s's rows appended to cpus[s] too (a dict slot -> KVCache); returns the device
+    inputs, which must stay alive until the stream ran."""
+    spec, keep = cache.spec, []
+    shape = (cache.slots, spec.num_kv_heads, spec.head_dim)
+    for _ in range(steps):
+        for layer in range(spec.num_layers):
+            k, v = rows(rng, shape, np.float32), rows(rng, shape, np.float32)
+            keep += [dev(gpu, k), dev(gpu, v)]
+            cache.append(layer, keep[-2], keep[-1])
+            for s, cpu in cpus.items():
+                cpu.append(layer, k[s:s + 1], v[s:s + 1])
+        cache.advance()
+        for cpu in cpus.values():
+            cpu.advance()
+    return keep
+
+
 def _same(a, b):
     assert a.length == b.length
     for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
@@ -450,15 +459,7 @@ def test_snapshots_move_between_cpu_and_gpu(gpu, fmt, rng):
     assert cache.snapshot(0).length == 0
     # GPU appends land where the CPU cache puts the same rows
     cpu2 = KVCache(spec)
-    keep = []
-    for _ in range(4):
-        for layer in range(3):
-            k, v = rows(rng, (3, 2, 64), np.float32), rows(rng, (3, 2, 64), np.float32)
-            keep += [dev(gpu, k), dev(gpu, v)]
-            cache.append(layer, keep[-2], keep[-1])
-            cpu2.append(layer, k[2:3], v[2:3])
-        cache.advance()
-        cpu2.advance()
+    keep = _append_steps(gpu, cache, {2: cpu2}, rng, steps=4)
     g = cache.snapshot(2)
     _same(g, cpu2.snapshot())
     cpu.restore(g)  # back to a CPU cache
