@@ -67,6 +67,7 @@ from libc.string cimport memcpy
 from cython.parallel cimport prange, threadid
 
 cimport numpy as cnp
+import numpy as np
 
 from kvcore._parallel cimport num_threads, run_threads, threads_for
 
@@ -422,8 +423,11 @@ cdef extern from *:
         float* out;              /* OUT [t][hkv * g][d] (may be qin) */
         float* lse;              /* OUT [t][hkv * g] log-sum-exp (base e) or NULL */
         float scale;             /* of q */
+        int qi;                  /* int8 scores (kv_qscores): q quantized per block of 32 */
         float* w;                /* split-wise: nsplit split states (kv_split_floats each) */
         float* q;                /* split-wise: [hkv][r][dp] scaled queries, zero-padded */
+        float* qx;               /* split-wise with qi: [hkv][r] int8 query records (KV_QREC
+                                    floats each), else NULL */
         float* o;                /* the result [t][hkv * g][d] before it goes to out
                                     (split-wise: the memory of q, no longer read then) */
         int64_t* last;           /* [r]: the last position row r sees (kv_prepare) */
@@ -505,19 +509,23 @@ cdef extern from *:
         if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
         return x;
     }
+    /* Floats of the job's int8 query records (split-wise with qi: [hkv][r], else none). */
+    static size_t kv_qrec_floats(const kv_job* J);
     /* Floats of the job's own buffers: last [r] and first [r] (int64), then split-wise the
-       queries [hkv][r][dp] (later the result), row-wise the result [t][hkv * g][d]. */
+       queries [hkv][r][dp] (later the result), row-wise the result [t][hkv * g][d]; then
+       the int8 query records. */
     static size_t kv_job_floats(const kv_job* J) {
         size_t x = KV_ROWWISE(J) ? (size_t)J->t * J->hkv * J->g * J->d : (size_t)J->hkv * J->r * J->dp;
-        return KV_ROUND16(4 * (size_t)J->r) + KV_ROUND16(x);
+        return KV_ROUND16(4 * (size_t)J->r) + KV_ROUND16(x) + kv_qrec_floats(J);
     }
-    /* Points J->last, J->first, J->q and J->o into buf (kv_job_floats floats); returns the
-       floats after. */
+    /* Points J->last, J->first, J->q, J->o and J->qx into buf (kv_job_floats floats);
+       returns the floats after. */
     static float* kv_job_place(kv_job* J, float* buf) {
         J->last = (int64_t*)buf;
         J->first = J->last + J->r;
         J->o = buf + KV_ROUND16(4 * (size_t)J->r);
         J->q = KV_ROWWISE(J) ? NULL : J->o;
+        J->qx = kv_qrec_floats(J) ? buf + kv_job_floats(J) - kv_qrec_floats(J) : NULL;
         return buf + kv_job_floats(J);
     }
 
@@ -567,14 +575,157 @@ cdef extern from *:
         }
     }
 
+    /* Int8 scores (J->qi, docs/attention.md "Int8 scores"): each scaled query row x is
+       quantized per block of 32 values to int8 codes c and a float32 scale qd (q^ = qd c),
+       and its scores against int8/q8_0 K rows are the blocks' integer dot products c . k,
+       exact in int32, times qd (and q8_0's block scale) in float32. A step reads KV_QC
+       codes of a row; each int32 lane of it sums KV_QG consecutive products (one block's). */
+    #if KV_W == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    #define KV_QC 64           /* vpdpbusd: K's codes + 128 (unsigned) times q's codes */
+    typedef __m512i kv_qv;
+    #elif KV_W == 8 && defined(__AVX2__)
+    #define KV_QC 32           /* AVX-VNNI vpdpbusd as above; without it vpmaddubsw of |k| and q with k's sign */
+    typedef __m256i kv_qv;
+    #else
+    #define KV_QC KV_W         /* codes widened to int32 lanes and multiplied */
+    typedef kv_vi kv_qv;
+    #endif
+    #define KV_QG (KV_QC / KV_W)
+    #define KV_QD(d) (((d) + 63) / 64 * 64)   /* codes of a record: d rounded up to 64 */
+    /* An int8 query row's record, KV_QREC(d) floats: codes int8 [KV_QD(d)] (0 past d),
+       lane offsets int32 [KV_QD(d) / KV_QG] (-128 x the sum of the lane's codes: vpdpbusd
+       reads K's codes offset by 128), lane scales float32 [KV_QD(d) / KV_QG] (the qd of
+       the lane's block). */
+    #define KV_QREC(d) KV_ROUND16(KV_QD(d) / 4 + 2 * KV_QD(d) / KV_QG)
+
+    /* rec = the int8 record of x [d]: per block of 32 values (0 past d), amax its largest
+       |x|, s = 127 / amax and qd = amax / 127 in float32, codes c = rint(x * s) (the
+       product in float32, rounded half to even; |c| <= 127); a block with amax < 2^-100
+       (s near float32's top) has codes 0 and qd 0. qhat, when not NULL: [d] the values
+       qd * c as float32. */
+    static void kv_quant_row(const float* x, int d, float* rec, float* qhat) {
+        const int dq = KV_QD(d);
+        int8_t* c = (int8_t*)rec;
+        int32_t* z = (int32_t*)(rec + dq / 4);
+        float* ls = (float*)(z + dq / KV_QG);
+        float blk[32];
+        for (int b = 0; b < dq; b += 32) {
+            for (int i = 0; i < 32; i++) blk[i] = b + i < d ? x[b + i] : 0.0f;
+            kv_vf m = kv_splat(0.0f);
+            for (int i = 0; i < 32; i += KV_W) m = kv_max(m, (kv_vf)((kv_vi)kv_loadf(blk + i) & 0x7FFFFFFF));
+            const float amax = kv_hmax(m);
+            const int zero = amax < 0x1p-100f;
+            const float s = zero ? 0.0f : 127.0f / amax, qd = zero ? 0.0f : amax / 127.0f;
+            for (int i = 0; i < 32; i += KV_W) {
+                /* + 1.5 x 2^23 - 1.5 x 2^23: rounds |v| <= 127 half to even (no FMA: the
+                   build passes -ffp-contract=off) */
+                const kv_vf v = kv_loadf(blk + i) * kv_splat(s);
+                const kv_vf r = (v + kv_splat(12582912.0f)) - kv_splat(12582912.0f);
+                const kv_vi ci = __builtin_convertvector(r, kv_vi);
+                for (int k = 0; k < KV_W; k++) c[b + i + k] = (int8_t)ci[k];
+                if (qhat) {
+                    const kv_vf h = r * kv_splat(qd);
+                    for (int k = 0; k < KV_W && b + i + k < d; k++) qhat[b + i + k] = h[k];
+                }
+            }
+            for (int i = b; i < b + 32; i += KV_QG) {
+                int32_t sum = 0;
+                for (int k = 0; k < KV_QG; k++) sum += c[i + k];
+                z[i / KV_QG] = -128 * sum;
+                ls[i / KV_QG] = qd;
+            }
+        }
+    }
+
+    static size_t kv_qrec_floats(const kv_job* J) {
+        return J->qi && !KV_ROWWISE(J) ? (size_t)J->hkv * J->r * KV_QREC(J->d) : 0;
+    }
+
+    /* KV_QC codes of a K row at p (tail: only n < KV_QC of them; the rest read as 0), as
+       kv_qdot takes them. */
+    KV_INLINE kv_qv kv_qk(const int tail, const char* p, int n) {
+    #if KV_QC == 64
+        const __m512i x = tail ? _mm512_maskz_loadu_epi8(((__mmask64)1 << n) - 1, p) : _mm512_loadu_si512(p);
+        return _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80));
+    #elif KV_QC == 32
+        __m256i x;
+        if (tail) { char t[32] = {0}; memcpy(t, p, (size_t)n); memcpy(&x, t, 32); }
+        else memcpy(&x, p, 32);
+    #if defined(__AVXVNNI__)
+        x = _mm256_xor_si256(x, _mm256_set1_epi8((char)0x80));
+    #endif
+        return x;
+    #else
+        kv_vb b = {0};
+        memcpy(&b, p, tail ? (size_t)n : sizeof b);
+        return __builtin_convertvector(b, kv_vi);
+    #endif
+    }
+    /* KV_QC codes of a query record at p. */
+    KV_INLINE kv_qv kv_qq(const int8_t* p) {
+    #if KV_QC == KV_W
+        kv_vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, kv_vi);
+    #else
+        kv_qv x; memcpy(&x, p, sizeof x); return x;
+    #endif
+    }
+    /* Lane L: the sum of its KV_QG products of K codes k (kv_qk) and query codes q, exact;
+       z: the lane offsets of q's record. */
+    KV_INLINE kv_vi kv_qdot(kv_qv k, kv_qv q, const int32_t* z) {
+    #if KV_QC == 64
+        return (kv_vi)_mm512_dpbusd_epi32(_mm512_loadu_si512(z), k, q);
+    #elif KV_QC == 32 && defined(__AVXVNNI__)
+        return (kv_vi)_mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i*)z), k, q);
+    #elif KV_QC == 32   /* |k| x (q with k's sign): pairs <= 2 x 128 x 127, no saturation */
+        (void)z;
+        return (kv_vi)_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k)),
+                                        _mm256_set1_epi16(1));
+    #else
+        (void)z;
+        return k * q;
+    #endif
+    }
+    /* Lane L of a step at i: b[(i + L KV_QG) / 32] (the block of the lane's codes). */
+    KV_INLINE kv_vf kv_qlanes(const float* b, int i) {
+    #if KV_QC == 64
+        return (kv_vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(b[i / 32]), _mm512_set1_ps(b[i / 32 + 1]));
+    #else
+        return kv_splat(b[i / 32]);
+    #endif
+    }
+
+    /* acc[r][p] += the scores' part of codes [i, i + KV_QC) of RB int8 query records (q,
+       dp floats apart) with KV_PB K rows (int8 or q8_0 codes; q8_0's block scales bs). */
+    KV_INLINE void kv_qscore_step(const int fmt, const int tail, const int RB, const char* const* row,
+                                  const float* const* bs, int i, int d, const float* q, int dp,
+                                  kv_vf acc[KV_RB][KV_PB]) {
+        const int dq = KV_QD(d);
+        kv_qv k[KV_PB];
+        kv_vf kd[KV_PB];
+        for (int p = 0; p < KV_PB; p++) {
+            k[p] = kv_qk(tail, row[p] + i, d - i);
+            if (fmt == KV_Q8_0) kd[p] = kv_qlanes(bs[p], i);
+        }
+        for (int r = 0; r < RB; r++) {
+            const float* rec = q + (size_t)r * dp;
+            const int32_t* z = (const int32_t*)(rec + dq / 4) + i / KV_QG;
+            const kv_vf ls = kv_loadf(rec + dq / 4 + dq / KV_QG + i / KV_QG);
+            const kv_qv qv = kv_qq((const int8_t*)rec + i);
+            for (int p = 0; p < KV_PB; p++) {
+                const kv_vf x = __builtin_convertvector(kv_qdot(k[p], qv, z), kv_vf);
+                acc[r][p] = kv_fma(x, fmt == KV_Q8_0 ? ls * kd[p] : ls, acc[r][p]);
+            }
+        }
+    }
+
     /* out[r] lane L = q[r] . K row (j + L) of the tile, for RB rows (dp floats apart);
        rows past np are read as row np - 1 (the caller masks their lanes). `tail` (a
        constant): d is not a multiple of KV_W. The first tree levels take the block's
        accumulators as values: with kv_tree's array, or with the tail step in the same
        copy of the code, GCC 12 spilled all 16 AVX-512 accumulators to the stack after
        every block (12-14% of the in-cache time, docs/attention.md). */
-    KV_INLINE void kv_score_group(const int fmt, const int tail, const int RB, kv_rows k, int j, int np,
-                                  const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
+    KV_INLINE void kv_score_group(const int fmt, const int qi, const int tail, const int RB, kv_rows k,
+                                  int j, int np, const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {
         kv_vf part[KV_RB][KV_W / KV_PB];
         for (int b = 0; b < KV_W / KV_PB; b++) {
             const char* row[KV_PB];
@@ -589,8 +740,13 @@ cdef extern from *:
                 for (int r = 0; r < RB; r++) acc[r][p] = kv_splat(0.0f);
             }
             int i = 0;
-            for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
-            if (tail) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            if (qi) {
+                for (; i + KV_QC <= k.d; i += KV_QC) kv_qscore_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
+                if (tail) kv_qscore_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            } else {
+                for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
+                if (tail) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+            }
             for (int r = 0; r < RB; r++)
     #if KV_PB == 4
                 part[r][b] = kv_comb(kv_comb(acc[r][0], acc[r][1], KV_W / 2),
@@ -606,13 +762,13 @@ cdef extern from *:
     /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
        rs [KV_P] (int8/FP8; NULL: none); lanes past np or past last[r] (position j0 + lane)
        are -inf. */
-    KV_INLINE void kv_score_rows(const int fmt, const int RB, kv_rows k, int np, const float* q,
+    KV_INLINE void kv_score_rows(const int fmt, const int qi, const int RB, kv_rows k, int np, const float* q,
                                  int dp, const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         const kv_vi lane = KV_LANES;
         for (int j = 0; j < np; j += KV_W) {
             kv_vf o[KV_RB];
-            if (k.d % KV_W) kv_score_group(fmt, 1, RB, k, j, np, q, dp, o, pf);
-            else kv_score_group(fmt, 0, RB, k, j, np, q, dp, o, pf);
+            if (k.d % (qi ? KV_QC : KV_W)) kv_score_group(fmt, qi, 1, RB, k, j, np, q, dp, o, pf);
+            else kv_score_group(fmt, qi, 0, RB, k, j, np, q, dp, o, pf);
             for (int r = 0; r < RB; r++) {
                 kv_vf x = rs ? o[r] * kv_loadf(rs + j) : o[r];
                 int64_t seen = last[r] - j0 + 1;
@@ -663,16 +819,16 @@ cdef extern from *:
 
     /* Scores (s [R][KV_P]) of R rows, or (values) acc [R][dp] += weights x V rows (row r's
        weight of position j at w[r * ws + j * wp]), in register blocks of KV_RB rows. */
-    KV_INLINE void kv_scores(const int fmt, int R, kv_rows k, int np, const float* q, int dp,
+    KV_INLINE void kv_scores(const int fmt, const int qi, int R, kv_rows k, int np, const float* q, int dp,
                              const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         for (int r = 0; r < R; r += KV_RB) {
             const float* qr = q + (size_t)r * dp;
             float* sr = s + (size_t)r * KV_P;
             switch (R - r < KV_RB ? R - r : KV_RB) {
-            case 1: kv_score_rows(fmt, 1, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
-            case 2: kv_score_rows(fmt, 2, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
-            case 3: kv_score_rows(fmt, 3, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
-            default: kv_score_rows(fmt, KV_RB, k, np, qr, dp, rs, last + r, j0, sr, pf);
+            case 1: kv_score_rows(fmt, qi, 1, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            case 2: kv_score_rows(fmt, qi, 2, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            case 3: kv_score_rows(fmt, qi, 3, k, np, qr, dp, rs, last + r, j0, sr, pf); break;
+            default: kv_score_rows(fmt, qi, KV_RB, k, np, qr, dp, rs, last + r, j0, sr, pf);
             }
         }
     }
@@ -699,7 +855,7 @@ cdef extern from *:
     static void kv_scores_of(int fmt, int R, kv_rows k, int np, const float* q, int dp,
                              const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         switch (fmt) {
-        #define KV_CASE(F) case F: kv_scores(F, R, k, np, q, dp, rs, last, j0, s, pf); break;
+        #define KV_CASE(F) case F: kv_scores(F, 0, R, k, np, q, dp, rs, last, j0, s, pf); break;
         KV_EACH_FORMAT(KV_CASE)
         #undef KV_CASE
         }
@@ -835,7 +991,14 @@ cdef extern from *:
     KV_INLINE void kv_scores_in(const int f, int rt, int R, kv_rows k, int np, const float* q, int dp,
                                 const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         if (f == KV_ANY) kv_scores_of(rt, R, k, np, q, dp, rs, last, j0, s, pf);
-        else kv_scores(KV_CONST(f), R, k, np, q, dp, rs, last, j0, s, pf);
+        else kv_scores(KV_CONST(f), 0, R, k, np, q, dp, rs, last, j0, s, pf);
+    }
+    /* The int8 scores of R int8 query records (q, dp floats apart) with K in format fmt
+       (int8 or q8_0, known at run time). */
+    static void kv_qscores(int fmt, int R, kv_rows k, int np, const float* q, int dp,
+                           const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
+        if (fmt == KV_Q8_0) kv_scores(KV_Q8_0, 1, R, k, np, q, dp, rs, last, j0, s, pf);
+        else kv_scores(KV_INT8, 1, R, k, np, q, dp, rs, last, j0, s, pf);
     }
     KV_INLINE void kv_values_in(const int f, int rt, int R, kv_rows v, int np, const float* w, int ws,
                                 int wp, float* acc, int dp) {
@@ -855,7 +1018,7 @@ cdef extern from *:
        each row's state exactly as processing them would (weights 0). */
     KV_INLINE void kv_split_fmt(const int kf0, const int vf0, const kv_job* J, const float* q, float* w,
                                 int sr, int ro, int64_t p0, int64_t p1, int r0, int r1, float* x) {
-        const int R = sr, H = J->hkv, dp = J->dp, nr = r1 - r0;
+        const int R = sr, H = J->hkv, dp = J->dp, nr = r1 - r0, qr = KV_QREC(J->d);
         const int kfmt = kf0 == KV_ANY ? J->k.fmt : kf0, vfmt = vf0 == KV_ANY ? J->v.fmt : vf0;
         const size_t rows = (size_t)H * R;
         const size_t sc = kv_scale_floats(J);
@@ -920,7 +1083,7 @@ cdef extern from *:
                 if (predecode) {
                     /* each side not f32 decoded; both then read as f32 rows */
                     for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
-                    if (kfmt != KV_F32) {
+                    if (kfmt != KV_F32 && !J->qi) {
                         kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
                         kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
                         k = kd;
@@ -930,14 +1093,16 @@ cdef extern from *:
                         kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
                         v = vd;
                     }
-                    kv_scores(KV_F32, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                    if (J->qi) kv_qscores(kfmt, nr, k, np, J->qx + hr * qr, qr, rs, J->last + r0, j0, s, &pf);
+                    else kv_scores(KV_F32, 0, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
                     if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                     kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                                KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL);
                     kv_values(KV_F32, nr, v, np, s, KV_P, 1, ah, dp);
                     continue;
                 }
-                kv_scores_in(kf0, kfmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
+                if (J->qi) kv_qscores(kfmt, nr, k, np, J->qx + hr * qr, qr, rs, J->last + r0, j0, s, &pf);
+                else kv_scores_in(kf0, kfmt, nr, k, np, q + hr * dp, dp, rs, J->last + r0, j0, s, &pf);
                 if (var) kv_split_variants(J, nr, np, j0, J->first + r0, J->last + r0, s);
                 kv_softmax(nr, np, s, m + hr, l + hr * KV_W, ah, dp,
                            KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL);
@@ -1172,13 +1337,18 @@ cdef extern from *:
     }
 
     /* J->last [r] and J->first [r]; split-wise J->q = the scaled queries (row-wise: only
-       their check, each work item scales its own rows). Returns kv_scale_rows' verdict. */
+       their check, each work item scales its own rows), with qi also their int8 records
+       J->qx. Returns kv_scale_rows' verdict. */
     static int kv_prepare(kv_job* J, float scale, int causal) {
         J->scale = scale;
         for (int r = 0; r < J->r; r++) J->last[r] = causal ? J->n - J->t + r / J->g : J->n - 1;
         for (int r = 0; r < J->r; r++)
             J->first[r] = J->win && J->last[r] >= J->win ? J->last[r] - J->win + 1 : 0;
-        return kv_scale_rows(J, 0, J->r, J->q, J->r);
+        const int ok = kv_scale_rows(J, 0, J->r, J->q, J->r);
+        if (ok && J->qx)
+            for (size_t hr = 0; hr < (size_t)J->hkv * J->r; hr++)
+                kv_quant_row(J->q + hr * J->dp, J->d, J->qx + hr * KV_QREC(J->d), NULL);
+        return ok;
     }
 
     /* out [t][hkv * g][d] rows [r0, r1) of every head = the J->nsplit split states at w
@@ -1253,7 +1423,14 @@ cdef extern from *:
                 if (r0 + r < r1) {
                     const int rr = r0 + r;
                     const float* src = J->qin + ((size_t)(rr / G) * H * G + (size_t)h * G + rr % G) * d;
-                    for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = src[i] * J->scale;
+                    if (J->qi) {   /* the scores of q^ (kv_quant_row), in float32 */
+                        float row[d], rec[KV_QREC(d)];
+                        for (int i = 0; i < d; i++) row[i] = src[i] * J->scale;
+                        kv_quant_row(row, d, rec, row);
+                        for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = row[i];
+                    } else {
+                        for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = src[i] * J->scale;
+                    }
                 } else {
                     for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = 0.0f;
                 }
@@ -1348,8 +1525,10 @@ cdef extern from *:
         float* out
         float* lse
         float scale
+        int qi
         float* w
         float* q
+        float* qx
         float* o
         int64_t* last
         int64_t* first
@@ -1369,6 +1548,10 @@ cdef extern from *:
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
     void kv_softcap_array(const float* x, size_t n, float c, float* out) noexcept nogil
+    void kv_quant_row(const float* x, int d, float* rec, float* qhat) noexcept nogil
+    size_t KV_QREC(int d) noexcept nogil
+    int KV_QD(int d) noexcept nogil
+    int KV_QG
     int KV_W
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
@@ -1556,9 +1739,12 @@ cdef inline int _item(kv_job* jobs, const int* items, int it, float* scratch) no
 
 
 cdef int _variant_job(kv_job* J, sinks, float softcap, int64_t window, int64_t sink_tokens,
-                      bint causal, int hq) except -1:
-    """The sink logits and soft-capping of J (window and sink_tokens are _seq_job's), after
-    the checks the kernel relies on."""
+                      bint causal, int hq, bint int8_scores) except -1:
+    """The sink logits, soft-capping and int8 scores of J (window and sink_tokens are
+    _seq_job's), after the checks the kernel relies on."""
+    if int8_scores and J.k.fmt != 3 and J.k.fmt != 6:
+        raise ValueError(f"attend: int8 scores read int8 (3) or q8_0 (6) K codes, not format {J.k.fmt}")
+    J.qi = int8_scores
     if window < 0 or sink_tokens < 0 or (sink_tokens and not window) or (window and not causal):
         raise ValueError(f"attend: window {window}, sink_tokens {sink_tokens}, causal {causal}: "
                          f"a window needs causal, sink positions a window")
@@ -1576,7 +1762,8 @@ cdef int _variant_job(kv_job* J, sinks, float softcap, int64_t window, int64_t s
 
 def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_scales, int k_fmt,
            int v_fmt, Py_ssize_t n, float scale, bint causal, cnp.ndarray out, lse=None, *,
-           int64_t window=0, int64_t sink_tokens=0, sinks=None, float softcap=0):
+           int64_t window=0, int64_t sink_tokens=0, sinks=None, float softcap=0,
+           bint int8_scores=False):
     """out [T, Hq, D] float32 = softmax(scale * q K^T) V over positions [0, n) of a
     KVCache's layer (storage row p holds position p: one page of N rows). Returns
     ATTEND_OK, or (out untouched) ATTEND_BAD_Q when scale * q holds a non-finite value and
@@ -1595,7 +1782,8 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     [0, S) stay visible; sinks float32 [Hq] C-contiguous, finite, or None: a logit per
     query head in each softmax denominator (and lse); softcap c > 0 (0: none): scores
     become c tanh(s / c). Positions outside every row's window and the sink positions are
-    never read.
+    never read. int8_scores (K int8 or q8_0): the scores of q^, each scaled query row
+    quantized per block of 32 (quantize_query), as integer dot products with K's codes.
     """
     cdef kv_job J
     cdef Py_ssize_t rows = q.shape[0] * (q.shape[1] // k_codes.shape[1])
@@ -1607,7 +1795,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     J.qin = <const float*>_data(q, "q")
     J.out = <float*>_data(out, "out")
     J.lse = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
-    _variant_job(&J, sinks, softcap, window, sink_tokens, causal, <int>q.shape[1])
+    _variant_job(&J, sinks, softcap, window, sink_tokens, causal, <int>q.shape[1], int8_scores)
     _seq_job(&J, <int>q.shape[0], n, num_threads(), window, sink_tokens)
     return _run(&J, 1, scale, causal, num_threads())
 
@@ -1616,7 +1804,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
                  int k_fmt, int v_fmt, Py_ssize_t page_size, const int32_t[:, ::1] tables,
                  const int64_t[::1] lengths, const int64_t[::1] counts, float scale,
                  bint causal, cnp.ndarray out, lse=None, *, int64_t window=0,
-                 int64_t sink_tokens=0, sinks=None, float softcap=0):
+                 int64_t sink_tokens=0, sinks=None, float softcap=0, bint int8_scores=False):
     """Attention of B sequences' new tokens, each over its own positions, in one call;
     returns ATTEND_OK, ATTEND_BAD_Q or ATTEND_OVERFLOW (out untouched), as `attend`.
 
@@ -1640,7 +1828,7 @@ def attend_paged(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scal
     cdef float* op = <float*>_data(out, "out")
     cdef float* lp = NULL if lse is None else <float*>_data(<cnp.ndarray>lse, "lse")
     _layer_job(&base, k_codes, v_codes, k_scales, v_scales, k_fmt, v_fmt, hq)
-    _variant_job(&base, sinks, softcap, window, sink_tokens, causal, hq)
+    _variant_job(&base, sinks, softcap, window, sink_tokens, causal, hq, int8_scores)
     cdef kv_job* jobs = <kv_job*>calloc(max(B, 1), sizeof(kv_job))
     if jobs == NULL:
         raise MemoryError("decode attention: job allocation failed")
@@ -1689,6 +1877,32 @@ def softcap_values(const float[::1] x, float c, float[::1] out):
         raise ValueError("softcap_values: c finite > 0, and out of x's length")
     if x.shape[0]:
         kv_softcap_array(&x[0], x.shape[0], c, &out[0])
+
+
+def quantize_query(const float[:, ::1] x):
+    """(codes int8 [n, d], scales float32 [n, ceil(d / 32)], qhat float32 [n, d]) of the
+    rows of x (finite) as int8 scores quantize the scaled query rows: per block of 32
+    values, qhat = scales * codes (docs/attention.md, "Int8 scores"); for its tests."""
+    cdef Py_ssize_t n = x.shape[0], r
+    cdef int d = <int>x.shape[1], dq = KV_QD(d), b, nb = (d + 31) // 32
+    codes = np.zeros((n, d), np.int8)
+    scales = np.zeros((n, nb), np.float32)
+    qhat = np.zeros((n, d), np.float32)
+    cdef signed char[:, ::1] c = codes
+    cdef float[:, ::1] sc = scales
+    cdef float[:, ::1] qh = qhat
+    cdef float* rec = <float*>malloc(KV_QREC(d) * sizeof(float))
+    if rec == NULL:
+        raise MemoryError
+    try:
+        for r in range(n):
+            kv_quant_row(&x[r, 0], d, rec, &qh[r, 0])
+            memcpy(&c[r, 0], rec, d)
+            for b in range(nb):
+                sc[r, b] = rec[dq // 4 + dq // KV_QG + b * 32 // KV_QG]
+    finally:
+        free(rec)
+    return codes, scales, qhat
 
 
 def fma_burn(int64_t rounds) -> int:

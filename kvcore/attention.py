@@ -32,7 +32,8 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      out: OutArray | None = None,
                      return_lse: Literal[False] = False, window: int | None = None,
                      sink_tokens: int = 0, sinks: AnyArray | None = None,
-                     softcap: float | None = None) -> np.ndarray | OutArray: ...
+                     softcap: float | None = None,
+                     scores: Literal["float32", "int8"] = "float32") -> np.ndarray | OutArray: ...
 @overload
 def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      seqs: Sequence[int] | None = None,
@@ -41,7 +42,9 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      out: OutArray | None = None,
                      return_lse: Literal[True], window: int | None = None,
                      sink_tokens: int = 0, sinks: AnyArray | None = None,
-                     softcap: float | None = None) -> tuple[np.ndarray | OutArray, np.ndarray]: ...
+                     softcap: float | None = None,
+                     scores: Literal["float32", "int8"] = "float32"
+                     ) -> tuple[np.ndarray | OutArray, np.ndarray]: ...
 def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      seqs: Sequence[int] | None = None,
                      counts: Sequence[int] | AnyArray | None = None,
@@ -49,7 +52,8 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
                      out: OutArray | None = None,
                      return_lse: bool = False, window: int | None = None,
                      sink_tokens: int = 0, sinks: AnyArray | None = None,
-                     softcap: float | None = None) -> Any:
+                     softcap: float | None = None,
+                     scores: Literal["float32", "int8"] = "float32") -> Any:
     """Attention of new tokens' queries over one layer of a KVCache or of sequences of a
     KVPool, read in the storage's own format.
 
@@ -73,6 +77,11 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
     sinks: [Hq] float32 (float16/bfloat16 converted), finite: a logit per query head that
     joins the softmax's denominator (and lse) and adds no value.
     softcap: a finite float c > 0: every score s becomes c * tanh(s / c).
+    scores: "float32" (the default: float32 arithmetic on the decoded K values) or
+    "int8", opt-in, for K stored as int8 or q8_0: each scaled query row is quantized per
+    block of 32 values (q8_0's blocks, float32 scales) and its scores are integer dot
+    products with K's codes (VNNI where the CPU has it), so the result is the attention
+    of the quantized queries; its error bound is in docs/attention.md, "Int8 scores".
     Raises RangeError (out untouched) when scale * q, a score or the weighted sum of V
     would pass the float32 range. A pool sequence's rows equal, bit for bit, this call on
     a KVCache holding the same positions with the same thread count (docs/attention.md).
@@ -80,7 +89,8 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
     if isinstance(cache, KVPool):
         with cache._guard("decode_attention"):
             window, sink_tokens = cache._attention_window(window, sink_tokens)
-            var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap)
+            var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap,
+                                  scores)
             return _pool_attention(q, cache, layer, seqs, counts, scale, causal, out,
                                    return_lse, var)
     if not isinstance(cache, KVCache):
@@ -89,21 +99,28 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
     if seqs is not None or counts is not None:
         raise StateError("seqs and counts are for a KVPool; a KVCache holds one sequence")
     with cache._guard("decode_attention"):
-        var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap)
+        var = _check_variants(cache.spec, causal, window, sink_tokens, sinks, softcap, scores)
         return _attend(q, cache, layer, scale, causal, out, return_lse, var)
 
 
 class _Variants(NamedTuple):
-    """The variants of a call as the kernels take them (0 / None: off)."""
+    """The variants of a call as the kernels take them (0 / None / False: off)."""
     window: int
     sink_tokens: int
     sinks: np.ndarray | None
     softcap: float
+    int8_scores: bool
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """The kernels' keyword arguments (none for the plain call)."""
-        return {} if self is _NO_VARIANTS else self._asdict()
+        """The kernels' keyword arguments (none for the plain call; int8_scores only when
+        on: the grouped kernel, q4_1ch's, has no int8 scores)."""
+        if self is _NO_VARIANTS:
+            return {}
+        kw = self._asdict()
+        if not self.int8_scores:
+            del kw["int8_scores"]
+        return kw
 
     def window_start(self, n: int, T: int) -> int:
         """The first position past the sink positions that any of the T tokens over n
@@ -112,17 +129,25 @@ class _Variants(NamedTuple):
         return n - T + 1 - self.window if self.window and n - T + 1 > self.window else 0
 
 
-_NO_VARIANTS = _Variants(0, 0, None, 0.0)
+_NO_VARIANTS = _Variants(0, 0, None, 0.0, False)
+SCORES = ("float32", "int8")
+_INT8_SCORE_FORMATS = ("int8", "q8_0")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: object,
-                    sinks: object, softcap: object) -> _Variants:
+                    sinks: object, softcap: object, scores: object = "float32") -> _Variants:
     """The variants checked (docs/variants.md): DTypeError for a type, RangeError for a
-    value or a combination the call does not take, ShapeError / NonFiniteError for sinks."""
+    value or a combination the call does not take, ShapeError / NonFiniteError for sinks,
+    FormatError for int8 scores over a K format without int8 codes."""
     if window is None and sinks is None and softcap is None and type(sink_tokens) is int \
-            and sink_tokens == 0:
+            and sink_tokens == 0 and scores == "float32":
         return _NO_VARIANTS   # the common call
+    if not isinstance(scores, str) or scores not in SCORES:
+        raise RangeError(f"scores must be one of {SCORES}, got {scores!r}")
+    if scores == "int8" and spec.k_format not in _INT8_SCORE_FORMATS:
+        raise FormatError(f"scores='int8' reads K's int8 codes: K format {spec.k_format!r} "
+                          f"is not one of {_INT8_SCORE_FORMATS}")
     w = 0
     if window is not None:
         w = _int_arg("window", window)
@@ -164,7 +189,7 @@ def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: obj
         cap = float(np.float32(value)) if 0 < value <= _FLOAT32_MAX else 0.0
         if not cap > 0:   # NaN, inf, <= 0, past float32 or below its smallest value
             raise RangeError(f"softcap must be a finite float32 > 0, got {softcap!r}")
-    return _Variants(min(w, _INT64_MAX), min(s, _INT64_MAX), arr, cap)
+    return _Variants(min(w, _INT64_MAX), min(s, _INT64_MAX), arr, cap, scores == "int8")
 
 
 def _int_arg(name: str, value: object) -> int:
