@@ -58,6 +58,11 @@
    [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
    V past float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
+8. Int8 scores (`int8_scores`, opt-in; K int8 or q8_0): the scaled query rows quantized
+   per block of 32 (kv_quant_row, `quantize_query`), the scores integer dot products of
+   the codes (vpdpbusd with AVX-512 VNNI / AVX-VNNI, vpmaddubsw with AVX2, else int32
+   multiplies) times the blocks' scales in float32 (kv_qscore_step); the weighted sum of
+   V unchanged.
 """
 from libc.math cimport cos, sin
 from libc.stdint cimport int32_t, int64_t, uint64_t

@@ -28,7 +28,9 @@ than torch at the same thread count).
   efficiently the kernel runs its arithmetic, memory aside.
 - kvcore: `kvcore.decode_attention` on a KVCache in each format, and in the K/V pairs
   (`_benchlib.PAIRS`: K in the first format, V in the second; the goal lines are the
-  formats');
+  formats'); "int8 scores=int8", "q8_0 scores=int8": the opt-in int8 scores
+  (`scores="int8"`: integer dot products, VNNI where the CPU has it), whose limit is the
+  probe alone (their scores are not float32 multiply-adds);
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
 - torch: `scaled_dot_product_attention` float32, [1, Hkv, n, D] K/V, enable_gqa=True.
@@ -56,6 +58,18 @@ from kvcore._attention import fma_burn, stream_sum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
+INT8_SCORES = ("int8", "q8_0")     # also timed with scores="int8"
+
+
+def _labels() -> list[str]:
+    """The kvcore rows: every format and pair, then the int8-scores rows."""
+    return [*kvcore.formats.ROW_FORMATS, *PAIRS, *(f"{f} scores=int8" for f in INT8_SCORES)]
+
+
+def _split_label(label: str) -> tuple[str, str]:
+    """(format, scores) of a kvcore row's label."""
+    fmt, _, scores = label.partition(" scores=")
+    return fmt, scores or "float32"
 
 
 def _llc_bytes() -> int:
@@ -130,32 +144,35 @@ def _cache(fmt: str, k: np.ndarray, v: np.ndarray) -> kvcore.KVCache:
     return cache
 
 
-def _kvcore_calls(fmt: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
-    """Calls of decode_attention on copies of one cache in fmt, the probe's calls on the
-    same copies' storage; bytes one call reads."""
+def _kvcore_calls(label: str, k: np.ndarray, v: np.ndarray, q: np.ndarray):
+    """Calls of decode_attention on copies of one cache in the label's format and scores,
+    the probe's calls on the same copies' storage; bytes one call reads."""
+    fmt, scores = _split_label(label)
     first = _cache(fmt, k, v)
     nbytes = first.spec.memory_bytes
     caches = [first] + [_cache(fmt, k, v) for _ in range(_copies(nbytes) - 1)]
     out = np.empty_like(q)
     assert all(c._storage.nbytes == nbytes for c in caches)
-    return ([lambda c=c: kvcore.decode_attention(q, c, 0, out=out) for c in caches],
+    return ([lambda c=c: kvcore.decode_attention(q, c, 0, out=out, scores=scores) for c in caches],
             [lambda c=c: stream_sum(c._storage) for c in caches], nbytes)
 
 
-def _in_cache_ns(fmt: str, q: np.ndarray, rng: np.random.Generator,
+def _in_cache_ns(label: str, q: np.ndarray, rng: np.random.Generator,
                  sizes: tuple[int, int] = (128, 512), calls: int = 100, rounds: int = 5) -> float:
-    """ns per position and kv head of decode_attention in fmt on the current threads, the
-    cache in the CPU caches: the slope between the two sizes, fastest of `rounds`."""
+    """ns per position and kv head of decode_attention in the label's format and scores on
+    the current threads, the cache in the CPU caches: the slope between the two sizes,
+    fastest of `rounds`."""
+    fmt, scores = _split_label(label)
     caches = {n: _cache(fmt, *rng.standard_normal((2, n, HKV, D), dtype=np.float32))
               for n in sizes}
     out = np.empty_like(q)
     best = dict.fromkeys(sizes, math.inf)
     for _ in range(rounds):
         for n, c in caches.items():
-            kvcore.decode_attention(q, c, 0, out=out)
+            kvcore.decode_attention(q, c, 0, out=out, scores=scores)
             t0 = time.perf_counter()
             for _ in range(calls):
-                kvcore.decode_attention(q, c, 0, out=out)
+                kvcore.decode_attention(q, c, 0, out=out, scores=scores)
             best[n] = min(best[n], (time.perf_counter() - t0) / calls)
     return (best[sizes[1]] - best[sizes[0]]) / ((sizes[1] - sizes[0]) * HKV) * 1e9
 
@@ -217,7 +234,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     for n in args.contexts:
         k = rng.standard_normal((n, HKV, D), dtype=np.float32)
         v = rng.standard_normal((n, HKV, D), dtype=np.float32)
-        ours = {fmt: _kvcore_calls(fmt, k, v, q) for fmt in (*kvcore.formats.ROW_FORMATS, *PAIRS)}
+        ours = {label: _kvcore_calls(label, k, v, q) for label in _labels()}
         peers = {"numpy f32 grouped matmul": _numpy_calls(k, v, q)}
         if torch is not None:
             peers["torch SDPA f32 enable_gqa"] = _torch_calls(torch, k, v, q)
@@ -244,7 +261,10 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
         return nbytes / psecs / 1e9
 
     def limit_gbps(name: str, threads: int, n: int) -> float:
-        """GB/s over `name`'s bytes at the slower of the probe and the FMA limit."""
+        """GB/s over `name`'s bytes at the slower of the probe and the FMA limit (the
+        probe alone for int8 scores)."""
+        if name.endswith(" scores=int8"):
+            return probe_gbps(name, threads, n)
         nbytes = results[(name, threads)][n][1]
         fma_secs = 2 * HQ * D * n / fma[threads]
         return min(probe_gbps(name, threads, n), nbytes / fma_secs / 1e9)
@@ -280,7 +300,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     kvcore.set_num_threads(1)
     fma1 = fma.get(1) or _fma_rate()
     fma_ns = 2 * (HQ // HKV) * D / fma1 * 1e9
-    in_cache = {fmt: _in_cache_ns(fmt, q, rng) for fmt in (*kvcore.formats.ROW_FORMATS, *PAIRS)}
+    in_cache = {label: _in_cache_ns(label, q, rng) for label in _labels()}
     kvcore.set_num_threads(0)
     print_table(f"In cache, 1 thread: ns per position and kv head (the slope between 128 and "
                 f"512 positions) and the FMAs' share of it ({fma_ns:.1f} ns at "
@@ -299,8 +319,20 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format "
                       f"at >= 90% of {what}; lowest {low} {share[low]:.0%}, highest {high} "
                       f"{share[high]:.0%}")
+            share = {f: _gbps(results[(f"kvcore {f} scores=int8", threads)][n])
+                     / probe_gbps(f"kvcore {f} scores=int8", threads, n) for f in INT8_SCORES}
+            print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}, int8 scores: "
+                  + ", ".join(f"{f} {x:.0%}" for f, x in share.items())
+                  + " of the probe (>= 90%); float32 scores: "
+                  + ", ".join(f"{f} {_gbps(results[(f'kvcore {f}', threads)][n]) / probe_gbps(f'kvcore {f}', threads, n):.0%}"
+                              for f in INT8_SCORES))
     return {"times": results, "probe": probe, "fma": fma, "in_cache_ns": in_cache,
             "copy_GBps": copy, "variants": variants(args.variant_formats, args.threads)}
+
+
+def _gbps(timed: tuple[float, float]) -> float:
+    """GB/s of a (seconds, bytes) figure."""
+    return timed[1] / timed[0] / 1e9
 
 
 VARIANT_N, VARIANT_W, VARIANT_LONG = 4096, 4096, 32768
