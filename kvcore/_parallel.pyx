@@ -16,12 +16,16 @@
 5. Contention: `num_threads()` fixes how a call's work is cut (decode attention's splits,
    hence its bits); `run_threads(n)` is how many threads run those pieces now: at most n,
    at most the `limit` in force (the transformers integration: torch's threads), and at
-   most the CPUs that other runnable threads leave idle (/proc/loadavg's running count,
-   minus the caller's own thread, read at most every READ_INTERVAL_NS), at least 1. A
+   most the CPUs that other processes' runnable threads leave idle (/proc/loadavg's
+   running count minus this process's runnable threads, read at most every
+   READ_INTERVAL_NS), at least 1. A
    thread that the scheduler parks behind a busy process would hold up every split of a
    static schedule; running its pieces on the threads that have a core costs no result
-   bit. kvcore's idle workers spin only briefly, then sleep (kvcore/_omp_env.py), so they
-   seldom count. Decode attention asks this only for a call of few items per thread
+   bit. kvcore's idle workers spin briefly after each region, then sleep
+   (kvcore/_omp_env.py): as threads of this process they never count, so a call right
+   after another keeps its threads. A busy thread of the caller's own process is not seen
+   either (`limit` or set_num_threads is the way to leave it a core). Decode attention
+   asks this only for a call of few items per thread
    (`_attention._run`): with many, the threads take them as they come free.
 """
 import contextlib
@@ -40,7 +44,10 @@ IF KVCORE_OPENMP:
 cdef extern from *:
     """
     #if defined(__linux__)
+    #include <dirent.h>
     #include <fcntl.h>
+    #include <stdio.h>
+    #include <string.h>
     #include <time.h>
     #include <unistd.h>
     /* Runnable threads of the system: /proc/loadavg's 4th field ("0.50 0.40 0.30 3/120
@@ -58,6 +65,29 @@ cdef extern from *:
             running = 10 * running + buf[i] - '0';
         return running > 0 ? running : -1;
     }
+    /* Runnable threads of this process (state R in /proc/self/task/<tid>/stat, the
+       caller's own included); -1 when unknown. */
+    static int kv_running_own_threads(void) {
+        DIR* dir = opendir("/proc/self/task");
+        if (dir == NULL) return -1;
+        struct dirent* e;
+        char path[64], buf[256];
+        int running = 0;
+        while ((e = readdir(dir)) != NULL) {
+            if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+            snprintf(path, sizeof path, "/proc/self/task/%.20s/stat", e->d_name);
+            int fd = open(path, O_RDONLY);
+            if (fd < 0) continue;   /* the thread ended meanwhile */
+            ssize_t got = read(fd, buf, sizeof buf - 1);
+            close(fd);
+            if (got <= 0) continue;
+            buf[got] = 0;
+            const char* p = strrchr(buf, ')');   /* "tid (comm) S ...": comm may hold ')' */
+            running += p != NULL && p[1] == ' ' && p[2] == 'R';
+        }
+        closedir(dir);
+        return running > 0 ? running : -1;
+    }
     static long long kv_now_ns(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -65,10 +95,12 @@ cdef extern from *:
     }
     #else
     static int kv_running_threads(void) { return -1; }
+    static int kv_running_own_threads(void) { return -1; }
     static long long kv_now_ns(void) { return 0; }
     #endif
     """
     int kv_running_threads() nogil
+    int kv_running_own_threads() nogil
     long long kv_now_ns() nogil
 
 cdef int _threads = 0   # 0: OpenMP's default (OMP_NUM_THREADS or all cores)
@@ -159,18 +191,22 @@ cdef int run_threads(int n) noexcept nogil:
 
 
 cdef int _idle_cpus() noexcept nogil:
-    """CPUs not taken by other runnable threads: the CPUs minus the system's runnable
-    threads, the caller's not counted; at least 1. Read at most every _interval ns; all
-    CPUs where the count is unknown (no /proc/loadavg: not Linux)."""
+    """CPUs not taken by other processes' runnable threads: the CPUs minus the system's
+    runnable threads, this process's not counted (the caller, and the OpenMP workers that
+    spin a while after each parallel region: counted, they made back-to-back 2-thread
+    decode calls run on one thread about half the time, 1.75x slower on an idle 2-core
+    machine); at least 1. Read at most every _interval ns; all CPUs where the count is
+    unknown (no /proc/loadavg: not Linux)."""
     global _idle, _read_at
     cdef int64_t now = kv_now_ns()
-    cdef int running
+    cdef int running, own
     if now - _read_at < _interval:
         return _idle
     _read_at = now
     running = kv_running_threads()
     if running > 0:
-        _idle = max(1, min(_cpus, _cpus - (running - 1)))
+        own = max(1, kv_running_own_threads())
+        _idle = max(1, min(_cpus, _cpus - (running - own)))
     return _idle
 
 
@@ -203,6 +239,12 @@ def idle_cpus() -> int:
     global _read_at
     _read_at = -(1 << 62)
     return _idle_cpus()
+
+
+def own_running_threads() -> int:
+    """Runnable threads of this process now (the caller's included; -1 when unknown),
+    which idle_cpus() leaves out."""
+    return kv_running_own_threads()
 
 
 def running(n: int) -> int:

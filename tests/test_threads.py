@@ -43,6 +43,46 @@ def test_running_threads_follow_the_limit_and_the_idle_cpus(two_threads):
     assert 1 <= _parallel.running(5) <= min(5, cpus)
 
 
+def _runnable() -> int:
+    """/proc/loadavg's count of runnable threads of the system."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads in /proc")
+def test_threads_of_this_process_do_not_count_as_busy(two_threads):
+    """kvcore's OpenMP workers spin a while after each parallel region; counted as busy
+    CPUs, they made back-to-back 2-thread decode calls run on one thread about half the
+    time. A thread of this process in a GIL-free numpy loop stands in for them: idle_cpus()
+    is the CPUs minus the runnable threads of other processes only (read before and after,
+    equal), so that thread never takes a CPU from the count."""
+    import threading
+    stop = threading.Event()
+    big = np.ones(1 << 20)
+
+    def spin():
+        while not stop.is_set():
+            np.sin(big, out=big)
+    worker = threading.Thread(target=spin)
+    worker.start()
+    cpus, checked = os.cpu_count(), 0
+    try:
+        for _ in range(400):
+            own = _parallel.own_running_threads()
+            others = _runnable() - own
+            idle = _parallel.idle_cpus()
+            own_after = _parallel.own_running_threads()
+            if own >= 2 and own_after >= 2 and _runnable() - own_after == others:
+                assert idle == max(1, min(cpus, cpus - others)), (idle, others, own)
+                checked += 1
+                if checked == 20:
+                    break
+    finally:
+        stop.set()
+        worker.join()
+    assert checked >= 5, f"the spinning thread was seen running at only {checked} reads"
+
+
 @pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
 def test_fewer_running_threads_give_the_same_bits(rng, two_threads, fmt):
     """Decode attention (a KVCache, a pool batch, a prefill), quantize and append cut
