@@ -143,11 +143,7 @@ def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: obj
     if window is None and sinks is None and softcap is None and type(sink_tokens) is int \
             and sink_tokens == 0 and scores == "float32":
         return _NO_VARIANTS   # the common call
-    if not isinstance(scores, str) or scores not in SCORES:
-        raise RangeError(f"scores must be one of {SCORES}, got {scores!r}")
-    if scores == "int8" and spec.k_format not in _INT8_SCORE_FORMATS:
-        raise FormatError(f"scores='int8' reads K's int8 codes: K format {spec.k_format!r} "
-                          f"is not one of {_INT8_SCORE_FORMATS}")
+    scores = _check_scores(scores, spec.k_format)
     w = 0
     if window is not None:
         w = _int_arg("window", window)
@@ -190,6 +186,17 @@ def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: obj
         if not cap > 0:   # NaN, inf, <= 0, past float32 or below its smallest value
             raise RangeError(f"softcap must be a finite float32 > 0, got {softcap!r}")
     return _Variants(min(w, _INT64_MAX), min(s, _INT64_MAX), arr, cap, scores == "int8")
+
+
+def _check_scores(scores: object, k_format: str) -> str:
+    """scores checked (one of SCORES; "int8" only for K int8 or q8_0): RangeError for a
+    value, FormatError for the K format."""
+    if not isinstance(scores, str) or scores not in SCORES:
+        raise RangeError(f"scores must be one of {SCORES}, got {scores!r}")
+    if scores == "int8" and k_format not in _INT8_SCORE_FORMATS:
+        raise FormatError(f"scores='int8' reads K's int8 codes: K format {k_format!r} "
+                          f"is not one of {_INT8_SCORE_FORMATS}")
+    return scores
 
 
 def _int_arg(name: str, value: object) -> int:

@@ -169,6 +169,46 @@ def test_every_layer_matches_eager_on_the_stored_codes(fmt, prompt, monkeypatch)
     assert max(errors) < 16 * np.finfo(np.float32).eps, errors
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0/q4_0"])
+def test_int8_scores_match_eager_on_the_quantized_queries(fmt, monkeypatch):
+    """KVCoreCache(scores="int8"): at every layer and step (a 19-token prefill, row-wise,
+    and decode) the kvcore attention equals HF's eager attention on the stored codes with
+    the query that int8 scores quantize (per block of 32 of scale * q, the documented
+    rule), within float32 rounding; the setting survives a deepcopy, and a K format without
+    int8 codes or an unknown value is refused when the cache is made."""
+    from kvcore._attention import quantize_query
+    model = _model(8, 2, 128)
+    kvcore_attention = kvhf.kvcore_attention
+    errors = []
+
+    def checked(module, query, key, value, attention_mask, scaling=None, **kw):
+        out, _ = kvcore_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        layer = key.layer
+        k, v = (torch.from_numpy(layer.pool.dequantize(layer.seqs[0], 0, w)).transpose(0, 1)[None]
+                for w in "kv")
+        t, n = query.shape[2], k.shape[2]
+        scaled = (query.float() * np.float32(scaling)).numpy().reshape(-1, query.shape[-1])
+        qhat = torch.from_numpy(quantize_query(np.ascontiguousarray(scaled))[2]).view(query.shape)
+        causal = torch.ones(t, n, dtype=torch.bool).tril(n - t)
+        mask = torch.zeros(1, 1, t, n).masked_fill(~causal, float("-inf"))
+        want, _ = eager_attention_forward(module, qhat, k, v, mask, scaling=1.0)
+        errors.append(((out - want).abs().max() / v.abs().max()).item())
+        return out, None
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "kvcore", checked)
+    _generate(model, "kvcore", _kvcore_cache(model, fmt, scores="int8"))
+    assert len(errors) == 2 * NEW
+    assert max(errors) < 16 * np.finfo(np.float32).eps, errors
+    cache = _kvcore_cache(model, fmt, scores="int8")
+    assert all(layer.scores == "int8" for layer in cache.layers)
+    assert copy.deepcopy(cache).layers[0].scores == "int8"
+    with pytest.raises(kvcore.FormatError, match="scores='int8' reads K's int8 codes: K format "
+                                                 "'f16'"):
+        _kvcore_cache(model, "f16/int8", scores="int8")
+    with pytest.raises(kvcore.RangeError, match="scores must be one of"):
+        _kvcore_cache(model, "int8", scores="int4")
+
+
 def test_pair_formats_by_side():
     """KVCoreCache(k_format=, v_format=) as KVSpec takes them (llama.cpp's -ctk / -ctv):
     every layer's pool stores K and V each in its format; format= with a side that

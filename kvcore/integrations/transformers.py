@@ -40,7 +40,7 @@ from transformers.masking_utils import (AttentionMaskInterface, and_masks, causa
 from transformers.utils import logging
 
 from .._parallel import limit
-from ..attention import decode_attention
+from ..attention import _check_scores, decode_attention
 from ..errors import DTypeError, OutOfRangeError, ShapeError, StateError
 from ..formats import get_pair, pair_name
 from ..pool import KVPool
@@ -120,7 +120,8 @@ class KVCoreLayer(CacheLayerMixin):
     length (`is_sliding`). A full layer's pool starts with room for every row's first K/V
     (at least 256 positions each) and doubles its pages when a write needs more (each
     growth copies the codes once); a sliding layer's pool has room for about 2 W
-    positions a row from the start.
+    positions a row from the start. scores: decode_attention's ("float32", or the
+    opt-in "int8" for K in int8 / q8_0).
 
     transformers sees `columns` positions per row (padding included: get_seq_length);
     the pool holds only the real ones: `update` keeps the new K/V and the attention
@@ -138,9 +139,10 @@ class KVCoreLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, format: str, num_heads: int, max_cache_len: int | None = None,
-                 window: int | None = None):
+                 window: int | None = None, scores: str = "float32"):
         super().__init__()
         self.format = pair_name(*get_pair(format))   # one name, or a K/V pair "<k>/<v>"
+        self.scores = _check_scores(scores, get_pair(format)[0].name)
         self.num_heads = num_heads
         self.max_cache_len = max_cache_len
         self.window = window
@@ -482,7 +484,9 @@ class KVCoreCache(Cache):
     k_format / v_format: one side each (llama.cpp's -ctk / -ctv: k_format="q8_0",
     v_format="q4_0"; KIVI: k_format="q4_1ch", v_format="q4_1", full-attention layers
     only), as KVSpec takes them. max_cache_len: positions per row at most;
-    None grows as needed. The layers follow config's layer types: "full_attention" and
+    None grows as needed. scores: "float32" (default) or "int8", decode_attention's opt-in
+    int8 scores for K in int8 or q8_0 (docs/attention.md, "Int8 scores"; FormatError for
+    another K format, RangeError for another value). The layers follow config's layer types: "full_attention" and
     "sliding_attention" (a pool with the config's sliding_window: it holds about W
     positions a row); any other type (chunked, linear or shared-KV layers) is refused.
     copy.deepcopy and pickle give an independent cache holding the same rows (the
@@ -490,7 +494,8 @@ class KVCoreCache(Cache):
     """
 
     def __init__(self, config, format: str | None = None, max_cache_len: int | None = None, *,
-                 k_format: str | None = None, v_format: str | None = None):
+                 k_format: str | None = None, v_format: str | None = None,
+                 scores: str = "float32"):
         config = config.get_text_config(decoder=True)
         if config._attn_implementation != ATTN_IMPLEMENTATION:
             raise StateError(f"KVCoreCache needs the kvcore attention, the model runs "
@@ -513,8 +518,9 @@ class KVCoreCache(Cache):
                                           or max_cache_len <= 0):
             raise ShapeError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         self.format = pair_name(*resolve_formats(format, k_format, v_format))
+        _check_scores(scores, get_pair(self.format)[0].name)
         super().__init__(layers=[KVCoreLayer(self.format, config.num_attention_heads,
-                                             max_cache_len, w) for w in windows])
+                                             max_cache_len, w, scores) for w in windows])
 
     def crop(self, tokens_to_remove: int) -> None:
         """crop(-k) drops the last k positions of every layer (KVCoreLayer.crop), or of
@@ -550,7 +556,7 @@ class _Attend:
                                     seqs=layer.seqs,
                                     counts=None if counts == [1] * b else counts,
                                     scale=self.scale, window=layer.window,
-                                    softcap=self.softcap, sinks=self.sinks)
+                                    softcap=self.softcap, sinks=self.sinks, scores=layer.scores)
             if whole and sel is None:
                 return torch.from_numpy(rows).view(b, t, hq, d)
         if out is None:
