@@ -9,7 +9,8 @@ import), all on the same threads.
 
 Each row runs in its own process (peak memory is that process's ru_maxrss). The model:
 hidden 2048, 32 query heads, 8 kv heads, head_dim 128, MLP 4096, vocab 8000, float32,
-random weights, built from a config (no download). The context is written into the cache
+random weights, built from a config (no download). kvcore-<format>+int8-scores: the same
+cache with the opt-in int8 scores (KVCoreCache(scores="int8")). The context is written into the cache
 as random K/V of N positions (chunks of 512, QuantizedCache in one piece; a real prefill of 16k tokens takes minutes on
 2 cores, and is not what is measured), then `generate` runs on N + 1 prompt tokens: one
 forward of the last prompt token, then `--new` - 1 decode steps.
@@ -56,7 +57,9 @@ from _benchlib import print_table  # noqa: E402
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 2048, 32, 8, 128, 4096, 8000
 CHUNK = 512
 KVCORE_FORMATS = ["f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0"]
+INT8_SCORES = "+int8-scores"     # kvcore-<format>+int8-scores: KVCoreCache(scores="int8")
 IMPLS = ([f"kvcore-{f}" for f in KVCORE_FORMATS] +
+         [f"kvcore-{f}{INT8_SCORES}" for f in ("int8", "q8_0")] +
          ["sdpa", "quantized-fp8", "quantized-quanto-int4", "quantized-hqq-int8"])
 
 
@@ -81,7 +84,9 @@ def _cache(impl: str, model, capacity: int):
     if impl.startswith("kvcore-"):
         from kvcore.integrations.transformers import KVCoreCache
         model.set_attn_implementation("kvcore")
-        return KVCoreCache(model.config, format=impl.removeprefix("kvcore-"), max_cache_len=capacity)
+        fmt = impl.removeprefix("kvcore-").removesuffix(INT8_SCORES)
+        return KVCoreCache(model.config, format=fmt, max_cache_len=capacity,
+                           scores="int8" if impl.endswith(INT8_SCORES) else "float32")
     model.set_attn_implementation("sdpa")
     if impl == "sdpa":
         return DynamicCache(config=model.config)
