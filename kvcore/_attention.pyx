@@ -1163,7 +1163,12 @@ cdef extern from *:
             for (int v = 0; v < KV_SV; v++) a[p][v] = kv_splat(0.0f);
         for (int i = 0; i < d; i++) {
             kv_vf qv[KV_SV];
-            for (int v = 0; v < KV_SV; v++) qv[v] = kv_loadf(qt + (size_t)i * KV_ROWS + v * KV_W);
+            for (int v = 0; v < KV_SV; v++) {
+                qv[v] = kv_loadf(qt + (size_t)i * KV_ROWS + v * KV_W);
+                /* one load of each q vector, not one per FMA: GCC folded it into each of
+                   the KV_BP FMAs and spilled accumulators (prefill 1.2-1.3x slower) */
+                __asm__("" : "+v"(qv[v]));
+            }
             for (int p = 0; p < P; p++) {
                 kv_vf kb = kv_splat(kp[p][i]);
                 for (int v = 0; v < KV_SV; v++) a[p][v] = kv_fma(qv[v], kb, a[p][v]);
@@ -1178,6 +1183,23 @@ cdef extern from *:
                 kv_storef(sT + (size_t)pos * KV_ROWS + v * KV_W, x);
             }
         }
+    }
+    /* kv_block_scores of KV_BP positions, of 4 (a tile's last 64 % KV_BP = 4) and of one,
+       each a function of its own (each position's score the same operations): inlined
+       into kv_block_fmt (one copy per format and pair), its 24 accumulators and 4 q
+       vectors shared the registers with the caller's and GCC 12 spilled some of them in
+       the loop over d (causal prefill 1.2-1.3x slower, measured at 4k tokens). */
+    static __attribute__((noinline)) void kv_block_scores_full(const float* const* kp, int d, const float* qt,
+                                                               const float* rs, const kv_vi* lastrel, int p0, float* sT) {
+        kv_block_scores(KV_BP, kp, d, qt, rs, lastrel, p0, sT);
+    }
+    static __attribute__((noinline)) void kv_block_scores_four(const float* const* kp, int d, const float* qt,
+                                                               const float* rs, const kv_vi* lastrel, int p0, float* sT) {
+        kv_block_scores(4, kp, d, qt, rs, lastrel, p0, sT);
+    }
+    static __attribute__((noinline)) void kv_block_scores_one(const float* const* kp, int d, const float* qt,
+                                                              const float* rs, const kv_vi* lastrel, int p0, float* sT) {
+        kv_block_scores(1, kp, d, qt, rs, lastrel, p0, sT);
     }
 
     /* The variants on a row-wise tile's scores sT [KV_P][KV_ROWS] (np positions from j0;
@@ -1266,8 +1288,9 @@ cdef extern from *:
                     const float* qb = q + b * KV_W;
                     float* sb = sT + b * KV_W;
                     int j = 0;
-                    for (; j + KV_BP <= np; j += KV_BP) kv_block_scores(KV_BP, kp + j, d, qb, rs, lastrel + b, j, sb);
-                    for (; j < np; j++) kv_block_scores(1, kp + j, d, qb, rs, lastrel + b, j, sb);
+                    for (; j + KV_BP <= np; j += KV_BP) kv_block_scores_full(kp + j, d, qb, rs, lastrel + b, j, sb);
+                    for (; j + 4 <= np; j += 4) kv_block_scores_four(kp + j, d, qb, rs, lastrel + b, j, sb);
+                    for (; j < np; j++) kv_block_scores_one(kp + j, d, qb, rs, lastrel + b, j, sb);
                 }
                 if (J->cap > 0.0f || kv_window_cuts(J, J->first[r1 - 1], j0, np))
                     kv_block_variants(J, np, j0, J->first + r0, nr, lastrel, sT);
