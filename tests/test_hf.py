@@ -140,14 +140,11 @@ def test_greedy_matches_eager_on_the_same_values(shape1, fmt):
     assert cache.layers[0].pool.spec.format == fmt
 
 
-@pytest.mark.parametrize("fmt, prompt", [(f, PROMPT) for f in FORMATS + PAIRS]
-                         + [("q4_1ch/q4_1", 58)])
-def test_every_layer_matches_eager_on_the_stored_codes(fmt, prompt, monkeypatch):
-    """In a 2-layer GQA-4 model, at every layer and step (prefill and decode), the kvcore
-    attention equals HF's eager attention run on the dequantized codes the layer holds,
-    within float32 rounding. KIVI's K q4_1ch / V q4_1: a prompt of 58 completes a group of
-    32 positions in the prefill and another while decoding."""
-    model = _model(8, 2, 128)
+def _errors_against_eager(model, cache, monkeypatch, ids=None, query_of=None):
+    """Runs generate with the kvcore attention checked at every layer and step (prefill
+    and decode) against HF's eager attention on the dequantized codes the layer holds;
+    query_of(query, scaling) gives the (query, scaling) eager takes (default: the same).
+    Returns each call's largest error over max |V|."""
     kvcore_attention = kvhf.kvcore_attention
     errors = []
 
@@ -159,12 +156,25 @@ def test_every_layer_matches_eager_on_the_stored_codes(fmt, prompt, monkeypatch)
         t, n = query.shape[2], k.shape[2]
         causal = torch.ones(t, n, dtype=torch.bool).tril(n - t)
         mask = torch.zeros(1, 1, t, n).masked_fill(~causal, float("-inf"))
-        want, _ = eager_attention_forward(module, query, k, v, mask, scaling=scaling)
+        q, s = (query, scaling) if query_of is None else query_of(query, scaling)
+        want, _ = eager_attention_forward(module, q, k, v, mask, scaling=s)
         errors.append(((out - want).abs().max() / v.abs().max()).item())
         return out, None
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "kvcore", checked)
-    _generate(model, "kvcore", _kvcore_cache(model, fmt), ids=_prompt(prompt))
+    _generate(model, "kvcore", cache, ids=ids)
+    return errors
+
+
+@pytest.mark.parametrize("fmt, prompt", [(f, PROMPT) for f in FORMATS + PAIRS]
+                         + [("q4_1ch/q4_1", 58)])
+def test_every_layer_matches_eager_on_the_stored_codes(fmt, prompt, monkeypatch):
+    """In a 2-layer GQA-4 model, at every layer and step (prefill and decode), the kvcore
+    attention equals HF's eager attention run on the dequantized codes the layer holds,
+    within float32 rounding. KIVI's K q4_1ch / V q4_1: a prompt of 58 completes a group of
+    32 positions in the prefill and another while decoding."""
+    model = _model(8, 2, 128)
+    errors = _errors_against_eager(model, _kvcore_cache(model, fmt), monkeypatch, _prompt(prompt))
     assert len(errors) == 2 * NEW
     assert max(errors) < 16 * np.finfo(np.float32).eps, errors
 
@@ -177,26 +187,14 @@ def test_int8_scores_match_eager_on_the_quantized_queries(fmt, monkeypatch):
     rule), within float32 rounding; the setting survives a deepcopy, and a K format without
     int8 codes or an unknown value is refused when the cache is made."""
     from kvcore._attention import quantize_query
-    model = _model(8, 2, 128)
-    kvcore_attention = kvhf.kvcore_attention
-    errors = []
 
-    def checked(module, query, key, value, attention_mask, scaling=None, **kw):
-        out, _ = kvcore_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
-        layer = key.layer
-        k, v = (torch.from_numpy(layer.pool.dequantize(layer.seqs[0], 0, w)).transpose(0, 1)[None]
-                for w in "kv")
-        t, n = query.shape[2], k.shape[2]
+    def quantized(query, scaling):
         scaled = (query.float() * np.float32(scaling)).numpy().reshape(-1, query.shape[-1])
-        qhat = torch.from_numpy(quantize_query(np.ascontiguousarray(scaled))[2]).view(query.shape)
-        causal = torch.ones(t, n, dtype=torch.bool).tril(n - t)
-        mask = torch.zeros(1, 1, t, n).masked_fill(~causal, float("-inf"))
-        want, _ = eager_attention_forward(module, qhat, k, v, mask, scaling=1.0)
-        errors.append(((out - want).abs().max() / v.abs().max()).item())
-        return out, None
+        return torch.from_numpy(quantize_query(np.ascontiguousarray(scaled))[2]).view(query.shape), 1.0
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, "kvcore", checked)
-    _generate(model, "kvcore", _kvcore_cache(model, fmt, scores="int8"))
+    model = _model(8, 2, 128)
+    errors = _errors_against_eager(model, _kvcore_cache(model, fmt, scores="int8"), monkeypatch,
+                                   query_of=quantized)
     assert len(errors) == 2 * NEW
     assert max(errors) < 16 * np.finfo(np.float32).eps, errors
     cache = _kvcore_cache(model, fmt, scores="int8")
