@@ -53,7 +53,6 @@ MAX_TILE = 64               # positions per tile at most (KV_MAX_TILE)
 MIN_SPLIT_POSITIONS = 128   # a split covers at least this many positions (KV_MIN_SPLIT)
 MAX_SPLITS = 256
 MAX_GRID_Z = 65535          # slots are the split kernel's gridDim.z
-_INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _ROPE_STYLES = {"norm": 0, "neox": 1}
 _LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
@@ -225,7 +224,7 @@ def check_lse(lse, rows: int, hq: int, stream, ctx) -> int:
 
 def _input_dtype_id(name: str, x: DeviceArray) -> int:
     try:
-        return _INPUT_DTYPES[x.dtype.name]
+        return kernels.INPUT_DTYPES[x.dtype.name]
     except KeyError:
         raise DTypeError(f"invalid dtype of {name}: expected float32, float16 or bfloat16, "
                          f"got {x.dtype}") from None
@@ -270,7 +269,7 @@ class AttentionPlan(driver.DeviceOwner):
         spec = cache.spec
         self._ws = self._sinks_buf = None
         check_head_dim(spec.head_dim, "GPU decode attention")
-        if q_dtype not in _INPUT_DTYPES:
+        if q_dtype not in kernels.INPUT_DTYPES:
             raise DTypeError(f"invalid q_dtype: expected float32, float16 or bfloat16, got {q_dtype!r}")
         self.variants = check_variants(spec, window=window, sink_tokens=sink_tokens,
                                        sinks=sinks, softcap=softcap, stream=cache.stream,
@@ -357,7 +356,7 @@ class AttentionPlan(driver.DeviceOwner):
             (c.k_scale_ptrs(layer).ptr, None), (c.v_scale_ptrs(layer).ptr, None),
             (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int)]
         launch_split(self._fn, self._fn_merge, storage, self.shape, s.num_kv_heads, self.group,
-                     self.gb, self.num_splits, q.ptr, _INPUT_DTYPES[self.q_dtype], self.scale,
+                     self.gb, self.num_splits, q.ptr, kernels.INPUT_DTYPES[self.q_dtype], self.scale,
                      out.ptr, lse_ptr, self._ws_o, self._ws_lse, st,
                      self.variants.launch_args(self._sinks_ptr))
         c.launched_on(st)
@@ -420,7 +419,7 @@ def _decode_attention(q, cache, layer, out, pending, scale, stream, return_lse, 
     st = cache.stream if stream is None else stream
     qa = as_device_array(q, "q", stream=st, ctx=cache.ctx)
     name = qa.dtype.name
-    if name not in _INPUT_DTYPES:
+    if name not in kernels.INPUT_DTYPES:
         raise DTypeError(f"invalid dtype of q: expected float32, float16 or bfloat16, got {qa.dtype}")
     driver.refuse_while_capturing("decode_attention (it plans and allocates)", st)
     plan = AttentionPlan(cache, q_dtype=name, scale=scale, **variants)

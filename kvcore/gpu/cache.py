@@ -392,7 +392,7 @@ class GpuKVCache(driver.DeviceOwner):
         if slot is not None and not 1 <= T <= s.capacity:
             raise ShapeError(f"invalid shape of k: expected [T, {s.num_kv_heads}, {s.head_dim}] "
                              f"with 1 <= T <= {s.capacity}, got {list(k.shape)}")
-        in_dtype = float_input_dtypes().index(k.dtype)   # 0 f32, 1 f16, 2 bf16: the kernels' ids
+        in_dtype = kernels.INPUT_DTYPES[k.dtype.name]
         isz = k.dtype.itemsize
         lay, base, meta = self.layout, self._data.ptr, self._meta.ptr
         heads = k.shape[0] * s.num_kv_heads * 2

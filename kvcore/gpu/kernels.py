@@ -19,6 +19,8 @@ from .driver import Context
 _PKG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cuda")
 _REPO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cuda")
 _LOG_BYTES = 16384
+# The kernels' input dtype ids (kv_load_input), by numpy dtype name: q, k and v arrays.
+INPUT_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def ptx_path(module: str) -> str:

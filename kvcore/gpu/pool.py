@@ -60,7 +60,7 @@ from ..spec import KVSpec
 from . import driver, kernels
 from .cache import check_gpu_format, largest_divisor_at_most, range_limits, region_format
 from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
-                        launch_split, split_kernel, splits_bound, _INPUT_DTYPES)
+                        launch_split, split_kernel, splits_bound)
 from .cache import _check_input
 from .driver import Context, Event, Stream
 from .memory import DeviceArray, DeviceBuffer, PinnedHost, as_device_array
@@ -979,7 +979,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         rows_max = self.max_batch * self.max_tokens
         R = qa.shape[0] if qa.ndim == 3 else 0
         if (qa.ndim != 3 or not 1 <= R <= rows_max or qa.shape[1:] != (s.num_heads, s.head_dim)
-                or qa.dtype.name not in _INPUT_DTYPES or not qa.is_c_contiguous
+                or qa.dtype.name not in kernels.INPUT_DTYPES or not qa.is_c_contiguous
                 or qa.ptr % qa.dtype.itemsize):
             raise ShapeError(f"invalid q: expected float32, float16 or bfloat16 [R, {s.num_heads}, "
                              f"{s.head_dim}] with 1 <= R <= {rows_max}, C-contiguous, got "
@@ -1018,7 +1018,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             ws_o = self._ws.ptr
             ws_lse = ws_o + 4 * R * s.num_heads * nsplit * s.head_dim
         launch_split(self._fn_decode, self._fn_merge, storage, qa.shape, s.num_kv_heads,
-                     s.group_size, self._gb, nsplit, qa.ptr, _INPUT_DTYPES[qa.dtype.name],
+                     s.group_size, self._gb, nsplit, qa.ptr, kernels.INPUT_DTYPES[qa.dtype.name],
                      scale, oa.ptr, lse_ptr, ws_o, ws_lse, st, v.launch_args(sinks_ptr))
 
     def _sinks_ptr(self, sinks, stream) -> int:
