@@ -213,12 +213,20 @@ def test_with_the_variants(rng):
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "fp8_e4m3", "q4_0", "q4_1", "f16/q8_0",
                                  "q4_1ch/q4_0"])
 def test_k_formats_without_int8_codes_refused(rng, fmt):
+    """A KVCache and a KVPool: FormatError naming the K format, out and the storage's
+    bytes unchanged."""
     cache = make_cache(rng, fmt, 2, 4, 64, 20, layers=1)
+    pool = shuffled_pool(rng, cache.spec.replace(capacity=64), 8, 32)
+    seqs, _ = fill(rng, pool, [20, 33])
     q = rng.standard_normal((8, 64)).astype(np.float32)
     out = np.full_like(q, 7.0)
+    before = cache._storage.tobytes(), pool._storage.tobytes()
     with pytest.raises(FormatError, match=r"scores='int8' reads K's int8 codes: K format"):
         decode_attention(q, cache, 0, out=out, scores="int8")
+    with pytest.raises(FormatError, match=r"scores='int8' reads K's int8 codes: K format"):
+        decode_attention(q[None].repeat(2, 0), pool, 0, seqs=seqs, scores="int8")
     assert (out == 7.0).all()
+    assert (cache._storage.tobytes(), pool._storage.tobytes()) == before
 
 
 @pytest.mark.parametrize("scores", ["int4", "INT8", "", 8, None, b"int8"])
@@ -226,15 +234,17 @@ def test_unknown_scores_refused(rng, scores):
     cache = make_cache(rng, "int8", 2, 4, 64, 20, layers=1)
     q = rng.standard_normal((8, 64)).astype(np.float32)
     out = np.full_like(q, 7.0)
+    before = cache._storage.tobytes()
     with pytest.raises(RangeError, match=r"scores must be one of \('float32', 'int8'\)"):
         decode_attention(q, cache, 0, out=out, scores=scores)
-    assert (out == 7.0).all()
+    assert (out == 7.0).all() and cache._storage.tobytes() == before
 
 
 def test_bad_queries_refused_as_without(rng):
     """Shapes, dtypes, NaN and overflow: the same errors as the float32 scores, out untouched."""
     cache = make_cache(rng, "int8", 2, 4, 64, 20, layers=1)
     out = np.full((8, 64), 7.0, np.float32)
+    before = cache._storage.tobytes()
     with pytest.raises(ShapeError):
         decode_attention(np.zeros((8, 32), np.float32), cache, 0, scores="int8")
     with pytest.raises(DTypeError):
@@ -246,4 +256,4 @@ def test_bad_queries_refused_as_without(rng):
     with pytest.raises(RangeError):
         decode_attention(np.full((8, 64), 3e38, np.float32), cache, 0, out=out, scores="int8",
                          scale=1.0)
-    assert (out == 7.0).all()
+    assert (out == 7.0).all() and cache._storage.tobytes() == before
