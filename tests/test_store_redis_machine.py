@@ -42,7 +42,9 @@ from test_pool_state_machine import L, PS, P, PrefixMachine, StorePrefixMachine
 EXAMPLES = os.environ.get("KVCORE_STORE_MACHINE_EXAMPLES")
 STEPS = int(os.environ.get("KVCORE_STORE_MACHINE_STEPS", "30"))
 C = 2 * PS                 # the machine's chunk: 2 pages
-DEADLINE = 0.3             # the Redis backend's, seconds
+DEADLINE = 0.3             # the Redis backend's deadline for a lookup on a stalled server, s
+UP_DEADLINE = 30.0         # its deadline otherwise: a server that is up must answer, even
+                           # on a machine loaded by the rest of the suite
 
 _redis = {}                # "server": the running _servers.Server, "dir": its directory
 
@@ -90,8 +92,8 @@ class FaultyStoreMachine(StorePrefixMachine):
             import redis
             self.raw = redis.Redis(port=_server().port, socket_timeout=5)
             self.raw.flushall()
-            backend = RedisBackend(_redis["server"].url, connect_timeout=0.2,
-                                   read_timeout=DEADLINE, deadline=DEADLINE)
+            backend = RedisBackend(_redis["server"].url, connect_timeout=UP_DEADLINE,
+                                   read_timeout=UP_DEADLINE, deadline=UP_DEADLINE)
         else:
             backend = DirectoryBackend(self.dir, fsync=False)
         self.store = KVStore(backend, model="machine", spec=self.spec, chunk_tokens=C,
@@ -310,13 +312,15 @@ class FaultyStoreMachine(StorePrefixMachine):
         self.match_stalled(ids + [1] * (1 + tail), self.EXTRAS.index(extra))
 
     def match_stalled(self, tokens, extra):
-        server = _redis["server"]
+        """match_tokens while the server is SIGSTOPped, under the backend's short deadline
+        (read per call: the socket's own read timeout is longer, the deadline ends it)."""
+        server, backend = _redis["server"], self.store.backend
         server.pause()
-        self.stalled = True
+        self.stalled, backend.deadline = True, DEADLINE
         try:
             self.match_tokens(tokens, extra)
         finally:
-            self.stalled = False
+            self.stalled, backend.deadline = False, UP_DEADLINE
             server.resume()
 
 
