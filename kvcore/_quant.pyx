@@ -41,7 +41,6 @@ cdef enum:
     Q4_1CH = 9              # q4_1's rule over a channel of a group: the caller hands its
                             # channels in as rows (quant.py), so rows of it are q4_1 rows
     QK = 32                 # q8_0 / q4_0 / q4_1 block
-    QK_BYTES = 16           # code bytes of a q4_0 / q4_1 block
     ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     ABS_MASK = 0x7fffffff
     F32_INF = 0x7f800000    # bits of +inf
@@ -158,11 +157,84 @@ cdef extern from *:
             a = (a & ma) | (15 & ~ma);
             b = (b & mb) | (15 & ~mb);
             kv_q4b out = __builtin_convertvector(a | (b << 4), kv_q4b);
+            /* in a register, then stored: GCC would fold the narrowing into a store
+               (vpmovdb to memory), which Zen 4 runs at a fraction of the speed */
+            __asm__("" : "+x"(out));
             memcpy(codes + j, &out, sizeof out);
+        }
+    }
+    /* The scales of n <= KV_Q4G blocks of 32 floats (finite, below the format's limit)
+       and their reciprocals, as _encode_q4 takes them. q4_0 (q41 0): sc[b] = d = max / -8,
+       max the value of the first largest |x|; q4_1: sc[2b] = d = (max - min) / 15,
+       sc[2b + 1] = m = min, of equal zeros the last one's (numpy's reductions: only the
+       sign of a zero min or max can differ). inv[b] = 1 / d (0 when d == 0). The blocks'
+       reductions first, then all their divisions: independent chains the CPU overlaps
+       (one block at a time, each waited for the one before it). */
+    #define KV_Q4G 8
+    static inline float kv_last_zero(const float* xb) {
+        int j = 31;
+        while (xb[j] != 0.0f) j--;
+        return xb[j];
+    }
+    static inline float kv_first_max_abs(const float* xb) {
+        uint32_t am = 0;
+        int jm = 32;
+        for (int j = 0; j < 32; j++) {
+            uint32_t b; memcpy(&b, xb + j, 4);
+            b &= 0x7fffffffu;
+            am = b > am ? b : am;
+        }
+        for (int j = 0; j < 32; j++) {
+            uint32_t b; memcpy(&b, xb + j, 4);
+            const int c = (b & 0x7fffffffu) == am ? j : 32;
+            jm = c < jm ? c : jm;
+        }
+        return xb[jm];
+    }
+    static inline void kv_q4_scales(const float* x, int n, int q41, float* sc, float* inv) {
+        float mn[KV_Q4G] = {0}, mx[KV_Q4G] = {0}, d[KV_Q4G];
+        for (int b = 0; b < n; b++) {
+            const float* xb = x + 32 * b;
+            kv_minmax(xb, 32, mn + b, mx + b);
+            if (q41) {                          /* rare: a zero min or max */
+                if (mn[b] == 0.0f) mn[b] = kv_last_zero(xb);
+                if (mx[b] == 0.0f) mx[b] = kv_last_zero(xb);
+            } else if (mx[b] == -mn[b]) {       /* rare: max |x| of both signs, or zeros */
+                mx[b] = mn[b] = kv_first_max_abs(xb);
+            }
+        }
+        if (q41) {
+            for (int b = 0; b < KV_Q4G; b++) d[b] = (mx[b] - mn[b]) / 15.0f;
+        } else {    /* max |x| is mx or -mn (equal: both hold the first one) */
+            for (int b = 0; b < KV_Q4G; b++) d[b] = (mx[b] > -mn[b] ? mx[b] : mn[b]) / -8.0f;
+        }
+        for (int b = 0; b < KV_Q4G; b++) inv[b] = d[b] != 0.0f ? 1.0f / d[b] : 0.0f;
+        for (int b = 0; b < n; b++) {
+            if (q41) { sc[2 * b] = d[b]; sc[2 * b + 1] = mn[b]; }
+            else sc[b] = d[b];
+        }
+    }
+    /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):
+       out = float(code - off) * s + m, two roundings (q4_0: off 8, m -0.0, which leaves
+       every product as it is, -0.0 included; q4_1: off 0, m its min). */
+    static inline void kv_unpack_u4(const uint8_t* codes, int off, float s, float m, float* out) {
+        uint8_t c[16];
+        memcpy(c, codes, 16);      /* before any store to out (which the compiler cannot
+                                      know apart from codes) */
+        for (int j = 0; j < 16; j += KV_Q4W) {
+            kv_q4b b;
+            memcpy(&b, c + j, sizeof b);
+            const kv_q4f lo = __builtin_convertvector(__builtin_convertvector(b & 15, kv_q4i) - off, kv_q4f) * s + m;
+            const kv_q4f hi = __builtin_convertvector(__builtin_convertvector(b >> 4, kv_q4i) - off, kv_q4f) * s + m;
+            memcpy(out + j, &lo, sizeof lo);
+            memcpy(out + 16 + j, &hi, sizeof hi);
         }
     }
     """
     int KV_HAVE_F16C
+    void kv_unpack_u4(const uint8_t* codes, int off, float s, float m, float* out) noexcept nogil
+    enum: KV_Q4G
+    void kv_q4_scales(const float* x, int n, int q41, float* sc, float* inv) noexcept nogil
     void kv_minmax(const float* x, int n, float* mn, float* mx) noexcept nogil
     void kv_round_pack_u4(const float* x, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
@@ -475,71 +547,34 @@ cdef inline bint _finite(float v) noexcept nogil:
     return (_as_u32(v) & ABS_MASK) < F32_INF
 
 
-cdef inline void _encode_q4_0(const float* x, Py_ssize_t d, uint8_t* codes,
-                              uint16_t* scales) noexcept nogil:
-    # gguf-py Q4_0.quantize_blocks (= ggml quantize_row_q4_0_ref), block by block:
-    # max = the value of largest |x| (its first index), d = max / -8, id = 1/d (0 when
-    # d == 0), q = trunc(x * id + 8.5) clipped to [0, 15].
-    cdef Py_ssize_t b
-    cdef int j, jm, c
-    cdef uint32_t am
-    cdef float dd, idd
+cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* codes,
+                            uint16_t* scales) noexcept nogil:
+    # gguf-py Q4_0.quantize_blocks / Q4_1.quantize_blocks (= ggml quantize_row_q4_0_ref /
+    # _q4_1_ref), KV_Q4G blocks at a time (kv_q4_scales): q4_0 q = trunc(x * id + 8.5),
+    # q4_1 q = trunc((x - m) * id + 0.5), clipped to [0, 15]; id = 1/d (0 when d == 0).
+    cdef int S = 2 if q41 else 1
+    cdef float add = <float>0.5 if q41 else <float>8.5
+    cdef float sc[2 * KV_Q4G]
+    cdef float inv[KV_Q4G]
+    cdef float sub
+    cdef Py_ssize_t g, b0, nb = d // QK
+    cdef int b, n, j
     cdef const float* xb
     cdef uint8_t q[QK]
-    for b in range(d // QK):
-        xb = x + b * QK
-        am, jm = _amax_bits(xb, QK), QK
-        for j in range(QK):     # the first index of max |x|: a vectorised min, no branch
-            c = j if (_as_u32(xb[j]) & ABS_MASK) == am else QK
-            jm = c if c < jm else jm
-        dd = xb[jm] / <float>-8.0
-        idd = <float>1.0 / dd if dd != 0 else <float>0.0
-        if _finite(idd):    # every value in [0, 16.5]: a plain truncating conversion
-            kv_round_pack_u4(xb, 0, idd, <float>8.5, codes + b * (QK // 2))
-        else:       # 1/d overflows: x * id is inf or NaN (0 * inf), numpy's conversions
-            for j in range(QK):
-                q[j] = _np_to_u4(xb[j] * idd + <float>8.5)
-            _pack_q4_block(q, codes + b * (QK // 2))
-        scales[b] = _f32_to_f16(dd)
-
-
-cdef inline float _last_zero(const float* xb) noexcept nogil:
-    # the last zero (+0.0 or -0.0) of a block that holds one
-    cdef int j = QK - 1
-    while xb[j] != 0:
-        j -= 1
-    return xb[j]
-
-
-cdef inline void _encode_q4_1(const float* x, Py_ssize_t d, uint8_t* codes,
-                              uint16_t* scales) noexcept nogil:
-    # gguf-py Q4_1.quantize_blocks (= ggml quantize_row_q4_1_ref): d = (max - min) / 15,
-    # m = min, id = 1/d (0 when d == 0), q = trunc((x - min) * id + 0.5) clipped to
-    # [0, 15]; scales (d, m) per block.
-    cdef Py_ssize_t b
-    cdef int j
-    cdef float mn, mx, dd, idd
-    cdef const float* xb
-    cdef uint8_t q[QK]
-    for b in range(d // QK):
-        xb = x + b * QK
-        kv_minmax(xb, QK, &mn, &mx)
-        # numpy's min/max reductions give the last of equal values: only the sign of a
-        # zero min or max can differ from the first's, and with it fp16(m) or d = -0.0
-        if mn == 0:
-            mn = _last_zero(xb)
-        if mx == 0:
-            mx = _last_zero(xb)
-        dd = (mx - mn) / <float>15.0
-        idd = <float>1.0 / dd if dd != 0 else <float>0.0
-        if _finite(idd):    # every value in [0, 16.5]: a plain truncating conversion
-            kv_round_pack_u4(xb, mn, idd, <float>0.5, codes + b * (QK // 2))
-        else:       # 1/d overflows: (x - m) * id is inf or NaN (0 * inf)
-            for j in range(QK):
-                q[j] = _np_to_u4((xb[j] - mn) * idd + <float>0.5)
-            _pack_q4_block(q, codes + b * (QK // 2))
-        scales[2 * b] = _f32_to_f16(dd)
-        scales[2 * b + 1] = _f32_to_f16(mn)
+    for g in range((nb + KV_Q4G - 1) // KV_Q4G):
+        b0 = g * KV_Q4G
+        n = <int>min(<Py_ssize_t>KV_Q4G, nb - b0)
+        kv_q4_scales(x + b0 * QK, n, q41, sc, inv)
+        _f32_to_f16_row(sc, n * S, scales + b0 * S)
+        for b in range(n):
+            xb = x + (b0 + b) * QK
+            sub = sc[2 * b + 1] if q41 else <float>0.0
+            if _finite(inv[b]):     # every value in [0, 16.5]: a plain truncating conversion
+                kv_round_pack_u4(xb, sub, inv[b], add, codes + (b0 + b) * (QK // 2))
+            else:   # 1/d overflows: (x - m) * id is inf or NaN (0 * inf), numpy's conversions
+                for j in range(QK):
+                    q[j] = _np_to_u4((xb[j] - sub) * inv[b] + add)
+                _pack_q4_block(q, codes + (b0 + b) * (QK // 2))
 
 
 cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,
@@ -563,10 +598,8 @@ cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t 
         _encode_e5m2(x, d, _as_f32(amax_bits), <uint8_t*>codes, <float*>scales)
     elif fmt == Q8_0:
         _encode_q8_0(x, d, <int8_t*>codes, <uint16_t*>scales)
-    elif fmt == Q4_0:
-        _encode_q4_0(x, d, <uint8_t*>codes, <uint16_t*>scales)
-    elif fmt == Q4_1 or fmt == Q4_1CH:
-        _encode_q4_1(x, d, <uint8_t*>codes, <uint16_t*>scales)
+    elif fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_1CH:
+        _encode_q4(x, d, fmt != Q4_0, <uint8_t*>codes, <uint16_t*>scales)
 
 
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil:
@@ -578,9 +611,8 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     cdef Py_ssize_t j, b
     cdef const uint16_t* h
     cdef const uint8_t* c8
-    cdef uint8_t q4[QK_BYTES]
     cdef const int8_t* q
-    cdef float s, m
+    cdef float s
     if fmt == F32:
         memcpy(out, codes, d * sizeof(float))
     elif fmt == F16:
@@ -611,25 +643,16 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
             s = _f16_to_f32(h[b])
             for j in range(b * QK, b * QK + QK):
                 out[j] = <float>q[j] * s
-    elif fmt == Q4_0:   # a block's bytes copied first (no store to out may alias them),
-        h = <const uint16_t*>scales     # then low nibbles and high ones: both vectorise
-        for b in range(d // QK):
-            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
-            s = _f16_to_f32(h[b])
-            for j in range(QK // 2):
-                out[b * QK + j] = <float>(<int>(q4[j] & 15) - 8) * s
-            for j in range(QK // 2):
-                out[b * QK + QK // 2 + j] = <float>(<int>(q4[j] >> 4) - 8) * s
-    elif fmt == Q4_1 or fmt == Q4_1CH:
+    elif fmt == Q4_0:   # (code - 8) * d
         h = <const uint16_t*>scales
         for b in range(d // QK):
-            memcpy(q4, <const uint8_t*>codes + b * (QK // 2), QK // 2)
-            s = _f16_to_f32(h[2 * b])
-            m = _f16_to_f32(h[2 * b + 1])
-            for j in range(QK // 2):
-                out[b * QK + j] = <float>(q4[j] & 15) * s + m
-            for j in range(QK // 2):
-                out[b * QK + QK // 2 + j] = <float>(q4[j] >> 4) * s + m
+            kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 8, _f16_to_f32(h[b]),
+                         <float>-0.0, out + b * QK)
+    elif fmt == Q4_1 or fmt == Q4_1CH:  # code * d + m
+        h = <const uint16_t*>scales
+        for b in range(d // QK):
+            kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 0, _f16_to_f32(h[2 * b]),
+                         _f16_to_f32(h[2 * b + 1]), out + b * QK)
 
 
 # ---------------------------------------------------------------------------------
