@@ -58,7 +58,7 @@
    [T, Hq, D] only when every value of the call is finite: a score or a weighted sum of
    V past float32 (exp keeps NaN lanes NaN) refuses the call with out untouched.
 7. `rope` rotates float32 [T, H, D] in place; angles in float64.
-8. Int8 scores (`int8_scores`, opt-in; K int8 or q8_0): the scaled query rows quantized
+8. Int8 scores (`int8_scores`, opt-in; K int8, q8_0, q4_0 or q4_1): the scaled query rows quantized
    per block of 32 (kv_quant_row, `quantize_query`), the scores integer dot products of
    the codes (vpdpbusd with AVX-512 VNNI / AVX-VNNI, vpmaddubsw with AVX2, else int32
    multiplies) times the blocks' scales in float32 (kv_qscore_step); the weighted sum of
@@ -582,9 +582,11 @@ cdef extern from *:
 
     /* Int8 scores (J->qi, docs/attention.md "Int8 scores"): each scaled query row x is
        quantized per block of 32 values to int8 codes c and a float32 scale qd (q^ = qd c),
-       and its scores against int8/q8_0 K rows are the blocks' integer dot products c . k,
-       exact in int32, times qd (and q8_0's block scale) in float32. A step reads KV_QC
-       codes of a row; each int32 lane of it sums KV_QG consecutive products (one block's). */
+       and its scores against int8/q8_0/q4_0/q4_1 K rows are the blocks' integer dot
+       products c . k, exact in int32, times qd (and the K block's scale) in float32; q4_0's
+       codes k - 8 (the 8 x sum(c) in the integer sum), q4_1's k d + m (m x qd x sum(c) added
+       per lane). A step reads KV_QC codes of a row; each int32 lane of it sums KV_QG
+       consecutive products (one block's). */
     #if KV_W == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
     #define KV_QC 64           /* vpdpbusd: K's codes + 128 (unsigned) times q's codes */
     typedef __m512i kv_qv;
@@ -666,12 +668,56 @@ cdef extern from *:
         return __builtin_convertvector(b, kv_vi);
     #endif
     }
+    /* KV_QC 4-bit codes (q4_0 / q4_1, unsigned 0..15) of a K row's values [i, i + KV_QC)
+       at p, in value order (ggml's blocks: low nibbles of the 16 bytes are values 0..15,
+       high ones 16..31); generic build: as int32 lanes, q4_0's minus 8. tail: only the
+       first of two blocks is read (d % 32 == 0: a tail is one block). */
+    KV_INLINE kv_qv kv_qk4(const int fmt, const int tail, const char* p, int i) {
+        p += i / 2;
+    #if KV_QC == 64
+        const __m256i x = tail ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256((const __m256i*)p);
+        const __m256i m = _mm256_set1_epi8(15);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(x, m)),
+                                             _mm256_and_si256(_mm256_srli_epi16(x, 4), m), 1);
+        (void)fmt;
+        return _mm512_shuffle_i64x2(v, v, 0xD8);    /* [lo 0, lo 1, hi 0, hi 1] -> [lo 0, hi 0, lo 1, hi 1] */
+    #elif KV_QC == 32
+        __m128i x;
+        memcpy(&x, p, 16);
+        const __m128i m = _mm_set1_epi8(15);
+        (void)fmt; (void)tail;
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+    #else
+        (void)tail;
+        const kv_vi c = kv_widen_u8_i32(p - i / 2 + (size_t)(i / 32) * 16 + i % 16);
+        return (i & 16 ? c >> 4 : c & 15) - (fmt == KV_Q4_0 ? 8 : 0);
+    #endif
+    }
     /* KV_QC codes of a query record at p. */
     KV_INLINE kv_qv kv_qq(const int8_t* p) {
     #if KV_QC == KV_W
         kv_vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, kv_vi);
     #else
         kv_qv x; memcpy(&x, p, sizeof x); return x;
+    #endif
+    }
+    /* Lane L: the sum of its KV_QG products of 4-bit K codes k (kv_qk4) and query codes
+       q, exact (q4_0: of k - 8); z: the lane offsets of q's record (-128 x the lane's sum
+       of q: q4_0's -8 x it is z / 16). */
+    KV_INLINE kv_vi kv_qdot4(const int fmt, kv_qv k, kv_qv q, const int32_t* z) {
+    #if KV_QC == 64
+        const __m512i z0 = fmt == KV_Q4_0 ? _mm512_srai_epi32(_mm512_loadu_si512(z), 4) : _mm512_setzero_si512();
+        return (kv_vi)_mm512_dpbusd_epi32(z0, k, q);
+    #elif KV_QC == 32
+        const __m256i z0 = fmt == KV_Q4_0 ? _mm256_srai_epi32(_mm256_loadu_si256((const __m256i*)z), 4) : _mm256_setzero_si256();
+    #if defined(__AVXVNNI__)
+        return (kv_vi)_mm256_dpbusd_avx_epi32(z0, k, q);
+    #else   /* k <= 15: pairs <= 2 x 15 x 127, no saturation */
+        return (kv_vi)_mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(k, q), _mm256_set1_epi16(1)), z0);
+    #endif
+    #else
+        (void)fmt; (void)z;
+        return k * q;
     #endif
     }
     /* Lane L: the sum of its KV_QG products of K codes k (kv_qk) and query codes q, exact;
@@ -690,35 +736,48 @@ cdef extern from *:
         return k * q;
     #endif
     }
-    /* Lane L of a step at i: b[(i + L KV_QG) / 32] (the block of the lane's codes). */
-    KV_INLINE kv_vf kv_qlanes(const float* b, int i) {
+    /* Lane L of a step at i: b[s ((i + L KV_QG) / 32)] (the block of the lane's codes; s
+       the block's floats: 2 for q4_1's (d, m) pairs, else 1). tail: the step's first block
+       is the row's last; its value in every lane (nothing past the row is read). */
+    KV_INLINE kv_vf kv_qlanes(const float* b, int i, const int s, const int tail) {
     #if KV_QC == 64
-        return (kv_vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(b[i / 32]), _mm512_set1_ps(b[i / 32 + 1]));
+        if (tail) return kv_splat(b[s * (i / 32)]);
+        return (kv_vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(b[s * (i / 32)]), _mm512_set1_ps(b[s * (i / 32 + 1)]));
     #else
-        return kv_splat(b[i / 32]);
+        (void)tail;
+        return kv_splat(b[s * (i / 32)]);
     #endif
     }
 
     /* acc[r][p] += the scores' part of codes [i, i + KV_QC) of RB int8 query records (q,
-       dp floats apart) with KV_PB K rows (int8 or q8_0 codes; q8_0's block scales bs). */
+       dp floats apart) with KV_PB K rows (int8, q8_0, q4_0 or q4_1 codes; the blocked
+       formats' block scales bs). */
     KV_INLINE void kv_qscore_step(const int fmt, const int tail, const int RB, const char* const* row,
                                   const float* const* bs, int i, int d, const float* q, int dp,
                                   kv_vf acc[KV_RB][KV_PB]) {
         const int dq = KV_QD(d);
         kv_qv k[KV_PB];
-        kv_vf kd[KV_PB];
+        kv_vf kd[KV_PB], km[KV_PB];
         for (int p = 0; p < KV_PB; p++) {
-            k[p] = kv_qk(tail, row[p] + i, d - i);
-            if (fmt == KV_Q8_0) kd[p] = kv_qlanes(bs[p], i);
+            k[p] = KV_Q4(fmt) ? kv_qk4(fmt, tail, row[p], i) : kv_qk(tail, row[p] + i, d - i);
+            if (KV_BLOCKED(fmt)) kd[p] = kv_qlanes(bs[p], i, fmt == KV_Q4_1 ? 2 : 1, tail);
+            if (fmt == KV_Q4_1) km[p] = kv_qlanes(bs[p] + 1, i, 2, tail);
         }
         for (int r = 0; r < RB; r++) {
             const float* rec = q + (size_t)r * dp;
             const int32_t* z = (const int32_t*)(rec + dq / 4) + i / KV_QG;
             const kv_vf ls = kv_loadf(rec + dq / 4 + dq / KV_QG + i / KV_QG);
             const kv_qv qv = kv_qq((const int8_t*)rec + i);
+            kv_vf lm = ls;      /* q4_1: qd x the lane's sum of q codes (z / -128, exact) */
+            if (fmt == KV_Q4_1) {
+                kv_vi zi;
+                memcpy(&zi, z, sizeof zi);
+                lm = ls * (__builtin_convertvector(zi, kv_vf) * kv_splat(-0x1p-7f));
+            }
             for (int p = 0; p < KV_PB; p++) {
-                const kv_vf x = __builtin_convertvector(kv_qdot(k[p], qv, z), kv_vf);
-                acc[r][p] = kv_fma(x, fmt == KV_Q8_0 ? ls * kd[p] : ls, acc[r][p]);
+                const kv_vf x = __builtin_convertvector(KV_Q4(fmt) ? kv_qdot4(fmt, k[p], qv, z) : kv_qdot(k[p], qv, z), kv_vf);
+                if (fmt == KV_Q4_1) acc[r][p] = kv_fma(lm, km[p], acc[r][p]);
+                acc[r][p] = kv_fma(x, KV_BLOCKED(fmt) ? ls * kd[p] : ls, acc[r][p]);
             }
         }
     }
@@ -999,11 +1058,15 @@ cdef extern from *:
         else kv_scores(KV_CONST(f), 0, R, k, np, q, dp, rs, last, j0, s, pf);
     }
     /* The int8 scores of R int8 query records (q, dp floats apart) with K in format fmt
-       (int8 or q8_0, known at run time). */
+       (int8, q8_0, q4_0 or q4_1, known at run time). */
     static void kv_qscores(int fmt, int R, kv_rows k, int np, const float* q, int dp,
                            const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
-        if (fmt == KV_Q8_0) kv_scores(KV_Q8_0, 1, R, k, np, q, dp, rs, last, j0, s, pf);
-        else kv_scores(KV_INT8, 1, R, k, np, q, dp, rs, last, j0, s, pf);
+        switch (fmt) {
+        case KV_Q8_0: kv_scores(KV_Q8_0, 1, R, k, np, q, dp, rs, last, j0, s, pf); break;
+        case KV_Q4_0: kv_scores(KV_Q4_0, 1, R, k, np, q, dp, rs, last, j0, s, pf); break;
+        case KV_Q4_1: kv_scores(KV_Q4_1, 1, R, k, np, q, dp, rs, last, j0, s, pf); break;
+        default: kv_scores(KV_INT8, 1, R, k, np, q, dp, rs, last, j0, s, pf);
+        }
     }
     KV_INLINE void kv_values_in(const int f, int rt, int R, kv_rows v, int np, const float* w, int ws,
                                 int wp, float* acc, int dp) {
@@ -1770,8 +1833,9 @@ cdef int _variant_job(kv_job* J, sinks, float softcap, int64_t window, int64_t s
                       bint causal, int hq, bint int8_scores) except -1:
     """The sink logits, soft-capping and int8 scores of J (window and sink_tokens are
     _seq_job's), after the checks the kernel relies on."""
-    if int8_scores and J.k.fmt != 3 and J.k.fmt != 6:
-        raise ValueError(f"attend: int8 scores read int8 (3) or q8_0 (6) K codes, not format {J.k.fmt}")
+    if int8_scores and J.k.fmt not in (3, 6, 7, 8):
+        raise ValueError(f"attend: int8 scores read int8 (3), q8_0 (6), q4_0 (7) or q4_1 (8) "
+                         f"K codes, not format {J.k.fmt}")
     J.qi = int8_scores
     if window < 0 or sink_tokens < 0 or (sink_tokens and not window) or (window and not causal):
         raise ValueError(f"attend: window {window}, sink_tokens {sink_tokens}, causal {causal}: "
@@ -1810,7 +1874,7 @@ def attend(cnp.ndarray q, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scales, v_
     [0, S) stay visible; sinks float32 [Hq] C-contiguous, finite, or None: a logit per
     query head in each softmax denominator (and lse); softcap c > 0 (0: none): scores
     become c tanh(s / c). Positions outside every row's window and the sink positions are
-    never read. int8_scores (K int8 or q8_0): the scores of q^, each scaled query row
+    never read. int8_scores (K int8, q8_0, q4_0 or q4_1): the scores of q^, each scaled query row
     quantized per block of 32 (quantize_query), as integer dot products with K's codes.
     """
     cdef kv_job J

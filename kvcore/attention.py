@@ -78,10 +78,10 @@ def decode_attention(q: AnyArray, cache: KVCache | KVPool, layer: int, *,
     joins the softmax's denominator (and lse) and adds no value.
     softcap: a finite float c > 0: every score s becomes c * tanh(s / c).
     scores: "float32" (the default: float32 arithmetic on the decoded K values) or
-    "int8", opt-in, for K stored as int8 or q8_0: each scaled query row is quantized per
-    block of 32 values (q8_0's blocks, float32 scales) and its scores are integer dot
-    products with K's codes (VNNI where the CPU has it), so the result is the attention
-    of the quantized queries; its error bound is in docs/attention.md, "Int8 scores".
+    "int8", opt-in, for K stored as int8, q8_0, q4_0 or q4_1: each scaled query row is
+    quantized per block of 32 values (q8_0's blocks, float32 scales) and its scores are
+    integer dot products with K's codes (VNNI where the CPU has it), so the result is the
+    attention of the quantized queries; its error bound is in docs/attention.md, "Int8 scores".
     Raises RangeError (out untouched) when scale * q, a score or the weighted sum of V
     would pass the float32 range. A pool sequence's rows equal, bit for bit, this call on
     a KVCache holding the same positions with the same thread count (docs/attention.md).
@@ -131,7 +131,7 @@ class _Variants(NamedTuple):
 
 _NO_VARIANTS = _Variants(0, 0, None, 0.0, False)
 SCORES = ("float32", "int8")
-_INT8_SCORE_FORMATS = ("int8", "q8_0")
+_INT8_SCORE_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -189,12 +189,12 @@ def _check_variants(spec: KVSpec, causal: bool, window: object, sink_tokens: obj
 
 
 def _check_scores(scores: object, k_format: str) -> str:
-    """scores checked (one of SCORES; "int8" only for K int8 or q8_0): RangeError for a
+    """scores checked (one of SCORES; "int8" only for K int8, q8_0, q4_0 or q4_1): RangeError for a
     value, FormatError for the K format."""
     if not isinstance(scores, str) or scores not in SCORES:
         raise RangeError(f"scores must be one of {SCORES}, got {scores!r}")
     if scores == "int8" and k_format not in _INT8_SCORE_FORMATS:
-        raise FormatError(f"scores='int8' reads K's int8 codes: K format {k_format!r} "
+        raise FormatError(f"scores='int8' reads K's integer codes: K format {k_format!r} "
                           f"is not one of {_INT8_SCORE_FORMATS}")
     return scores
 

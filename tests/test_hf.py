@@ -200,7 +200,7 @@ def test_int8_scores_match_eager_on_the_quantized_queries(fmt, monkeypatch):
     cache = _kvcore_cache(model, fmt, scores="int8")
     assert all(layer.scores == "int8" for layer in cache.layers)
     assert copy.deepcopy(cache).layers[0].scores == "int8"
-    with pytest.raises(kvcore.FormatError, match="scores='int8' reads K's int8 codes: K format "
+    with pytest.raises(kvcore.FormatError, match="scores='int8' reads K's integer codes: K format "
                                                  "'f16'"):
         _kvcore_cache(model, "f16/int8", scores="int8")
     with pytest.raises(kvcore.RangeError, match="scores must be one of"):

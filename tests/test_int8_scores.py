@@ -1,5 +1,6 @@
 """decode_attention(..., scores="int8"): the query rows quantized per block of 32 (bit-exact
-with the documented rule), the scores integer dot products with K's int8 / q8_0 codes.
+with the documented rule), the scores integer dot products with K's int8 / q8_0 / q4_0 /
+q4_1 codes.
 Two proofs: against the float64 reference over the quantized queries the error is
 rounding only; against the exact queries it stays within the documented bound."""
 import numpy as np
@@ -13,7 +14,8 @@ from kvcore import (DTypeError, FormatError, KVSpec, RangeError, ShapeError, dec
 from kvcore._attention import quantize_query
 
 TOL = 1e-5
-K_INT8 = ["int8", "q8_0", "q8_0/q4_0", "int8/f16", "q8_0/f32"]   # K with int8 codes, any V
+K_CODES = ["int8", "q8_0", "q4_0", "q4_1", "q8_0/q4_0", "int8/f16", "q8_0/f32",
+           "q4_1/q4_0"]                                      # K with integer codes, any V
 
 
 def quantize_rule(x):
@@ -106,7 +108,7 @@ def bound(q, k, v, scale, causal=True):
     return np.expm1(2 * eps)[..., None] * np.einsum("thn,hnd->thd", w, vh)
 
 
-@pytest.mark.parametrize("fmt", K_INT8)
+@pytest.mark.parametrize("fmt", K_CODES)
 @pytest.mark.parametrize("group, d", [(1, 64), (4, 128), (8, 128), (2, 96), (3, 160)])
 @pytest.mark.parametrize("n, T", [(1, 1), (63, 1), (65, 1), (300, 1), (300, 3), (200, 40)])
 def test_the_attention_of_the_quantized_queries(rng, fmt, group, d, n, T):
@@ -155,7 +157,7 @@ def test_error_bound_is_met_and_not_vacuous(rng, dist):
     assert err.max() < 5e-2 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
 def test_zero_and_extreme_queries(rng, fmt):
     """q = 0 (every code 0: uniform weights, the mean of V), one non-zero value, and q at
     magnitudes whose blocks span 2^-100 to 2^100."""
@@ -177,7 +179,7 @@ def rel_err(out, ref):
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0/q4_0"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0/q4_0", "q4_0", "q4_1/f16"])
 @pytest.mark.parametrize("ps", [1, 16, 17])
 def test_pool_is_the_cache_bit_for_bit(rng, fmt, ps):
     """A KVPool's sequences (shuffled pages, several tokens each) give the bits of a
@@ -210,8 +212,8 @@ def test_with_the_variants(rng):
     assert rel_err(out, want) < 1e-4     # soft-capping's tanh: a few float32 ulp
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "fp8_e4m3", "q4_0", "q4_1", "f16/q8_0",
-                                 "q4_1ch/q4_0"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2", "f16/q8_0",
+                                 "bf16/q4_0", "q4_1ch/q4_0"])
 def test_k_formats_without_int8_codes_refused(rng, fmt):
     """A KVCache and a KVPool: FormatError naming the K format, out and the storage's
     bytes unchanged."""
@@ -221,9 +223,9 @@ def test_k_formats_without_int8_codes_refused(rng, fmt):
     q = rng.standard_normal((8, 64)).astype(np.float32)
     out = np.full_like(q, 7.0)
     before = cache._storage.tobytes(), pool._storage.tobytes()
-    with pytest.raises(FormatError, match=r"scores='int8' reads K's int8 codes: K format"):
+    with pytest.raises(FormatError, match=r"scores='int8' reads K's integer codes: K format"):
         decode_attention(q, cache, 0, out=out, scores="int8")
-    with pytest.raises(FormatError, match=r"scores='int8' reads K's int8 codes: K format"):
+    with pytest.raises(FormatError, match=r"scores='int8' reads K's integer codes: K format"):
         decode_attention(q[None].repeat(2, 0), pool, 0, seqs=seqs, scores="int8")
     assert (out == 7.0).all()
     assert (cache._storage.tobytes(), pool._storage.tobytes()) == before

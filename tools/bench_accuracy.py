@@ -14,8 +14,9 @@
   cache storing K in one format and V in another ("K q8_0 / V q4_0"), no round trip of
   their own (each side's is its format's row); among them KIVI's K q4_1ch (by channel
   over groups of 32 positions) / V q4_1 (per token);
-- int8 scores: the attention of the int8 and q8_0 caches with `scores="int8"` (the query
-  quantized per block of 32, integer dot products: docs/attention.md, "Int8 scores");
+- int8 scores: the attention of the int8, q8_0, q4_0 and q4_1 caches with
+  `scores="int8"` (the query quantized per block of 32, integer dot products:
+  docs/attention.md, "Int8 scores");
 - round trip K: the attention's keys (outlier channels) through each format, q4_1ch by
   its groups of 32 positions of a head: where per-channel K beats per-token K.
   q4_1ch, a K format, has no attention row of its own (its V would be per channel).
@@ -103,7 +104,7 @@ def measure(positions: int = 4096) -> dict[str, dict[str, float]]:
         row["attention"] = rel_rms(kvcore.decode_attention(q, cache, 0), ref)
         name = fmt if not spec.paired else f"K {spec.k_format} / V {spec.v_format}"
         out[f"kvcore {name}"] = row
-        if fmt in ("int8", "q8_0"):
+        if fmt in ("int8", "q8_0", "q4_0", "q4_1"):
             out[f"kvcore {fmt} scores=int8"] = {"attention": rel_rms(
                 kvcore.decode_attention(q, cache, 0, scores="int8"), ref)}
     out["numpy f32 attention"] = {"attention": rel_rms(_attention32(q, k, v), ref)}

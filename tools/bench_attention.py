@@ -28,7 +28,7 @@ than torch at the same thread count).
   efficiently the kernel runs its arithmetic, memory aside.
 - kvcore: `kvcore.decode_attention` on a KVCache in each format, and in the K/V pairs
   (`_benchlib.PAIRS`: K in the first format, V in the second; the goal lines are the
-  formats'); "int8 scores=int8", "q8_0 scores=int8": the opt-in int8 scores
+  formats'); "<fmt> scores=int8" (int8, q8_0, q4_0, q4_1): the opt-in int8 scores
   (`scores="int8"`: integer dot products, VNNI where the CPU has it), whose limit is the
   probe alone (their scores are not float32 multiply-adds);
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
@@ -58,7 +58,7 @@ from kvcore._attention import fma_burn, stream_sum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0")
-INT8_SCORES = ("int8", "q8_0")     # also timed with scores="int8"
+INT8_SCORES = ("int8", "q8_0", "q4_0", "q4_1")     # also timed with scores="int8"
 
 
 def _labels() -> list[str]:

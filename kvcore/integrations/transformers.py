@@ -121,7 +121,7 @@ class KVCoreLayer(CacheLayerMixin):
     (at least 256 positions each) and doubles its pages when a write needs more (each
     growth copies the codes once); a sliding layer's pool has room for about 2 W
     positions a row from the start. scores: decode_attention's ("float32", or the
-    opt-in "int8" for K in int8 / q8_0).
+    opt-in "int8" for K in int8 / q8_0 / q4_0 / q4_1).
 
     transformers sees `columns` positions per row (padding included: get_seq_length);
     the pool holds only the real ones: `update` keeps the new K/V and the attention
@@ -485,7 +485,7 @@ class KVCoreCache(Cache):
     v_format="q4_0"; KIVI: k_format="q4_1ch", v_format="q4_1", full-attention layers
     only), as KVSpec takes them. max_cache_len: positions per row at most;
     None grows as needed. scores: "float32" (default) or "int8", decode_attention's opt-in
-    int8 scores for K in int8 or q8_0 (docs/attention.md, "Int8 scores"; FormatError for
+    int8 scores for K in int8, q8_0, q4_0 or q4_1 (docs/attention.md, "Int8 scores"; FormatError for
     another K format, RangeError for another value). The layers follow config's layer types: "full_attention" and
     "sliding_attention" (a pool with the config's sliding_window: it holds about W
     positions a row); any other type (chunked, linear or shared-KV layers) is refused.
