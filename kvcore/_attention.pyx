@@ -675,18 +675,17 @@ cdef extern from *:
     KV_INLINE kv_qv kv_qk4(const int fmt, const int tail, const char* p, int i) {
         p += i / 2;
     #if KV_QC == 64
+        /* blocks b0, b1 -> [b0, b0, b1, b1] (16-byte quarters), then each quarter's bytes
+           shifted right by 0 / 4 bits and masked: [lo b0, hi b0, lo b1, hi b1] */
         const __m256i x = tail ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256((const __m256i*)p);
-        const __m256i m = _mm256_set1_epi8(15);
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(x, m)),
-                                             _mm256_and_si256(_mm256_srli_epi16(x, 4), m), 1);
+        const __m512i v = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(x));
         (void)fmt;
-        return _mm512_shuffle_i64x2(v, v, 0xD8);    /* [lo 0, lo 1, hi 0, hi 1] -> [lo 0, hi 0, lo 1, hi 1] */
-    #elif KV_QC == 32
-        __m128i x;
-        memcpy(&x, p, 16);
-        const __m128i m = _mm_set1_epi8(15);
+        return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
+                                _mm512_set1_epi8(15));
+    #elif KV_QC == 32   /* the block in both halves, the upper shifted by 4 bits */
+        const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
         (void)fmt; (void)tail;
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+        return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
     #else
         (void)tail;
         const kv_vi c = kv_widen_u8_i32(p - i / 2 + (size_t)(i / 32) * 16 + i % 16);
