@@ -232,6 +232,15 @@ cdef extern from *:
        out = float(code - off) * s + m, two roundings (q4_0: off 8, m -0.0, which leaves
        every product as it is, -0.0 included; q4_1: off 0, m its min). */
     static inline void kv_unpack_u4(const uint8_t* codes, int off, float s, float m, float* out) {
+    #if KV_Q4W == 8 && defined(__AVX2__)    /* GCC widens an 8-byte vector lane by lane */
+        const __m128i x = _mm_loadu_si128((const __m128i*)codes), f = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(x, f), hi = _mm_and_si128(_mm_srli_epi16(x, 4), f);
+        const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        kv_q4f y[4];
+        for (int k = 0; k < 4; k++)
+            y[k] = __builtin_convertvector((kv_q4i)_mm256_cvtepu8_epi32(part[k]) - off, kv_q4f) * s + m;
+        memcpy(out, y, sizeof y);
+    #else
         uint8_t c[16];
         memcpy(c, codes, 16);      /* before any store to out (which the compiler cannot
                                       know apart from codes) */
@@ -243,6 +252,7 @@ cdef extern from *:
             memcpy(out + j, &lo, sizeof lo);
             memcpy(out + 16 + j, &hi, sizeof hi);
         }
+    #endif
     }
     """
     int KV_HAVE_F16C
