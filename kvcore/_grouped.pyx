@@ -14,10 +14,11 @@
    Scores of a complete group, for its 32 positions at once: the group's values decode
    once into floats [D][32] (per channel its 16 code bytes, low nibbles positions 0-15,
    high 16-31, each code * d + m: the stored values exactly, two float32 roundings as
-   `dequantize`), then each row adds one broadcast q_c times channel c's 32 values per
-   channel (a multiply-add over 32 lanes the compiler vectorises: two zmm or four ymm
-   registers) into one of 4 sets of 32 accumulators (c % 4: independent chains, sums of
-   D/4 terms), summed pairwise at the end. (Splitting the score into sum_c (q_c d_c)
+   `dequantize`; the slot's scales converted together), then each row adds one broadcast
+   q_c times channel c's 32 values per channel (a fused multiply-add over 32 lanes the
+   compiler vectorises: two zmm or four ymm registers) into one of 4 sets of 32
+   accumulators (c % 4: independent chains, sums of D/4 terms), summed pairwise at the
+   end. (Splitting the score into sum_c (q_c d_c)
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
@@ -25,14 +26,15 @@
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
 3. A softmax per row (max subtracted, expf), then the weighted sum of V in tiles of
    V_TILE positions: the tile's V rows are decoded once per head (`_quant.decode_row`),
-   then each row adds them, weighed, to its accumulators, 16 columns at a time held in
-   registers across the tile (position by position: the order of a plain loop). No
-   float copy of K or V is made; per head: scores [R][n], accumulators [R][D], one
-   tile of V rows [V_TILE][D] and one group's values [D][32] as floats.
+   then each row adds them, weighed (fused multiply-adds), to its accumulators, 64 columns
+   at a time held in registers across the tile (position by position: the order of a
+   plain loop; four independent vector chains). No float copy of K or V is made; per
+   head: scores [R][n], accumulators [R][D], one tile of V rows [V_TILE][D] and one
+   group's values [D][32] as floats.
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
-from libc.math cimport INFINITY, expf, logf, tanhf
+from libc.math cimport INFINITY, expf, fmaf, logf, tanhf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -41,7 +43,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from kvcore._quant cimport decode_row, f16_to_f32
+from kvcore._quant cimport decode_row
 from kvcore._parallel cimport num_threads
 
 cnp.import_array()
@@ -61,21 +63,21 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
     complete group. codes / scales: the group's first row slot of this head; slot j is
     code_stride / scale_stride elements further and holds channels [j D/32, (j+1) D/32),
     16 code bytes and a (d, m) pair each. lanes: D * 32 floats of scratch: the group's
-    values [D][32]."""
+    values [D][32], then D / 16 floats for a slot's scales."""
     cdef Py_ssize_t per_slot = D // GROUP, j, i, c, r, t
     cdef const uint8_t* b
-    cdef const uint16_t* dm
     cdef float* lane
     cdef float d, m
     cdef float acc[4][GROUP]
     cdef uint8_t by[GROUP_BYTES]
+    cdef float* dm = lanes + D * GROUP      # a slot's (d, m) pairs as float32
     for j in range(GROUP):          # decode the group once: channel c -> lanes[c]
+        decode_row(F16, scales + j * scale_stride, NULL, 2 * per_slot, dm)
         for i in range(per_slot):
             c = j * per_slot + i
             b = codes + j * code_stride + 16 * i
-            dm = scales + j * scale_stride + 2 * i
-            d = f16_to_f32(dm[0])
-            m = f16_to_f32(dm[1])
+            d = dm[2 * i]
+            m = dm[2 * i + 1]
             lane = lanes + c * GROUP
             memcpy(by, b, GROUP_BYTES)      # a local copy: no store to lane may alias it,
             for t in range(GROUP // 2):     # and loops of one store each: both vectorise
@@ -96,10 +98,10 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
 
 
 cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
-    """y[t] += a * x[t] for the 32 positions of a group."""
+    """y[t] += a * x[t] (one rounding) for the 32 positions of a group."""
     cdef Py_ssize_t t
     for t in range(GROUP):
-        y[t] = y[t] + a * x[t]
+        y[t] = fmaf(a, x[t], y[t])
 
 
 cdef struct Variants:
@@ -136,22 +138,54 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     inv[0] = 1 / total
 
 
-cdef inline void _weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m,
-                               Py_ssize_t D) noexcept nogil:
-    """acc[c] += w[t] * vt[t][c] for t < m, position by position, over D (a multiple of
-    16) in blocks of 16 columns that stay in registers across the m rows."""
-    cdef float blk[16]
-    cdef Py_ssize_t c, t, i
-    cdef float a
-    for c in range(0, D, 16):
-        for i in range(16):
-            blk[i] = acc[c + i]
-        for t in range(m):
-            a = w[t]
-            for i in range(16):
-                blk[i] = blk[i] + a * vt[t * D + c + i]
-        for i in range(16):
-            acc[c + i] = blk[i]
+cdef extern from *:
+    """
+    /* acc[c] += w[t] * vt[t][c] (one rounding) for t < m, position by position, over D (a
+       multiple of 32) in blocks of 4 vectors held in registers across the m rows (four
+       independent chains; the last block of D % 64 == 32 columns: 2 AVX-512 vectors). */
+    #if defined(__AVX512F__)
+    #include <immintrin.h>
+    typedef __m512 kvg_v;
+    #define KVG_W 16
+    #define kvg_load _mm512_loadu_ps
+    #define kvg_store _mm512_storeu_ps
+    #define kvg_fma _mm512_fmadd_ps
+    #define kvg_splat _mm512_set1_ps
+    #elif defined(__AVX2__) && defined(__FMA__)
+    #include <immintrin.h>
+    typedef __m256 kvg_v;
+    #define KVG_W 8
+    #define kvg_load _mm256_loadu_ps
+    #define kvg_store _mm256_storeu_ps
+    #define kvg_fma _mm256_fmadd_ps
+    #define kvg_splat _mm256_set1_ps
+    #endif
+    #ifdef KVG_W
+    static inline __attribute__((always_inline)) void kvg_block(
+            float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D, const int nv) {
+        kvg_v a[4];
+        for (int k = 0; k < nv; k++) a[k] = kvg_load(acc + k * KVG_W);
+        for (Py_ssize_t t = 0; t < m; t++) {
+            const kvg_v x = kvg_splat(w[t]);
+            for (int k = 0; k < nv; k++) a[k] = kvg_fma(x, kvg_load(vt + t * D + k * KVG_W), a[k]);
+        }
+        for (int k = 0; k < nv; k++) kvg_store(acc + k * KVG_W, a[k]);
+    }
+    static void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D) {
+        Py_ssize_t c = 0;
+        for (; c + 4 * KVG_W <= D; c += 4 * KVG_W) kvg_block(acc + c, w, vt + c, m, D, 4);
+        if (c < D) kvg_block(acc + c, w, vt + c, m, D, (int)((D - c) / KVG_W));   /* 32 columns */
+    }
+    #else
+    #include <math.h>
+    static void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D) {
+        for (Py_ssize_t c = 0; c < D; c++)
+            for (Py_ssize_t t = 0; t < m; t++) acc[c] = fmaf(w[t], vt[t * D + c], acc[c]);
+    }
+    #endif
+    """
+    void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m,
+                          Py_ssize_t D) noexcept nogil
 
 
 cdef extern from *:
@@ -173,7 +207,7 @@ cdef inline float _dot(const float* x, const float* y, Py_ssize_t D) noexcept no
         part[i] = 0
     for c in range(0, D, 4):
         for i in range(4):
-            part[i] = part[i] + x[c + i] * y[c + i]
+            part[i] = fmaf(x[c + i], y[c + i], part[i])
     return (part[0] + part[1]) + (part[2] + part[3])
 
 
@@ -200,7 +234,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
     cdef float* row = <float*>malloc(D * sizeof(float))
     cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
-    cdef float* lanes = <float*>malloc(D * GROUP * sizeof(float))
+    cdef float* lanes = <float*>malloc((D * GROUP + D // 16) * sizeof(float))
     cdef const char* vsp
     for r in range(R):
         t, g = r // G, r % G
@@ -243,7 +277,7 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
             vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
             decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
         for r in range(R):
-            _weighted_sum(acc + r * D, s + r * n + p0, vt, m, D)
+            kvg_weighted_sum(acc + r * D, s + r * n + p0, vt, m, D)
     for r in range(R):
         t, g = r // G, r % G
         for c in range(D):
