@@ -1587,6 +1587,29 @@ cdef extern from *:
     }
 
     /* 1 when x [n] holds no NaN or inf. */
+    /* s[j] = exp(s[j] - mx) for j < n (kv_exp: 0 below -87.3 and for -inf, NaN stays
+       NaN); returns their sum (per-lane partial sums, then across the lanes). */
+    static float kv_exp_sum(float* s, size_t n, float mx) {
+        kv_vf acc = kv_splat(0.0f);
+        size_t j = 0;
+        for (; j + KV_W <= n; j += KV_W) {
+            const kv_vf e = kv_exp(kv_loadf(s + j) - kv_splat(mx));
+            kv_storef(s + j, e);
+            acc += e;
+        }
+        if (j < n) {
+            float t[KV_W];
+            for (int i = 0; i < KV_W; i++) t[i] = j + i < n ? s[j + i] : -INFINITY;
+            const kv_vf e = kv_exp(kv_loadf(t) - kv_splat(mx));
+            kv_storef(t, e);
+            for (size_t i = 0; j + i < n; i++) s[j + i] = t[i];
+            acc += e;
+        }
+        float total = 0.0f;
+        for (int i = 0; i < KV_W; i++) total += acc[i];
+        return total;
+    }
+
     static int kv_all_finite(const float* x, size_t n) {
         uint32_t bad = 0;
         for (size_t i = 0; i < n; i++) {
@@ -1635,6 +1658,7 @@ cdef extern from *:
     int kv_rows_item(const kv_job* J, int r0, int r1, float* x) noexcept nogil
     bint KV_ROWWISE(const kv_job* J) noexcept nogil
     int kv_all_finite(const float* x, size_t n) noexcept nogil
+    float kv_exp_sum(float* s, size_t n, float mx) noexcept nogil
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
     void kv_softcap_array(const float* x, size_t n, float c, float* out) noexcept nogil
@@ -1645,6 +1669,12 @@ cdef extern from *:
     int KV_W
     int posix_memalign(void** p, size_t alignment, size_t size) noexcept nogil
     void free(void* p) noexcept nogil
+
+cdef float exp_sum(float* s, Py_ssize_t n, float mx) noexcept nogil:
+    """s[j] = exp(s[j] - mx) for j < n, vectorised (a few float32 ulp; 0 below -87.3 and
+    for -inf); returns their sum. For the q4_1ch kernel's softmax (_grouped.pyx)."""
+    return kv_exp_sum(s, <size_t>n, mx)
+
 
 cdef enum:
     MIN_SPLIT = 64   # positions per split at least (a split's start-up costs about that many)

@@ -24,7 +24,7 @@
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
    slots, and the next tile's V rows, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
-3. A softmax per row (max subtracted, expf), then the weighted sum of V in tiles of
+3. A softmax per row (max subtracted, the attention kernel's vector exp), then the weighted sum of V in tiles of
    V_TILE positions: the tile's V rows are decoded once per head (`_quant.decode_row`),
    then each row adds them, weighed (fused multiply-adds), to its accumulators, 64 columns
    at a time held in registers across the tile (position by position: the order of a
@@ -43,6 +43,7 @@ cimport numpy as cnp
 
 import numpy as np
 
+from kvcore._attention cimport exp_sum
 from kvcore._quant cimport decode_row
 from kvcore._parallel cimport num_threads
 
@@ -119,7 +120,7 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     weights, unnormalised (0 where it sees nothing); OUT lse (NULL: not asked) and inv,
     1 / the denominator."""
     cdef Py_ssize_t j
-    cdef float mx = -INFINITY, total = 0, w, c = var.softcap
+    cdef float mx = -INFINITY, total = 0, c = var.softcap
     for j in range(n):
         if (causal and j > p) or (var.window and j <= p - var.window and j >= var.sink_tokens):
             s[j] = -INFINITY        # not seen
@@ -129,10 +130,7 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     if var.sinks != NULL:
         mx = var.sinks[head] if var.sinks[head] > mx else mx
         total = expf(var.sinks[head] - mx)
-    for j in range(n):
-        w = expf(s[j] - mx)         # exp(-inf) = 0
-        s[j] = w
-        total = total + w
+    total = total + exp_sum(s, n, mx)   # exp(-inf) = 0
     if lse != NULL:
         lse[0] = mx + logf(total)
     inv[0] = 1 / total

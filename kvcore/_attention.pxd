@@ -1,0 +1,1 @@
+cdef float exp_sum(float* s, Py_ssize_t n, float mx) noexcept nogil
