@@ -103,6 +103,14 @@ cdef extern from *:
     /* Lanes per vector: the widest registers (GCC 12 keeps a 16-lane vector that has no
        register of its size on the stack, so AVX2 gets 8 lanes), and the register blocks
        that fit 32 (AVX-512) or 16 registers. */
+    /* KV_PIN(v): v stays in a register from here (an empty asm that "changes" it), so GCC
+       does not fold its load into each use; nothing where a vector of KV_W floats is wider
+       than one register (a build without AVX: two SSE registers) */
+    #if defined(__AVX__)
+    #define KV_PIN(v) __asm__("" : "+v"(v))
+    #else
+    #define KV_PIN(v) ((void)0)
+    #endif
     #if defined(__AVX512F__)
     #define KV_W 16
     #define KV_PB 4            /* K rows per score register block: leaves of the tree */
@@ -575,7 +583,7 @@ cdef extern from *:
         }
         for (int r = 0; r < RB; r++) {
             kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
-            __asm__("" : "+v"(qv));   /* one load of q, not one per FMA (GCC folds it into each) */
+            KV_PIN(qv);   /* one load of q, not one per FMA (GCC folds it into each) */
             for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
         }
     }
@@ -1229,7 +1237,7 @@ cdef extern from *:
                 qv[v] = kv_loadf(qt + (size_t)i * KV_ROWS + v * KV_W);
                 /* one load of each q vector, not one per FMA: GCC folded it into each of
                    the KV_BP FMAs and spilled accumulators (prefill 1.2-1.3x slower) */
-                __asm__("" : "+v"(qv[v]));
+                KV_PIN(qv[v]);
             }
             for (int p = 0; p < P; p++) {
                 kv_vf kb = kv_splat(kp[p][i]);
@@ -1566,8 +1574,8 @@ cdef extern from *:
             a0 = kv_fma(a0, m, c); a1 = kv_fma(a1, m, c); a2 = kv_fma(a2, m, c); a3 = kv_fma(a3, m, c);
             a4 = kv_fma(a4, m, c); a5 = kv_fma(a5, m, c); a6 = kv_fma(a6, m, c); a7 = kv_fma(a7, m, c);
             a8 = kv_fma(a8, m, c); a9 = kv_fma(a9, m, c); a10 = kv_fma(a10, m, c); a11 = kv_fma(a11, m, c);
-            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),
-                                  "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+            KV_PIN(a0); KV_PIN(a1); KV_PIN(a2); KV_PIN(a3); KV_PIN(a4); KV_PIN(a5);
+            KV_PIN(a6); KV_PIN(a7); KV_PIN(a8); KV_PIN(a9); KV_PIN(a10); KV_PIN(a11);
         }
         kv_vf t = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
         return t[0];
