@@ -743,16 +743,23 @@ cdef extern from *:
         return k * q;
     #endif
     }
-    /* Lane L of a step at i: b[s ((i + L KV_QG) / 32)] (the block of the lane's codes; s
-       the block's floats: 2 for q4_1's (d, m) pairs, else 1). tail: the step's first block
-       is the row's last; its value in every lane (nothing past the row is read). */
-    KV_INLINE kv_vf kv_qlanes(const float* b, int i, const int s, const int tail) {
+    /* Lane L of a step at i: b[s ((i + L KV_QG) / 32) + which] (the block of the lane's
+       codes; s the block's floats: 2 for q4_1's (d, m) pairs, else 1; which: d 0, m 1).
+       tail: the step's first block is the row's last; its value in every lane (nothing
+       past the row is read). AVX-512: the two blocks' floats in one load, spread by one
+       permute (not two broadcasts and a blend). */
+    KV_INLINE kv_vf kv_qlanes(const float* b, int i, const int s, const int which, const int tail) {
+        const float* p = b + s * (i / 32);
     #if KV_QC == 64
-        if (tail) return kv_splat(b[s * (i / 32)]);
-        return (kv_vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(b[s * (i / 32)]), _mm512_set1_ps(b[s * (i / 32 + 1)]));
+        if (tail) return kv_splat(p[which]);
+        const __m128 x = s == 2 ? _mm_loadu_ps(p) : _mm_castpd_ps(_mm_load_sd((const double*)p));
+        const int hi = s + which;
+        const __m512i idx = _mm512_set_epi32(hi, hi, hi, hi, hi, hi, hi, hi,
+                                             which, which, which, which, which, which, which, which);
+        return (kv_vf)_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(x));
     #else
         (void)tail;
-        return kv_splat(b[s * (i / 32)]);
+        return kv_splat(p[which]);
     #endif
     }
 
@@ -767,8 +774,8 @@ cdef extern from *:
         kv_vf kd[KV_PB], km[KV_PB];
         for (int p = 0; p < KV_PB; p++) {
             k[p] = KV_Q4(fmt) ? kv_qk4(fmt, tail, row[p], i) : kv_qk(tail, row[p] + i, d - i);
-            if (KV_BLOCKED(fmt)) kd[p] = kv_qlanes(bs[p], i, fmt == KV_Q4_1 ? 2 : 1, tail);
-            if (fmt == KV_Q4_1) km[p] = kv_qlanes(bs[p] + 1, i, 2, tail);
+            if (KV_BLOCKED(fmt)) kd[p] = kv_qlanes(bs[p], i, fmt == KV_Q4_1 ? 2 : 1, 0, tail);
+            if (fmt == KV_Q4_1) km[p] = kv_qlanes(bs[p], i, 2, 1, tail);
         }
         for (int r = 0; r < RB; r++) {
             const float* rec = q + (size_t)r * dp;

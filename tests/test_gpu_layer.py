@@ -257,7 +257,7 @@ def test_a_kernel_cut_out_assembles_alone(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
                     reason="nvcc/ptxas not on PATH")
 @pytest.mark.child([sys.executable, os.path.join(ROOT, "tools", "build_ptx.py"), "--check",
-                    "--no-cache", "--jobs", "1", "--archs", "sm_90"])
+                    "--no-cache", "--jobs", "1", "--no-ptxas"])
 def test_build_ptx_check(child):
     assert child.returncode == 0, child.stdout + child.stderr
 

@@ -5,8 +5,8 @@
     python3 tools/build_ptx.py --check    # rebuild into a temp dir, fail on any difference,
                                           # then ptxas -arch=sm_80 and sm_90 -v each PTX, fail on spills
     python3 tools/build_ptx.py --check --no-cache   # the same, ignoring earlier passes
-    python3 tools/build_ptx.py --check --archs sm_90   # ptxas for sm_90 only (the suite's
-                                          # check; assembling for sm_90 proves the ISA too)
+    python3 tools/build_ptx.py --check --no-ptxas   # the PTX only, against nvcc and the
+                                          # build's record of it (the test suite's check)
 
 A passed check of one source is remembered (like ccache) under
 $XDG_CACHE_HOME/kvcore/ptx-check (default ~/.cache), keyed by a hash of every cuda/*.cu
@@ -28,6 +28,10 @@ Resources: cuda/resources.json records, for every kernel, the registers and stat
 memory ptxas assigns it on sm_90 (from the same -v report); the emulated driver answers
 cuFuncGetAttribute and the occupancy query from it, so the emulator picks the split counts
 a device picks. A build rewrites it; --check fails when it differs from ptxas' report.
+It also records each PTX's sha256 and whether any of its kernels spills on sm_80 or sm_90:
+--check --no-ptxas (the test suite's form: nvcc alone, 2 of the full check's 7 CPU minutes
+on a 2-core machine) fails when the shipped PTX is not the one recorded, or spills; the
+full check runs ptxas again and so also proves the record itself.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ PTX_ISA = "7.0"           # the .version every shipped module declares (see abov
 VERSION_LINE = re.compile(rb"^\.version \d+\.\d+$", re.M)
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 RESOURCES = os.path.join(CUDA_DIR, "resources.json")
-ARCHS = ("sm_80", "sm_90")   # --archs: ptxas -v for each; sm_90's report is the recorded one
+NO_PTXAS = False          # --no-ptxas (with --check)
 ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_90'(.*?)(?=Compiling entry|\Z)", re.S)
 
 
@@ -84,11 +88,11 @@ def compile_ptx(src: str, out_dir: str) -> str:
 
 
 def ptxas_report(ptx: str) -> tuple[str, bool]:
-    """ptxas -v for each of ARCHS (each must assemble the file at its .version):
-    (the sm_90 report, whether any kernel spills on any)."""
+    """ptxas -v for sm_80 and sm_90 (both must assemble the file at its .version):
+    (the sm_90 report, whether any kernel spills on either)."""
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ARCHS:
+        for arch in ("sm_80", "sm_90"):
             res = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx, "-o", os.path.join(tmp, "a.cubin")],
                                  capture_output=True, text=True)
             if res.returncode != 0:
@@ -108,23 +112,34 @@ def resources(report: str) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-def _recorded() -> dict[str, dict[str, list[int]]]:
-    """cuda/resources.json's modules ({} when absent)."""
+def _recorded(key: str = "modules") -> dict:
+    """cuda/resources.json's `modules` (or another of its tables; {} when absent)."""
     if not os.path.exists(RESOURCES):
         return {}
     with open(RESOURCES) as f:
-        return json.load(f)["modules"]
+        return json.load(f).get(key, {})
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def write_resources() -> None:
-    """cuda/resources.json from ptxas -v (sm_90) of every shipped PTX."""
+    """cuda/resources.json from ptxas -v (sm_90) of every shipped PTX, with each PTX's
+    sha256 and whether any of its kernels spills on sm_80 or sm_90 (what --no-ptxas
+    checks in ptxas' stead)."""
     names = [os.path.splitext(os.path.basename(s))[0] for s in _largest_first(sources())]
-    reports = _parallel(lambda n: ptxas_report(os.path.join(CUDA_DIR, n + ".ptx"))[0], names)
-    modules = {n: resources(r) for n, r in sorted(zip(names, reports))}
+    reports = _parallel(lambda n: ptxas_report(os.path.join(CUDA_DIR, n + ".ptx")), names)
+    modules = {n: resources(r) for n, (r, _) in sorted(zip(names, reports))}
+    ptx = {n: {"sha256": _sha256(os.path.join(CUDA_DIR, n + ".ptx")), "spills": spills}
+           for n, (_, spills) in sorted(zip(names, reports))}
     text = json.dumps({"arch": "sm_90", "ptxas": _tool_versions().strip().splitlines()[-1],
-                       "kernel": "[registers, static shared bytes]", "modules": modules}, indent=1)
-    with open(RESOURCES, "w") as f:   # one line per kernel
-        f.write(re.sub(r"\[\s+(\d+),\s+(\d+)\s+\]", r"[\1, \2]", text) + "\n")
+                       "kernel": "[registers, static shared bytes]", "modules": modules,
+                       "ptx": ptx}, indent=1)
+    with open(RESOURCES, "w") as f:   # one line per kernel, one per PTX
+        text = re.sub(r"\[\s+(\d+),\s+(\d+)\s+\]", r"[\1, \2]", text)
+        f.write(re.sub(r'\{\s+("sha256": "\w+"),\s+("spills": \w+)\s+\}', r"{\1, \2}", text) + "\n")
     print(f"wrote {os.path.relpath(RESOURCES, ROOT)}")
 
 
@@ -161,13 +176,20 @@ def _check_one(src: str, tmp: str) -> tuple[str, list[str]]:
         if a.read() != b.read():
             return "", [f"cuda/{name} differs from what {os.path.basename(src)} compiles to: "
                         f"run python3 tools/build_ptx.py"]
+    module = os.path.splitext(name)[0]
+    record = _recorded("ptx").get(module, {})
+    stale = [] if record.get("sha256") == _sha256(shipped) else [
+        f"cuda/resources.json does not record cuda/{name} (its sha256): run python3 tools/build_ptx.py"]
+    if NO_PTXAS:
+        spilled = [f"cuda/{name} spills registers (cuda/resources.json)"] if record.get("spills") else []
+        return f"cuda/{name}: up to date; resources as recorded", stale + spilled
     report, spills = ptxas_report(shipped)
     kernels = re.findall(r"entry function '(\w+)'", report)
     regs = re.findall(r"Used (\d+) registers", report)
     line = (f"cuda/{name}: up to date; ptxas sm_90 registers: "
             + ", ".join(f"{k} {r}" for k, r in zip(kernels, regs)))
-    failed = [f"cuda/{name} spills registers on {' or '.join(ARCHS)}:\n{report}"] if spills else []
-    if _recorded().get(os.path.splitext(name)[0]) != resources(report):
+    failed = stale + ([f"cuda/{name} spills registers on sm_80 or sm_90:\n{report}"] if spills else [])
+    if _recorded().get(module) != resources(report):
         failed.append(f"cuda/resources.json does not hold ptxas' registers and shared memory "
                       f"of cuda/{name}: run python3 tools/build_ptx.py")
     return line, failed
@@ -180,7 +202,7 @@ def _tool_versions() -> str:
 
 def _pass_record(src: str, versions: str) -> str:
     """The file that records a passed check of src: named by a hash of every input."""
-    h = hashlib.sha256(versions.encode() + repr((NVCC_FLAGS, PTX_ISA, ARCHS)).encode())
+    h = hashlib.sha256(versions.encode() + repr((NVCC_FLAGS, PTX_ISA, NO_PTXAS)).encode())
     for path in sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu*"))) + [RESOURCES,
             src, os.path.join(CUDA_DIR, os.path.splitext(os.path.basename(src))[0] + ".ptx")]:
         h.update(os.path.basename(path).encode())
@@ -227,7 +249,7 @@ def check(use_cache: bool = True) -> int:
 
 
 def main() -> int:
-    global JOBS, ARCHS
+    global JOBS, NO_PTXAS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="fail if a checked-in PTX is stale, does not assemble for sm_80 and "
@@ -236,14 +258,11 @@ def main() -> int:
                     help="with --check: ignore and do not record earlier passes")
     ap.add_argument("--jobs", type=int, default=JOBS,
                     help=f"sources compiled at once (default: the cores, {JOBS})")
-    ap.add_argument("--archs", default=",".join(ARCHS),
-                    help="with --check: the ptxas targets, comma-separated; sm_90 among them "
-                         f"(its report is the recorded one; default {','.join(ARCHS)})")
+    ap.add_argument("--no-ptxas", action="store_true",
+                    help="with --check: no ptxas; the shipped PTX must be the one whose "
+                         "ptxas report cuda/resources.json records (its sha256), without spills")
     args = ap.parse_args()
-    archs = tuple(a for a in args.archs.split(",") if a)
-    if "sm_90" not in archs or not set(archs) <= {"sm_80", "sm_90"}:
-        ap.error(f"--archs takes sm_90, or sm_80,sm_90, got {args.archs!r}")
-    ARCHS = archs
+    NO_PTXAS = args.no_ptxas
     if args.jobs < 1:
         ap.error(f"--jobs takes 1 or more, got {args.jobs}")
     JOBS = args.jobs
