@@ -215,17 +215,19 @@ cdef extern from *:
     /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
        value / 2^8; q4_0, q4_1: the 4-bit code q). `tail` (a constant): i + KV_W passes d;
        values past d read as 0. */
+    /* The 4-bit codes (q4_0 / q4_1, 0..15) of values [i, i + KV_W) of a row at p, two per
+       byte in ggml's order: value i is in byte (i % 16) of block i / 32 (16 bytes), its
+       low nibble when i % 32 < 16, else its high one. i is a multiple of KV_W (8 or 16):
+       one vector lies in one half of a block, and d % 32 == 0 (no tail). */
+    KV_INLINE kv_vi kv_codes4(const char* p, int i) {
+        const kv_vi c = kv_widen_u8_i32(p + (size_t)(i / 32) * 16 + i % 16);
+        return i & 16 ? c >> 4 : c & 15;
+    }
+
     KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
         char tmp[4 * KV_W];
-        if (KV_Q4(fmt)) {
-            /* 4-bit codes, two per byte in ggml's order: value i is in byte (i % 16) of
-               block i / 32 (16 bytes), its low nibble when i % 32 < 16, else its high one.
-               i is a multiple of KV_W (8 or 16): one vector lies in one half of a block,
-               and d % 32 == 0 (no tail). */
-            const kv_vi c = kv_widen_u8_i32(p + (size_t)(i / 32) * 16 + i % 16);
-            return __builtin_convertvector(i & 16 ? c >> 4 : c & 15, kv_vf);
-        }
+        if (KV_Q4(fmt)) return __builtin_convertvector(kv_codes4(p, i), kv_vf);
         p += (size_t)i * cb;
     #if KV_W == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
         /* masked loads (lanes past d read as 0): the memcpy below is a call, which would
@@ -681,23 +683,22 @@ cdef extern from *:
        high ones 16..31); generic build: as int32 lanes, q4_0's minus 8. tail: only the
        first of two blocks is read (d % 32 == 0: a tail is one block). */
     KV_INLINE kv_qv kv_qk4(const int fmt, const int tail, const char* p, int i) {
-        p += i / 2;
     #if KV_QC == 64
         /* blocks b0, b1 -> [b0, b0, b1, b1] (16-byte quarters), then each quarter's bytes
            shifted right by 0 / 4 bits and masked: [lo b0, hi b0, lo b1, hi b1] */
+        p += i / 2;
         const __m256i x = tail ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256((const __m256i*)p);
         const __m512i v = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(x));
         (void)fmt;
         return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
                                 _mm512_set1_epi8(15));
     #elif KV_QC == 32   /* the block in both halves, the upper shifted by 4 bits */
-        const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+        const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(p + i / 2)));
         (void)fmt; (void)tail;
         return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
     #else
         (void)tail;
-        const kv_vi c = kv_widen_u8_i32(p - i / 2 + (size_t)(i / 32) * 16 + i % 16);
-        return (i & 16 ? c >> 4 : c & 15) - (fmt == KV_Q4_0 ? 8 : 0);
+        return kv_codes4(p, i) - (fmt == KV_Q4_0 ? 8 : 0);
     #endif
     }
     /* KV_QC codes of a query record at p. */

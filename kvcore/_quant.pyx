@@ -190,20 +190,12 @@ cdef extern from *:
         while (xb[j] != 0.0f) j--;
         return xb[j];
     }
-    static inline float kv_first_max_abs(const float* xb) {
-        uint32_t am = 0;
-        int jm = 32;
-        for (int j = 0; j < 32; j++) {
-            uint32_t b; memcpy(&b, xb + j, 4);
-            b &= 0x7fffffffu;
-            am = b > am ? b : am;
-        }
-        for (int j = 0; j < 32; j++) {
-            uint32_t b; memcpy(&b, xb + j, 4);
-            const int c = (b & 0x7fffffffu) == am ? j : 32;
-            jm = c < jm ? c : jm;
-        }
-        return xb[jm];
+    /* The first value of largest |x| of a block whose min mn is -(its max mx): the first
+       equal to mx or mn (a block of zeros: its first zero, of either sign). */
+    static inline float kv_first_max_abs(const float* xb, float mn, float mx) {
+        int j = 0;
+        while (xb[j] != mx && xb[j] != mn) j++;
+        return xb[j];
     }
     static inline void kv_q4_scales(const float* x, int n, int q41, float* sc, float* inv) {
         float mn[KV_Q4G] = {0}, mx[KV_Q4G] = {0}, d[KV_Q4G];
@@ -214,7 +206,7 @@ cdef extern from *:
                 if (mn[b] == 0.0f) mn[b] = kv_last_zero(xb);
                 if (mx[b] == 0.0f) mx[b] = kv_last_zero(xb);
             } else if (mx[b] == -mn[b]) {       /* rare: max |x| of both signs, or zeros */
-                mx[b] = mn[b] = kv_first_max_abs(xb);
+                mx[b] = mn[b] = kv_first_max_abs(xb, mn[b], mx[b]);
             }
         }
         if (q41) {
