@@ -24,11 +24,11 @@
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
    slots, and the next tile's V rows, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
-3. A softmax per row (max subtracted, the attention kernel's vector exp), then the weighted sum of V in tiles of
-   V_TILE positions: the tile's V rows are decoded once per head (`_quant.decode_row`),
-   then each row adds them, weighed (fused multiply-adds), to its accumulators, 64 columns
-   at a time held in registers across the tile (position by position: the order of a
-   plain loop; four independent vector chains). No float copy of K or V is made; per
+3. A softmax per row (max subtracted, the attention kernel's vector exp), then the
+   weighted sum of V in tiles of V_TILE positions: the tile's V rows are decoded once per
+   head (`_quant.decode_row`), then each row adds them, weighed (fused multiply-adds), to
+   its accumulators, 64 columns at a time held in registers across the tile (position by
+   position: the order of a plain loop; four independent vector chains). No float copy of K or V is made; per
    head: scores [R][n], accumulators [R][D], one tile of V rows [V_TILE][D] and one
    group's values [D][32] as floats.
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
