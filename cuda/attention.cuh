@@ -164,14 +164,16 @@ __device__ __forceinline__ void kv_cp_wait() { asm volatile("cp.async.wait_group
 // etc.; sees min(lengths[m] + extra, N) positions; row(p) = p.
 struct KvSlotStorage {
     const unsigned char *k, *v, *ks, *vs;
-    int qrow, n;
+    const unsigned char* kr;  // K q4_1ch: the head's residual [32][D] f16 (else null)
+    int qrow, n, full;        // full: positions in complete groups (K q4_1ch; else n)
     __device__ __forceinline__ size_t row(int p) const { return (size_t)p; }
 };
 
 __device__ __forceinline__ KvSlotStorage kv_slot_storage(
     const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,
-    const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,
-    const int* lengths, int extra, int capacity, int kvh, int RBK, int RBV, int SBK, int SBV) {
+    const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs, const unsigned char* k_res,
+    const int* lengths, int extra, int capacity, int kvh, int hkv, int RBK, int RBV, int SBK, int SBV,
+    int RBR) {
     const int m = blockIdx.z;
     const size_t head = (size_t)kvh * capacity;  // first row of this head in the slot
     KvSlotStorage s;
@@ -182,6 +184,8 @@ __device__ __forceinline__ KvSlotStorage kv_slot_storage(
     const int n = lengths[m] + extra;
     s.qrow = m;
     s.n = n < 0 ? 0 : (n < capacity ? n : capacity);
+    s.kr = RBR ? k_res + ((size_t)m * hkv + kvh) * KV_GROUP * RBR : nullptr;
+    s.full = RBR ? s.n - s.n % KV_GROUP : s.n;
     return s;
 }
 
@@ -196,7 +200,7 @@ __device__ __forceinline__ KvSlotStorage kv_slot_storage(
 struct KvPagedStorage {
     const unsigned char *k, *v, *ks, *vs;
     const int* table;
-    int page_size, hkv, qrow, n;
+    int page_size, hkv, qrow, n, full;  // full: n (K q4_1ch is not paged yet)
     __device__ __forceinline__ size_t row(int p) const {
         return ((size_t)table[p / page_size] * page_size + p % page_size) * hkv;
     }
@@ -229,7 +233,7 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
     s.page_size = page_size;
     s.hkv = hkv;
     s.qrow = r;
-    s.n = n;
+    s.n = s.full = n;
     return s;
 }
 
@@ -240,6 +244,9 @@ template <int FMT, int DPT>
 struct KvSide {
     static constexpr int CB = FMT == KV_F32 ? 4 : (FMT == KV_F16 || FMT == KV_BF16) ? 2 : 1;
     static constexpr int PACK = FMT >= KV_Q4_0 ? 2 : 1;    // values per code byte
+    // q4_1ch (K only): a group's 32 row slots hold its channels' blocks (docs/formats.md);
+    // a thread's dims are consecutive, read by kv_group_krow instead of kv_load_row
+    static constexpr bool GROUPED = FMT == KV_Q4_1CH;
     static constexpr int VB = DPT * CB / PACK;             // code bytes per thread-row
     // code bytes of a stage: 4 KiB; 2 KiB for 4-bit codes, whose tiles then hold as many
     // positions as q8_0's (the partial scores, positions x threads per row, and the
@@ -251,14 +258,14 @@ struct KvSide {
     // (low nibbles) and 8i+4..8i+7 (high), kv_dec_u4x8's order. kofs(k)..kofs(k) + 3 are
     // consecutive for k % 4 == 0.
     __host__ __device__ static constexpr int d0(int c) {
-        return PACK == 1 ? c * DPT : c * VB / 16 * 32 + c * VB % 16;
+        return PACK == 1 || GROUPED ? c * DPT : c * VB / 16 * 32 + c * VB % 16;
     }
     __host__ __device__ static constexpr int kofs(int k) {
-        return PACK == 1 ? k : k / 4 % 2 * 16 + k / 8 * 4 + k % 4;
+        return PACK == 1 || GROUPED ? k : k / 4 % 2 * 16 + k / 8 * 4 + k % 4;
     }
     __host__ __device__ static constexpr int rb(int D) { return D * CB / PACK; }  // code bytes per head row
     __host__ __device__ static constexpr int sb(int D) {   // scale bytes per head row
-        return FMT == KV_Q8_0 || FMT == KV_Q4_0 ? D / 16 : FMT == KV_Q4_1 ? D / 8 : FMT >= KV_INT8 ? 4 : 0;
+        return FMT == KV_Q8_0 || FMT == KV_Q4_0 ? D / 16 : FMT == KV_Q4_1 || GROUPED ? D / 8 : FMT >= KV_INT8 ? 4 : 0;
     }
 };
 
@@ -280,6 +287,12 @@ struct AttnCfg {
     static constexpr int DPT = KF == VF || DPT_KV < 8 ? DPT_KV : 8;
     using K = KvSide<KF, DPT>;
     using V = KvSide<VF, DPT>;
+    // K in q4_1ch: a tile is one group of 32 positions (its row slots hold it whole), the
+    // stages sized for 32 rows of the largest D; the partial scores are summed over the
+    // row's threads by shuffles (head_dims whose threads per row divide 32: 32, 64, 128, 256)
+    static constexpr bool GROUPED = K::GROUPED;
+    __host__ __device__ static constexpr int tbk(int DT) { return GROUPED ? KV_GROUP * K::rb(DT ? DT : 256) : K::TB; }
+    __host__ __device__ static constexpr int tbv(int DT) { return GROUPED ? KV_GROUP * V::rb(DT ? DT : 256) : V::TB; }
     static constexpr int STAGES = GB >= 8 ? 3 : 4;
     static constexpr int HPW = (GB + KV_ATTN_WARPS - 1) / KV_ATTN_WARPS;  // heads per warp
     // q in shared memory (q_s, read where it is used) instead of registers: at GB 8 and
@@ -307,7 +320,7 @@ struct AttnCfg {
     // positions per tile: <= a stage's codes of K and of V and <= KV_MAX_TILE positions
     // (unless one row group pass takes more: small D), a whole number of row-group passes
     __host__ __device__ static constexpr int tile(int D) {
-        return rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
+        return GROUPED ? KV_GROUP : rg(D) * (rows_cap(D) / rg(D) > 0 ? rows_cap(D) / rg(D) : 1);
     }
     __host__ __device__ static constexpr int rows_cap(int D) {
         const int k = K::TB / K::rb(D), v = V::TB / V::rb(D), kv = k < v ? k : v;
@@ -319,7 +332,7 @@ struct AttnCfg {
         int m = 0;
         constexpr int step = K::PACK == 2 || V::PACK == 2 ? 32 : 16;
         for (int D = DT ? DT : step; D <= (DT ? DT : 256); D += step) {
-            const int x = what == 0 ? tile(D) : what == 1 ? tile(D) * tpr(D)
+            const int x = what == 0 ? tile(D) : what == 1 ? tile(D) * (GROUPED ? 1 : tpr(D))
                         : what == 2 ? tile(D) * K::sb(D) : what == 4 ? tile(D) * V::sb(D)
                         : (rg(D) / 2) * D * 4 * GB;
             m = x > m ? x : m;
@@ -332,10 +345,10 @@ struct AttnCfg {
     // A stage: K codes at 0, V codes at V_OFF, K scales at ks_off, V scales at vs_off;
     // padded so that the stages hold the reduction buffer (only the 4-bit formats' smaller
     // stages at D = 256 need it).
-    static constexpr int V_OFF = K::TB;
+    __host__ __device__ static constexpr int v_off(int DT) { return tbk(DT); }
     // K and V rows of the same code and scale bytes (one format): copied in one loop
     static constexpr bool SAME_ROWS = K::CB == V::CB && K::PACK == V::PACK && K::sb(32) == V::sb(32);
-    __host__ __device__ static constexpr int ks_off(int DT) { return K::TB + V::TB; }
+    __host__ __device__ static constexpr int ks_off(int DT) { return tbk(DT) + tbv(DT); }
     __host__ __device__ static constexpr int vs_off(int DT) { return ks_off(DT) + (max_over(DT, 2) + 15) / 16 * 16; }
     __host__ __device__ static constexpr int stage_bytes(int DT) {
         return vs_off(DT) + (max_over(DT, 4) + 15) / 16 * 16 > (red_max(DT) + STAGES * 16 - 1) / (STAGES * 16) * 16
@@ -363,6 +376,34 @@ __device__ __forceinline__ float kv_tile_dequant(const unsigned char* s, int r, 
         return ((const float*)s)[r];
     }
     return 1.0f;
+}
+
+// K in q4_1ch: the thread's DPT consecutive dims d0.. of tile row r. A complete group (the
+// tile, T = 32 row slots): channel c's 16 code bytes at codes + 16 c (ggml's nibble order:
+// positions 0..15 low, 16..31 high), its (d, m) at scale word c, decoded q * d + m in the
+// CPU's two roundings; the open group: the head's float16 residual res [32][D] (global
+// memory; tiles start groups, so row r is residual slot r).
+template <int DPT>
+__device__ __forceinline__ void kv_group_krow(const unsigned char* codes, const unsigned char* scales,
+                                              const unsigned char* res, bool open, int r, int d0,
+                                              int D, float* f) {
+    if (open) {
+        const uint4* p = (const uint4*)((const uint16_t*)res + (size_t)r * D + d0);
+#pragma unroll
+        for (int k = 0; k < DPT; k += 8) {
+            const uint4 u = p[k / 8];
+            kv_dec_h2(u.x, f + k); kv_dec_h2(u.y, f + k + 2); kv_dec_h2(u.z, f + k + 4); kv_dec_h2(u.w, f + k + 6);
+        }
+    } else {
+        const int shift = (r >> 4) << 2, b = r & 15;
+#pragma unroll
+        for (int k = 0; k < DPT; k++) {
+            float dm[2];
+            kv_dec_h2(((const uint32_t*)scales)[d0 + k], dm);
+            const float q = (float)((codes[16 * (d0 + k) + b] >> shift) & 15);
+            f[k] = __fadd_rn(__fmul_rn(q, dm[0]), dm[1]);
+        }
+    }
 }
 
 // The thread's VB code bytes of one row (16, 8 or 4, aligned) of side S (a KvSide of
@@ -432,6 +473,7 @@ __device__ __forceinline__ void kv_attn_split(
     using V = typename C::V;
     constexpr int T_MAX = C::t_max(DT), RW = (T_MAX + 31) / 32;
     constexpr int KS_OFF = C::ks_off(DT), VS_OFF = C::vs_off(DT), STAGE_BYTES = C::stage_bytes(DT);
+    constexpr int V_OFF = C::v_off(DT);
     static_assert(C::red_max(DT) <= C::STAGES * STAGE_BYTES, "reduction buffer must fit");
     __shared__ __align__(16) unsigned char stages[C::STAGES][STAGE_BYTES];
     __shared__ __align__(16) float part[GB * C::part_max(DT)];  // [g][row][c]
@@ -439,7 +481,7 @@ __device__ __forceinline__ void kv_attn_split(
     constexpr bool QS = C::qs(DT);
     __shared__ __align__(16) float q_s[QS ? GB * (DT ? DT : 256) : 4];  // [g][D] (QS)
     __shared__ float alpha_s[GB], m_s[GB], l_s[GB], inv_s[GB], cap_s;
-    __shared__ int win_s[3];
+    __shared__ int win_s[5];
 
     const int D = DT ? DT : d;
     const int RBK = K::rb(D), RBV = V::rb(D), SBK = K::sb(D), SBV = V::sb(D);
@@ -459,10 +501,21 @@ __device__ __forceinline__ void kv_attn_split(
     // and tiles cut the visible indices, so the work follows the window, a tile never
     // spans the gap, and no position outside what the query sees (no page, in the pool)
     // is read. Without a window: s_pad = shift = 0, visible index = position.
+    // K q4_1ch: tiles start groups, so the window's tiles start at lo rounded down to a
+    // group, and the positions in [gap_lo, gap_hi) (what the query does not see between
+    // the sinks and the window) are masked as a tile's tail is; when no whole group lies
+    // in the gap, one run from 0 takes the sinks, the gap and the window.
     const int n = src.n;
     int lo = window > 0 && n > window ? n - window : 0;
     if (sink_tokens >= lo) lo = 0;                       // the sinks reach the window
-    const int s_end = lo > 0 ? sink_tokens : 0;
+    int s_end = lo > 0 ? sink_tokens : 0;
+    int gap_lo = 0, gap_hi = 0;
+    if constexpr (C::GROUPED) {
+        gap_lo = s_end;
+        gap_hi = lo;
+        lo -= lo % KV_GROUP;
+        if (lo <= (s_end + T - 1) / T * T) lo = s_end = 0;
+    }
     const int s_pad = (s_end + T - 1) / T * T;
     const int shift = lo - s_pad;
     const int nv = n - shift;
@@ -506,7 +559,9 @@ __device__ __forceinline__ void kv_attn_split(
         if (t < ntiles) {
             unsigned char* st = stages[t % C::STAGES];
             const int p0 = tile_pos(t, w);
-            const int rows = tile_rows(t, w);
+            // K q4_1ch: a complete group's 32 row slots hold every position's channels, so
+            // all are copied even where only some rows are seen (a sink tile)
+            const int rows = C::GROUPED && p0 + T <= src.full ? T : tile_rows(t, w);
             // 16-byte pieces of the K and V rows: one loop over both when their rows are
             // of the same size (one format), else one over each
             const int pk = RBK / 16, pv = RBV / 16;
@@ -520,7 +575,7 @@ __device__ __forceinline__ void kv_attn_split(
                     bool ok;
                     const size_t off = piece(i, pk, RBK, ok);
                     kv_cp16(st + i * 16, src.k + off, ok ? 16 : 0);
-                    kv_cp16(st + C::V_OFF + i * 16, src.v + off, ok ? 16 : 0);
+                    kv_cp16(st + V_OFF + i * 16, src.v + off, ok ? 16 : 0);
                 }
             } else {
                 for (int i = tid; i < T * pk; i += KV_ATTN_THREADS) {
@@ -531,7 +586,7 @@ __device__ __forceinline__ void kv_attn_split(
                 for (int i = tid; i < T * pv; i += KV_ATTN_THREADS) {
                     bool ok;
                     const size_t off = piece(i, pv, RBV, ok);
-                    kv_cp16(st + C::V_OFF + i * 16, src.v + off, ok ? 16 : 0);
+                    kv_cp16(st + V_OFF + i * 16, src.v + off, ok ? 16 : 0);
                 }
             }
             if constexpr (C::SAME_ROWS && K::sb(16) > 0) {
@@ -583,6 +638,8 @@ __device__ __forceinline__ void kv_attn_split(
         win_s[0] = s_pad;
         win_s[1] = shift;
         win_s[2] = min(end, s_end);
+        win_s[3] = gap_lo;
+        win_s[4] = gap_hi;
     }
 
     // q for this thread's dims of the GB heads, pre-scaled for base-2 softmax.
@@ -616,13 +673,21 @@ __device__ __forceinline__ void kv_attn_split(
         const int rows = tile_rows(t, win_s);
 
         // a. partial scores of the thread's dims
+        // (K q4_1ch: the tile is one group, complete (codes) or open (the residual))
+        const int p0 = tile_pos(t, win_s);
+        const bool open = C::GROUPED && p0 >= src.full;
         if (rg < RG) {
 #pragma unroll
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float kf[C::DPT];
-                kv_load_row<KF, K>(st + r * RBK + c * K::VB, kf);
-                const float sc = kv_tile_dequant<KF, C::DPT>(st + KS_OFF, r, K::d0(c), D, kf);
+                float sc = 1.0f;
+                if constexpr (C::GROUPED) {
+                    kv_group_krow<C::DPT>(st, st + KS_OFF, src.kr, open, r, K::d0(c), D, kf);
+                } else {
+                    kv_load_row<KF, K>(st + r * RBK + c * K::VB, kf);
+                    sc = kv_tile_dequant<KF, C::DPT>(st + KS_OFF, r, K::d0(c), D, kf);
+                }
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
                     float qv[C::DPT];
@@ -636,7 +701,12 @@ __device__ __forceinline__ void kv_attn_split(
                     float s = 0.0f;
 #pragma unroll
                     for (int k = 0; k < C::DPT; k++) s = fmaf(qv[k], kf[k], s);
-                    part[(g * T + r) * TPR + c] = s * sc;
+                    if constexpr (C::GROUPED) {  // the row's TPR threads: consecutive lanes
+                        for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+                        if (c == 0) part[g * T + r] = s;
+                    } else {
+                        part[(g * T + r) * TPR + c] = s * sc;
+                    }
                 }
             }
         }
@@ -653,10 +723,14 @@ __device__ __forceinline__ void kv_attn_split(
                 for (int i = 0; i < RW; i++) {
                     const int r = lane + 32 * i;
                     s[i] = -INFINITY;
-                    if (r < rows) {
-                        const float* pp = part + (g * T + r) * TPR;
+                    if (r < rows && !(C::GROUPED && p0 + r >= win_s[3] && p0 + r < win_s[4])) {
                         float v = 0.0f;
-                        for (int cc = 0; cc < TPR; cc++) v += pp[cc];
+                        if constexpr (C::GROUPED) {
+                            v = part[g * T + r];
+                        } else {
+                            const float* pp = part + (g * T + r) * TPR;
+                            for (int cc = 0; cc < TPR; cc++) v += pp[cc];
+                        }
                         // soft-capping (base 2: softcap2 = c log2(e)); masked rows stay -inf
                         const float cap = cap_s;  // (from shared memory: see below)
                         s[i] = cap > 0.0f ? cap * tanhf(v / cap) : v;
@@ -698,7 +772,7 @@ __device__ __forceinline__ void kv_attn_split(
             for (int j = 0; j < RPT; j++) {
                 const int r = rg + j * RG;
                 float vf[C::DPT];
-                kv_load_row<VF, V>(st + C::V_OFF + r * RBV + c * V::VB, vf);
+                kv_load_row<VF, V>(st + V_OFF + r * RBV + c * V::VB, vf);
                 const float sc = kv_tile_dequant<VF, C::DPT>(st + VS_OFF, r, V::d0(c), D, vf);
 #pragma unroll
                 for (int g = 0; g < GB; g++) {
@@ -785,23 +859,26 @@ __device__ __forceinline__ void kv_attn_split(
 // kv_attn_<format>_d<D>_g<GB> (a pair: <format> = <k>_<v>): GpuKVCache slots. Grid
 //   (nsplit, Hkv * G / GB, M). k_ptrs/v_ptrs [M] u64 -> codes [Hkv][N][W] of K's / V's
 //   format; ks_ptrs/vs_ptrs [M] u64 -> scales [Hkv][N][S] (int8/fp8 f32, q8_0/q4_0/q4_1
-//   f16; ignored by float formats); lengths [M] int32 (+ extra, at most capacity N).
+//   f16; ignored by float formats); k_res: K q4_1ch's residual [M][Hkv][32][D] f16 of the
+//   layer (ignored by every other K format); lengths [M] int32 (+ extra, at most capacity N).
 // kv_pattn_<format>_d<D>_g<GB>: GpuKVPool step rows (KvPagedStorage). Grid (nsplit,
 //   Hkv * G / GB, R). k_codes.. v_scales: one layer's bases; block_tables int32
 //   [max_batch][max_pages]; lengths int32 [max_batch]; q_offsets int32 [max_batch + 1].
 // D is 64, 128, 256 or x (any multiple of 16 up to 256, given as d).
-#define KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, GB)                                             \
+#define KV_ATTN_SLOT(KF, VF, NAME, DN, DT, GB)                                                 \
     extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, false)) kv_attn_##NAME##_d##DN##_g##GB( \
         const unsigned long long* k_ptrs, const unsigned long long* v_ptrs,                    \
         const unsigned long long* ks_ptrs, const unsigned long long* vs_ptrs,                  \
-        const int* lengths, int extra, int capacity, KV_ATTN_ARGS) {                           \
+        const unsigned char* k_res, const int* lengths, int extra, int capacity, KV_ATTN_ARGS) { \
         using C = AttnCfg<KF, VF, GB>;                                                         \
         const int D = DT ? DT : d;                                                             \
         kv_attn_split<KF, VF, DT, GB>(                                                         \
-            kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, lengths, extra, capacity,        \
-                            kv_block_kvh(group, GB), C::K::rb(D), C::V::rb(D), C::K::sb(D),    \
-                            C::V::sb(D)), KV_ATTN_PASS);                                       \
-    }                                                                                          \
+            kv_slot_storage(k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, k_res, lengths, extra, capacity, \
+                            kv_block_kvh(group, GB), gridDim.y * GB / group, C::K::rb(D),      \
+                            C::V::rb(D), C::K::sb(D), C::V::sb(D), C::GROUPED ? 2 * D : 0),    \
+            KV_ATTN_PASS);                                                                     \
+    }
+#define KV_ATTN_PAGED(KF, VF, NAME, DN, DT, GB)                                                \
     extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
         const unsigned char* k_codes, const unsigned char* v_codes,                            \
         const unsigned char* k_scales, const unsigned char* v_scales,                          \
@@ -815,11 +892,16 @@ __device__ __forceinline__ void kv_attn_split(
                              kv_block_kvh(group, GB), C::K::rb(D), C::V::rb(D), C::K::sb(D),   \
                              C::V::sb(D)), KV_ATTN_PASS);                                      \
     }
-#define KV_ATTN_GB(KF, VF, NAME, DN, DT) \
-    KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 1) KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 2) \
-    KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 4) KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, 8)
+#define KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, GB) \
+    KV_ATTN_SLOT(KF, VF, NAME, DN, DT, GB) KV_ATTN_PAGED(KF, VF, NAME, DN, DT, GB)
+#define KV_ATTN_GB(KF, VF, NAME, DN, DT, EACH) \
+    EACH(KF, VF, NAME, DN, DT, 1) EACH(KF, VF, NAME, DN, DT, 2) \
+    EACH(KF, VF, NAME, DN, DT, 4) EACH(KF, VF, NAME, DN, DT, 8)
+#define KV_ATTN_DIMS(KF, VF, NAME, EACH) \
+    KV_ATTN_GB(KF, VF, NAME, 64, 64, EACH) KV_ATTN_GB(KF, VF, NAME, 128, 128, EACH) \
+    KV_ATTN_GB(KF, VF, NAME, 256, 256, EACH) KV_ATTN_GB(KF, VF, NAME, x, 0, EACH)
 // Every instance of K in format KF and V in VF (one format: KF == VF), named NAME.
-#define KV_ATTN_PAIR(KF, VF, NAME) \
-    KV_ATTN_GB(KF, VF, NAME, 64, 64) KV_ATTN_GB(KF, VF, NAME, 128, 128) \
-    KV_ATTN_GB(KF, VF, NAME, 256, 256) KV_ATTN_GB(KF, VF, NAME, x, 0)
+#define KV_ATTN_PAIR(KF, VF, NAME) KV_ATTN_DIMS(KF, VF, NAME, KV_ATTN_INSTANCE)
 #define KV_ATTN_FORMAT(FMT, NAME) KV_ATTN_PAIR(FMT, FMT, NAME)
+// The GpuKVCache instances only (K q4_1ch: GpuKVPool does not hold it yet).
+#define KV_ATTN_SLOT_PAIR(KF, VF, NAME) KV_ATTN_DIMS(KF, VF, NAME, KV_ATTN_SLOT)

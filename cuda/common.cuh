@@ -1,7 +1,8 @@
 // kvcore device codecs, shared by every kernel in cuda/*.cu.
 //
 // 1. Format ids equal kvcore/formats.py: f32=0, f16=1, bf16=2, int8=3, fp8_e4m3=4,
-//    fp8_e5m2=5, q8_0=6, q4_0=7, q4_1=8. Kernel inputs (q, k, v) use the first three as
+//    fp8_e5m2=5, q8_0=6, q4_0=7, q4_1=8, q4_1ch=9 (q4_1 by channel over groups of 32
+//    positions, K only: docs/formats.md; its group encoder is in encode.cuh). Kernel inputs (q, k, v) use the first three as
 //    dtype ids.
 // 2. Every encoder here is bit-identical to the CPU encoder of kvcore/_quant.pyx for
 //    finite input (the CPU is the reference). Rules that need separate roundings use
@@ -38,6 +39,8 @@
 #define KV_Q8_0 6
 #define KV_Q4_0 7
 #define KV_Q4_1 8
+#define KV_Q4_1CH 9
+#define KV_GROUP 32  // positions per group of q4_1ch (one q4_1 block per channel)
 
 #define KV_Q8_0_BLOCK 32
 #define KV_QK 32  // values per block of q8_0, q4_0, q4_1
@@ -198,7 +201,7 @@ __device__ __forceinline__ float kv_input_limit(int fmt) {
     if (fmt == KV_BF16) return __int_as_float(KV_BF16_LIMIT_BITS);
     if (fmt == KV_Q8_0) return KV_Q8_0_LIMIT;
     if (fmt == KV_Q4_0) return KV_Q4_0_LIMIT;
-    if (fmt == KV_Q4_1) return KV_Q4_1_LIMIT;
+    if (fmt == KV_Q4_1 || fmt == KV_Q4_1CH) return KV_Q4_1_LIMIT;
     if (fmt == KV_INT8) return __int_as_float(KV_INT8_LIMIT_BITS);
     return __int_as_float(0x7f800000);
 }
@@ -209,5 +212,5 @@ __device__ __forceinline__ int kv_code_row_bytes(int fmt, int D) {
 }
 
 __device__ __forceinline__ int kv_scale_row_bytes(int fmt, int D) {
-    return fmt == KV_Q8_0 || fmt == KV_Q4_0 ? D / 16 : fmt == KV_Q4_1 ? D / 8 : fmt >= KV_INT8 ? 4 : 0;
+    return fmt == KV_Q8_0 || fmt == KV_Q4_0 ? D / 16 : fmt == KV_Q4_1 || fmt == KV_Q4_1CH ? D / 8 : fmt >= KV_INT8 ? 4 : 0;
 }

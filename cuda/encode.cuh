@@ -48,22 +48,45 @@ __device__ __forceinline__ void encode_q4_block(int fmt, float x, uint8_t* codes
     if (lane < 16) codes[lane] = (uint8_t)(q | q_hi << 4);
 }
 
-// Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
-// Returns 0, or (writing nothing) KV_ERR_NONFINITE / KV_ERR_RANGE for a row holding NaN
-// or inf / a finite |x| >= kv_input_limit(fmt).
-__device__ int encode_row(const void* in, int in_dtype, long long base, int D, int fmt,
-                          void* codes, void* scales, int lane) {
+// Checks one head row of D input values (one warp): 0, KV_ERR_NONFINITE for NaN or inf, or
+// KV_ERR_RANGE for a finite |x| >= kv_input_limit(fmt); the same answer in every lane.
+__device__ int check_row(const void* in, int in_dtype, long long base, int D, int fmt, int lane) {
     const float limit = kv_input_limit(fmt);
     bool nonfinite = false, range = false;
-    float amax = 0.0f;
     for (int j = lane; j < D; j += WARP) {
-        float x = kv_load_input(in, in_dtype, base + j);
+        const float x = kv_load_input(in, in_dtype, base + j);
         nonfinite |= !isfinite(x);
         range |= isfinite(x) && fabsf(x) >= limit;
-        amax = fmaxf(amax, fabsf(x));
     }
     if (__any_sync(0xffffffffu, nonfinite)) return KV_ERR_NONFINITE;
-    if (__any_sync(0xffffffffu, range)) return KV_ERR_RANGE;
+    return __any_sync(0xffffffffu, range) ? KV_ERR_RANGE : 0;
+}
+
+// q4_1ch (docs/formats.md): one warp encodes a complete group of one head, lane t holding
+// position t of the group; x(c) is the lane's value of channel c (float16-rounded, as the
+// CPU's residual holds it). Channel c = j D/32 + i goes to the group's row slot j: its 16
+// code bytes at codes + j code_stride + 16 i, its (d, m) at scales + j scale_stride + 2 i
+// (uint16 units), by the q4_1 rule (encode_q4_block), bit-identical to kvcore.quantize.
+template <class X>
+__device__ void encode_group(const X& x, int D, uint8_t* codes, long long code_stride,
+                             uint16_t* scales, long long scale_stride, int lane) {
+    const int per = D / KV_GROUP;  // channels per row slot
+    for (int c = 0; c < D; c++) {
+        const int j = c / per, i = c % per;
+        encode_q4_block(KV_Q4_1, x(c), codes + j * code_stride + 16 * i,
+                        scales + j * scale_stride + 2 * i, lane);
+    }
+}
+
+// The float16 rounding of an input value, as a float (what q4_1ch's residual holds).
+__device__ __forceinline__ float kv_round_f16(float x) { return kv_f16_to_f32(kv_f32_to_f16(x)); }
+
+// Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
+// Returns 0, or (writing nothing) check_row's KV_ERR_NONFINITE / KV_ERR_RANGE.
+__device__ int encode_row(const void* in, int in_dtype, long long base, int D, int fmt,
+                          void* codes, void* scales, int lane) {
+    const int refused = check_row(in, in_dtype, base, D, fmt, lane);
+    if (refused) return refused;
 
     if (fmt == KV_F32 || fmt == KV_F16 || fmt == KV_BF16) {
         for (int j = lane; j < D; j += WARP) {
@@ -89,6 +112,8 @@ __device__ int encode_row(const void* in, int in_dtype, long long base, int D, i
             encode_q4_block(fmt, kv_load_input(in, in_dtype, base + b * KV_QK + lane),
                             (uint8_t*)codes + b * (KV_QK / 2), (uint16_t*)scales + b * S, lane);
     } else {  // int8, fp8_e4m3, fp8_e5m2: one f32 scale per row
+        float amax = 0.0f;
+        for (int j = lane; j < D; j += WARP) amax = fmaxf(amax, fabsf(kv_load_input(in, in_dtype, base + j)));
         float s = kv_row_scale(fmt, warp_max(amax));
         for (int j = lane; j < D; j += WARP)
             ((uint8_t*)codes)[j] = kv_scaled_code(fmt, kv_load_input(in, in_dtype, base + j), s);

@@ -16,7 +16,51 @@
 //    bits into an exception naming the slots at its next sync, and clears them.
 // 4. active (int32[M], or null for every slot): with slot < 0, a slot whose entry is 0 is
 //    neither written nor committed (idle slots of a replayed graph).
+// 5. K in q4_1ch (by channel over groups of 32 positions, docs/formats.md): a row goes to
+//    the slot's residual, float16 k_res [M][Hkv][32][D] (slot p mod 32), and a group is
+//    encoded into its 32 row slots when its last position is written (from the float16
+//    values, as the CPU does). T rows of one slot take two launches: mode 1 only checks
+//    (status bits), mode 2 writes only the slots whose status is still clear, so that a
+//    refused step leaves the residual of the committed positions untouched (a step
+//    crossing a group boundary overwrites residual slots of the open group).
 #include "encode.cuh"
+
+// The K warp of one head of one slot for a K in q4_1ch, for input row r (at k_in + in_base,
+// rows s_r apart) of the T rows written at positions [len, len + T) (one position: T = 1,
+// r = 0). The warp of row 0, and of each row that starts a group, takes the group its row
+// starts: when the rows complete it, it is encoded (encode_group) from the residual's
+// positions before len and the input's; the warp of row 0 then writes the positions of the
+// last, open group into the residual (after its own group read it). codes [N][D/2] and
+// scales [N][D/16] are the head's rows, res [32][D] its residual.
+__device__ void append_group(const void* k_in, int in_dtype, long long in_base, long long s_r,
+                             int D, int len, int r, int T, uint8_t* codes, uint16_t* scales,
+                             uint16_t* res, int lane) {
+    const int pos = len + r, W = D / 2, S = D / 16;
+    auto input = [&](int p, int c) {               // position p's input value (float16-rounded)
+        return kv_round_f16(kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c));
+    };
+    auto to_residual = [&](int p_lo, int p_hi) {   // input positions [p_lo, p_hi) -> residual
+        for (int p = p_lo; p < p_hi; p++)
+            for (int c = lane; c < D; c += WARP) res[(p % KV_GROUP) * D + c] = kv_f32_to_f16(input(p, c));
+    };
+    const int g0 = pos - pos % KV_GROUP, end = len + T;
+    if (r != 0 && pos != g0) return;               // not the start of a group
+    if (g0 + KV_GROUP <= end) {                     // the group completes: encode it
+        const int t = g0 + lane;                    // the lane's position
+        encode_group([&](int c) {
+            return t < len ? kv_f16_to_f32(res[(t % KV_GROUP) * D + c]) : input(t, c);
+        }, D, codes + (long long)g0 * W, W, scales + (long long)g0 * S, S, lane);
+    } else if (r != 0) {
+        return;                                     // the open group: the first row's warp
+    }
+    if (r == 0) {
+        const int open = end - end % KV_GROUP;      // the positions of the open group
+        if (open < end) {
+            __syncwarp(0xffffffffu);                // the group above has read the residual
+            to_residual(open > pos ? open : pos, end);
+        }
+    }
+}
 
 // Appends one step to one layer.
 //   k_in, v_in [R][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
@@ -25,14 +69,17 @@
 //   lengths int32[M] (read only), status int32[M] (OR'ed), active int32[M] or null
 //   slot < 0: R = M, row r goes to slot r at position lengths[r] (when active[r] != 0)
 //   slot >= 0: R = T rows go to slot `slot` at positions lengths[slot] + r
+//   k_res: K q4_1ch's residual [M][Hkv][32][D] f16 of the layer (null for other formats)
+//   mode: 0 check and write each row; 1 check only; 2 write the slots whose status is 0
+//   (K q4_1ch with slot >= 0: mode 1, then mode 2)
 // One warp per head row: warps [0, R*Hkv) write K, [R*Hkv, 2*R*Hkv) write V. Every value a
 // warp branches on is the same in all its lanes (one slot per warp).
 extern "C" __global__ void kv_append(
         const void* __restrict__ k_in, const void* __restrict__ v_in, int in_dtype,
         long long s_r, long long s_h,
-        void* k_codes, void* v_codes, void* k_scales, void* v_scales,
+        void* k_codes, void* v_codes, void* k_scales, void* v_scales, void* k_res,
         const int* __restrict__ lengths, int* status, const int* __restrict__ active,
-        int k_fmt, int v_fmt, int M, int Hkv, int N, int D, int slot, int T) {
+        int k_fmt, int v_fmt, int M, int Hkv, int N, int D, int slot, int T, int mode) {
     const int lane = threadIdx.x & (WARP - 1);
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int R = slot < 0 ? M : T;
@@ -50,12 +97,29 @@ extern "C" __global__ void kv_append(
         if (lane == 0 && h == 0 && !is_v && (slot < 0 || r == 0)) atomicOr(&status[s], KV_ERR_CAPACITY);
         return;
     }
+    if (mode == 2 && status[s] != 0) return;        // refused by the checking launch
     const int pos = len + (slot < 0 ? 0 : r);
-    const long long row = ((long long)s * Hkv + h) * N + pos;
-
-    const int refused = encode_row_into(k_in, v_in, in_dtype, r * s_r + h * s_h, D,
-                                        is_v ? v_fmt : k_fmt, is_v, k_codes, v_codes,
-                                        k_scales, v_scales, row, lane);
+    const long long head = (long long)s * Hkv + h, row = head * N + pos;
+    const long long in_base = r * s_r + h * s_h;
+    const int fmt = is_v ? v_fmt : k_fmt;
+    int refused = 0;
+    if (mode == 1) {
+        refused = check_row(is_v ? v_in : k_in, in_dtype, in_base, D, fmt, lane);
+    } else if (fmt == KV_Q4_1CH) {                  // K by channel (is_v is false)
+        uint16_t* res = (uint16_t*)k_res + head * KV_GROUP * D;
+        if (slot >= 0) {
+            append_group(k_in, in_dtype, in_base, s_r, D, len, r, T,
+                         (uint8_t*)k_codes + head * N * (D / 2), (uint16_t*)k_scales + head * N * (D / 16),
+                         res, lane);
+        } else if (!(refused = check_row(k_in, in_dtype, in_base, D, fmt, lane))) {
+            append_group(k_in, in_dtype, in_base, s_r, D, pos, 0, 1,
+                         (uint8_t*)k_codes + head * N * (D / 2), (uint16_t*)k_scales + head * N * (D / 16),
+                         res, lane);
+        }
+    } else {
+        refused = encode_row_into(k_in, v_in, in_dtype, in_base, D, fmt, is_v, k_codes, v_codes,
+                                  k_scales, v_scales, row, lane);
+    }
     if (refused && lane == 0) atomicOr(&status[s], refused);
 }
 

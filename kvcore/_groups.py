@@ -5,8 +5,9 @@ q4_1ch), so a group's codes are written once its last position is there. Until t
 K values wait in the sequence's **residual**: float16 [L][G][Hkv][D] (G = 32), slot
 p % G holding the K of position p, rounded to float16 (whose range holds every value
 q4_1ch takes: |x| < 65520). Per layer the residual holds one group, `held[layer]` its
-first position (-1: none yet): the group of the layer's last written position, open or
-just completed. An append that completes a group encodes it from the residual into its G
+first position (-1: none): the open group of the layer's last written position; once a
+group completes it is read from its codes only (as on the GPU, whose residual slots the
+next group reuses). An append that completes a group encodes it from the residual into its G
 row slots; decode attention and `dequantize` read complete groups from the codes and the
 open group from the residual.
 
@@ -73,6 +74,7 @@ class KeyGroups:
                 c, s = quantize(res.swapaxes(0, 1), self.fmt)  # [Hkv, G, W], [Hkv, G, S]
                 codes[first:first + G] = c.swapaxes(0, 1)
                 scales[first:first + G] = cast(np.ndarray, s).swapaxes(0, 1)
+                self.held[layer] = -1       # complete: read from its codes from now on
 
     def truncate(self, layer: int, n: int, codes: np.ndarray, scales: np.ndarray,
                  row: Rows) -> None:

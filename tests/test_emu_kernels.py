@@ -67,12 +67,12 @@ def test_entries_from_the_signatures():
     P = kernels.ParamInfo
     assert mod.entries["kv_advance"] == (P(8, True),) * 3 + (P(4, False),) * 4
     sizes = [p.size for p in mod.entries["kv_append"]]
-    assert sizes == [8, 8, 4, 8, 8] + [8] * 7 + [4] * 8    # ..., k_fmt, v_fmt, M, Hkv, N, D, slot, T
+    assert sizes == [8, 8, 4, 8, 8] + [8] * 8 + [4] * 9    # ..., k_res, ..., k_fmt, v_fmt, M, Hkv, N, D, slot, T, mode
     attn = kernels.load("attention_q8_0")
     # (slot and paged storage) x (D 64, 128, 256, run-time D) x (1, 2, 4, 8 heads per block)
     assert len(attn.entries) == 32 and {"kv_attn_q8_0_d256_g8", "kv_pattn_q8_0_dx_g1"} <= set(attn.entries)
     assert [p.is_pointer for p in attn.entries["kv_attn_q8_0_d64_g1"]] == (
-        [True] * 5 + [False] * 3 + [True] + [False] * 4 + [True] * 4 + [False] * 3 + [True])
+        [True] * 6 + [False] * 3 + [True] + [False] * 4 + [True] * 4 + [False] * 3 + [True])
     assert [p.is_pointer for p in attn.entries["kv_pattn_q8_0_dx_g1"]] == (
         [True] * 5 + [False] + [True] * 2 + [False] * 5 + [True] + [False] * 4 + [True] * 4
         + [False] * 3 + [True])   # the variants: window, sink_tokens, softcap2, sinks
@@ -186,7 +186,8 @@ def test_kv_append_bit_exact_with_quantize(fmt, in_dtype, rng):
     heads = M * Hkv * 2
     _launch(mod, "kv_append", ((heads + 7) // 8, 1, 1), (256, 1, 1), k, v, dt_id,
             k.strides[0] // isz, k.strides[1] // isz, k_codes, v_codes,
-            k_scales if S else 0, v_scales if S else 0, lengths, err, 0, f.id, f.id, M, Hkv, N, D, -1, 1, seed=3)
+            k_scales if S else 0, v_scales if S else 0, 0, lengths, err, 0, f.id, f.id, M, Hkv, N, D, -1, 1, 0,
+            seed=3)
     assert (err == 0).all()
     for src, codes, scales in ((k, k_codes, k_scales), (v, v_codes, v_scales)):
         ref_codes, ref_scales = kvcore.quantize(src, fmt)
@@ -212,9 +213,9 @@ def test_kv_append_rows_into_one_slot_and_refusals(fmt, rng):
     err = np.zeros(M, np.int32)  # status per slot
     codes = np.full((M, Hkv, N, D * f.code_bytes), 0xFF, np.uint8)
     scales = np.full((M, Hkv, N, max(sb, 1)), 0xFF, np.uint8)
-    args = (x, x, 0, Hkv * D, D, codes, codes.copy(), scales if S else 0, scales.copy() if S else 0,
+    args = (x, x, 0, Hkv * D, D, codes, codes.copy(), scales if S else 0, scales.copy() if S else 0, 0,
             lengths, err, 0, f.id, f.id, M, Hkv, N, D)
-    _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T)
+    _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T, 0)
     assert list(err) == [0, 2]  # KV_ERR_NONFINITE for the NaN row, on its slot
     ref = kvcore.quantize(np.nan_to_num(x), fmt)
     for r in range(T):
@@ -229,9 +230,9 @@ def test_kv_append_rows_into_one_slot_and_refusals(fmt, rng):
     # capacity: 4 + 3 rows do not fit N = 6: nothing anywhere, KV_ERR_CAPACITY
     err[:] = 0
     fresh = np.full_like(codes, 0xFF)
-    args = (x, x, 0, Hkv * D, D, fresh, fresh.copy(), scales if S else 0, scales.copy() if S else 0,
+    args = (x, x, 0, Hkv * D, D, fresh, fresh.copy(), scales if S else 0, scales.copy() if S else 0, 0,
             lengths, err, 0, f.id, f.id, M, Hkv, 6, D)
-    _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T)
+    _launch(mod, "kv_append", (2, 1, 1), (256, 1, 1), *args, 1, T, 0)
     assert list(err) == [0, 1] and (fresh == 0xFF).all()
 
 
@@ -247,7 +248,7 @@ def test_f16_conversions_exact(rng):
     codes = np.full((R, 1, 1, 256 * 4), 0xFF, np.uint8)
     err = np.zeros(R, np.int32)  # status per slot
     _launch(mod, "kv_append", ((2 * R + 7) // 8, 1, 1), (256, 1, 1), h, h, 1, 256, 256, codes, codes.copy(),
-            0, 0, np.zeros(R, np.int32), err, 0, 0, 0, R, 1, 1, 256, -1, 1)
+            0, 0, 0, np.zeros(R, np.int32), err, 0, 0, 0, R, 1, 1, 256, -1, 1, 0)
     assert (err == 0).all()
     np.testing.assert_array_equal(codes.view(np.float32).reshape(R, 256), h.reshape(R, 256).astype(np.float32))
     # f32 -> f16: halfway points between neighbouring f16 values (ties to even), +-1 ulp of
@@ -263,7 +264,7 @@ def test_f16_conversions_exact(rng):
     R = x.shape[0]
     codes = np.full((R, 1, 1, 512), 0xFF, np.uint8)
     _launch(mod, "kv_append", ((2 * R + 7) // 8, 1, 1), (256, 1, 1), x, x, 0, 256, 256, codes, codes.copy(),
-            0, 0, np.zeros(R, np.int32), err, 0, 1, 1, R, 1, 1, 256, -1, 1)
+            0, 0, 0, np.zeros(R, np.int32), err, 0, 1, 1, R, 1, 1, 256, -1, 1, 0)
     assert (err == 0).all()
     np.testing.assert_array_equal(codes.view(np.uint16).reshape(-1), x.astype(np.float16).view(np.uint16).reshape(-1))
 
@@ -325,7 +326,7 @@ def run_attention(fmt, D, group, Hkv, lengths, N, nsplit, rng, *, extra=0, seed=
     sinks32 = None if sinks is None else np.asarray(sinks, np.float32)
     dn = D if D in (64, 128, 256) else "x"   # other head_dims: the run-time-D instance
     _launch(mod, f"kv_attn_{fmt}_d{dn}_g{GB}", (nsplit, Hkv * group // GB, M), (128, 1, 1),
-            ptrs[0], ptrs[1], sptrs[0], sptrs[1], lens, extra, N, D, q, dt_id, Hq, group,
+            ptrs[0], ptrs[1], sptrs[0], sptrs[1], 0, lens, extra, N, D, q, dt_id, Hq, group,
             ctypes.c_float(scale * LOG2E), out, 0, ws_o, ws_lse, window or 0, sink_tokens,
             ctypes.c_float(np.float32((softcap or 0.0) * LOG2E)),
             0 if sinks32 is None else sinks32, seed=seed)

@@ -26,11 +26,31 @@ ATTENTION_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "
 POOL_TESTS = ["tests/test_gpu_pool.py", "tests/test_gpu_pool_graph.py"]
 APPEND_TESTS = ["tests/test_gpu_cache.py", "tests/test_emu_kernels.py", "-k", "append or cache or f16"]
 Q4_TESTS = ["tests/test_gpu_cache.py", "tests/test_gpu_attention.py", "-k", "q4 or 4bit"]
+GROUP_TESTS = ["tests/test_gpu_groups.py"]
 VARIANT_TESTS = ["tests/test_gpu_attention.py", "tests/test_emu_kernels.py", "tests/test_gpu_pool.py",
                  "tests/test_gpu_graph.py", "-k", "variant or window or sink"]
 
 # name: (file, original text, mutated text, what it models, tests to run)
 MUTANTS = {
+    "group-write-unchecked": (
+        "kv_append.cu",
+        "    if (mode == 2 && status[s] != 0) return;",
+        "",
+        "K q4_1ch: the writing launch of T rows ignores what the checking launch refused",
+        GROUP_TESTS),
+    "group-unrounded": (
+        "kv_append.cu",
+        "        return kv_round_f16(kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c));",
+        "        return kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c);",
+        "K q4_1ch: a group is encoded from its float32 input, not the float16 values the residual "
+        "and the CPU hold",
+        GROUP_TESTS),
+    "group-nibble": (
+        "attention.cuh",
+        "        const int shift = (r >> 4) << 2, b = r & 15;",
+        "        const int shift = (r >> 3 & 1) << 2, b = r & 15;",
+        "K q4_1ch attention: positions 8..15 of a group read the high nibble",
+        GROUP_TESTS),
     "missing-barrier": (
         "attention.cuh",
         "        __syncthreads();\n\n        // b. online softmax",

@@ -43,9 +43,10 @@ RESOURCES = os.path.join(ROOT, "cuda", "resources.json")
 SMS, REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 132, 65536, 228 * 1024, 2048, 32
 
 CODE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "q8_0": 1,
-              "q4_0": 1, "q4_1": 1}
-PACK = {"q4_0": 2, "q4_1": 2}   # values per code byte (others: 1)
-SCALE_BYTES = {"q8_0": 2 / 32, "q4_0": 2 / 32, "q4_1": 4 / 32}   # per value (int8/fp8: 4 a row)
+              "q4_0": 1, "q4_1": 1, "q4_1ch": 1}
+PACK = {"q4_0": 2, "q4_1": 2, "q4_1ch": 2}   # values per code byte (others: 1)
+SCALE_BYTES = {"q8_0": 2 / 32, "q4_0": 2 / 32, "q4_1": 4 / 32, "q4_1ch": 4 / 32}   # per value (int8/fp8: 4 a row)
+GROUP = 32   # K q4_1ch: a tile is one group of positions
 # block sizes kvcore launches the other kernels with, and their reads per pass (D = 128)
 OTHERS = {"kv_attn_merge": (128, 128 * 4, "one ws_o float per thread and split"),
           "kv_append": (256, 8 * 128 * 4, "one input head row (f32) per warp"),
@@ -84,6 +85,8 @@ def split_in_flight(fmt: str, d: int, gb: int) -> int:
     rg = 128 // tpr
     rows_cap = min(4096 // PACK.get(k, 1) // rb(k), 4096 // PACK.get(v, 1) // rb(v), 64)
     tile = rg * max(rows_cap // rg, 1)      # 4 KiB of K a tile (2 KiB for 4-bit codes), as much of V
+    if k == "q4_1ch":
+        tile = GROUP
     stages = 3 if gb >= 8 else 4
     return (stages - 1) * tile * (rb(k) + sb(k) + rb(v) + sb(v))
 

@@ -198,6 +198,21 @@ def check_head_dim(head_dim: int, what: str) -> None:
         raise FormatError(f"{what} needs head_dim a multiple of 16 from 16 to 256, got {head_dim}")
 
 
+GROUPED_HEAD_DIMS = (32, 64, 128, 256)   # K q4_1ch: a row's threads (D / 8) divide a warp
+
+
+def check_grouped_k(spec, what: str) -> None:
+    """FormatError for what the K q4_1ch kernels do not take (cuda/attention.cuh: a tile
+    is one group, its threads' partial dots summed by shuffles): a head_dim other than
+    GROUPED_HEAD_DIMS. Every other K format passes."""
+    if not spec.k_fmt.group:
+        return
+    if spec.head_dim not in GROUPED_HEAD_DIMS:
+        raise FormatError(f"{what}: K format {spec.k_format} needs head_dim 32, 64, 128 or 256 "
+                          f"on the GPU, got {spec.head_dim} (decode attention on the CPU takes "
+                          f"any multiple of 32)")
+
+
 def split_kernel(fmt_name: str, head_dim: int, group: int, ctx, *, paged: bool):
     """(function, heads per block, resident blocks on the device) of the split kernel for
     a GpuKVCache (paged=False) or a GpuKVPool (paged=True); fmt_name: a format, or a K/V
@@ -274,6 +289,7 @@ class AttentionPlan(driver.DeviceOwner):
         self.variants = check_variants(spec, window=window, sink_tokens=sink_tokens,
                                        sinks=sinks, softcap=softcap, stream=cache.stream,
                                        ctx=cache.ctx)
+        check_grouped_k(spec, "GPU decode attention")
         self.cache = cache
         self.ctx = cache.ctx
         self.generation = cache.generation
@@ -354,6 +370,7 @@ class AttentionPlan(driver.DeviceOwner):
         storage = [
             (c.k_ptrs(layer).ptr, None), (c.v_ptrs(layer).ptr, None),
             (c.k_scale_ptrs(layer).ptr, None), (c.v_scale_ptrs(layer).ptr, None),
+            (c.residual_ptr(layer), None),
             (c.lengths.ptr, None), (pending, ctypes.c_int), (s.capacity, ctypes.c_int)]
         launch_split(self._fn, self._fn_merge, storage, self.shape, s.num_kv_heads, self.group,
                      self.gb, self.num_splits, q.ptr, kernels.INPUT_DTYPES[self.q_dtype], self.scale,

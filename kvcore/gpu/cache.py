@@ -27,7 +27,7 @@ import ctypes
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .._validate import check_index, float_input_dtypes
 from ..errors import (CapacityError, DTypeError, FormatError, NonFiniteError, ShapeError,
                       SnapshotError, SpecError, StateError)
 from ..formats import Format, describe
+from ..quant import dequantize
 from ..snapshot import Snapshot, fit_snapshot
 from ..spec import KVSpec
 from . import driver, kernels
@@ -58,19 +59,23 @@ GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4
 """The formats the GPU kernels hold for K and V (every one of kvcore.formats.ROW_FORMATS)."""
 GPU_PAIRS = ("q8_0/q4_0", "f16/q4_0")
 """The K/V pairs of two formats the GPU kernels hold (KVSpec(k_format=, v_format=))."""
+GPU_CACHE_PAIRS = ("q4_1ch/q4_1", "q4_1ch/q4_0")
+"""The K/V pairs that GpuKVCache holds and GpuKVPool does not yet: K q4_1ch (KIVI's layout)."""
 
 
-def check_gpu_format(spec: KVSpec, what: str) -> None:
+def check_gpu_format(spec: KVSpec, what: str, *, paged: bool = False) -> None:
     """FormatError unless the GPU kernels have spec's format: every format that stores K
-    and V (kvcore.formats.ROW_FORMATS) for both, and the K/V pairs of GPU_PAIRS."""
-    if spec.k_fmt.group:
+    and V (kvcore.formats.ROW_FORMATS) for both, the K/V pairs of GPU_PAIRS, and in a
+    GpuKVCache (paged False) those of GPU_CACHE_PAIRS."""
+    if spec.k_fmt.group and paged:
         raise FormatError(f"{what}: K format {spec.k_format} (by channel over groups of "
-                          f"{spec.k_fmt.group} positions) is not on the GPU: KVCache on the "
-                          f"CPU holds it")
-    if spec.paired and spec.format not in GPU_PAIRS:
+                          f"{spec.k_fmt.group} positions) is not paged on the GPU yet: "
+                          f"GpuKVCache holds it, and KVPool on the CPU")
+    pairs = GPU_PAIRS if paged else GPU_PAIRS + GPU_CACHE_PAIRS
+    if spec.paired and spec.format not in pairs:
         raise FormatError(f"{what}: K format {spec.k_format} and V format {spec.v_format}: the "
                           f"GPU kernels hold one format for both or the K/V pairs "
-                          f"{', '.join(GPU_PAIRS)} (KVCache and KVPool on the CPU hold every pair)")
+                          f"{', '.join(pairs)} (KVCache and KVPool on the CPU hold every pair)")
 
 
 def region_format(spec: KVSpec, region: str) -> Format:
@@ -122,16 +127,34 @@ class GpuLayout:
 
     @cached_property
     def offsets(self) -> dict[str, int]:
-        """Byte offsets of the regions k_codes, v_codes, k_scales, v_scales."""
+        """Byte offsets of the regions k_codes, v_codes, k_scales, v_scales, and of
+        k_residual (K q4_1ch's open groups, float16 [L][M][Hkv][32][D]; empty otherwise)."""
         out, off = {}, 0
         for region in REGIONS:
             out[region] = off
             off += _align(self.region_bytes(region))
+        out["k_residual"] = off
         return out
+
+    @cached_property
+    def residual_shape(self) -> tuple[int, ...] | None:
+        """[L, M, Hkv, 32, D] of K q4_1ch's residual (float16: slot p mod 32 holds
+        position p of the open group), None for every other K format."""
+        s, g = self.spec, self.spec.k_fmt.group
+        return (s.num_layers, self.slots, s.num_kv_heads, g, s.head_dim) if g else None
+
+    @property
+    def residual_bytes(self) -> int:
+        return 0 if self.residual_shape is None else 2 * math.prod(self.residual_shape)
+
+    def residual_offset(self, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot)'s residual [Hkv][32][D] (K q4_1ch)."""
+        _, M, H, G, D = cast(tuple, self.residual_shape)
+        return self.offsets["k_residual"] + (layer * M + slot) * H * G * D * 2
 
     @property
     def data_bytes(self) -> int:
-        return sum(_align(self.region_bytes(r)) for r in REGIONS)
+        return self.offsets["k_residual"] + _align(self.residual_bytes)
 
     # metadata: [k_codes ptrs][v_codes ptrs][k_scales ptrs][v_scales ptrs] uint64 [L][M],
     # then lengths int32[M], then the status int32[M] (error bits per slot)
@@ -351,6 +374,22 @@ class GpuKVCache(driver.DeviceOwner):
     def value_scales(self, layer: int) -> DeviceArray:
         return self._region_view("v_scales", layer)
 
+    def residual_ptr(self, layer: int) -> int:
+        """Address of `layer`'s K q4_1ch residual [M][Hkv][32][D] float16; 0 for every
+        other K format."""
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        return self._data.ptr + self.layout.residual_offset(layer, 0) if self.layout.residual_shape else 0
+
+    def key_residual(self, layer: int) -> DeviceArray:
+        """K q4_1ch's residual of `layer`: float16 [M, Hkv, 32, D], slot p mod 32 holding
+        position p of each slot's open group; FormatError for every other K format."""
+        if not self.layout.residual_shape:
+            raise FormatError(f"K format {self.spec.k_format} has no residual (only q4_1ch, by "
+                              f"channel over groups of positions, has one)")
+        return self._data.view(self.layout.residual_shape[1:], np.float16,
+                               offset=self.residual_ptr(layer) - self._data.ptr, producer=self)
+
     @property
     def memory_bytes(self) -> int:
         """Exact device bytes allocated (data and metadata)."""
@@ -397,20 +436,25 @@ class GpuKVCache(driver.DeviceOwner):
         lay, base, meta = self.layout, self._data.ptr, self._meta.ptr
         heads = k.shape[0] * s.num_kv_heads * 2
         grid = ((heads + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1)
-        driver.launch(self._fn_append, grid, (32 * _APPEND_WARPS, 1, 1), [
+        args = [
             (k.ptr, None), (v.ptr, None), (in_dtype, ctypes.c_int),
             (k.strides[0] // isz, ctypes.c_longlong), (k.strides[1] // isz, ctypes.c_longlong),
             (base + lay.slot_offset("k_codes", layer, 0), None),
             (base + lay.slot_offset("v_codes", layer, 0), None),
             (base + lay.slot_offset("k_scales", layer, 0) if s.k_fmt.quantized else 0, None),
             (base + lay.slot_offset("v_scales", layer, 0) if s.v_fmt.quantized else 0, None),
+            (self.residual_ptr(layer), None),
             (meta + lay.meta_offsets["lengths"], None), (meta + lay.meta_offsets["status"], None),
             (self._active_ptr(active, slot), None),
             (s.k_fmt.id, ctypes.c_int), (s.v_fmt.id, ctypes.c_int), (self.slots, ctypes.c_int),
             (s.num_kv_heads, ctypes.c_int),
             (s.capacity, ctypes.c_int), (s.head_dim, ctypes.c_int),
-            (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int),
-        ], stream=st)
+            (-1 if slot is None else slot, ctypes.c_int), (T, ctypes.c_int)]
+        # K q4_1ch, T rows of one slot: check every row first (mode 1), then write (mode 2),
+        # so that a refused step leaves the residual as it was (cuda/kv_append.cu)
+        for mode in (1, 2) if s.k_fmt.group and slot is not None else (0,):
+            driver.launch(self._fn_append, grid, (32 * _APPEND_WARPS, 1, 1),
+                          args + [(mode, ctypes.c_int)], stream=st)
         self.launched_on(st)
 
     @driver.in_context
@@ -532,7 +576,28 @@ class GpuKVCache(driver.DeviceOwner):
         """Rolls `slot` back to its first n positions (0 <= n <= length)."""
         cur = self.length(slot)
         n = check_index("n", n, cur + 1)
+        G = self.spec.k_fmt.group
+        if G and n % G and n - n % G + G <= cur:   # into a complete group: decode it (K q4_1ch)
+            start = n - n % G
+            codes, scales = self._group_host(slot, start)
+            res = dequantize(codes, scales, self.spec.k_fmt).astype(np.float16)  # [L][Hkv][G][D]
+            for layer in range(self.spec.num_layers):
+                self._data.copy_from_host(res[layer], offset=self.layout.residual_offset(layer, slot))
         self._set_length(slot, n)
+
+    def _group_host(self, slot: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """K codes uint8 [L][Hkv][G][W] and scales float16 [L][Hkv][G][S] of the group of
+        `slot` starting at position `start` (K q4_1ch), copied to the host."""
+        s, f = self.spec, self.spec.k_fmt
+        out = []
+        for region in ("k_codes", "k_scales"):
+            width = f.code_width(s.head_dim) if region == "k_codes" else f.scales_per_row(s.head_dim)
+            host = np.empty((s.num_layers, s.num_kv_heads, f.group, width),
+                            f.code_dtype if region == "k_codes" else f.scale_dtype)
+            self._copy3d(region, slot, range(s.num_layers), f.group, host=host, to_host=True, first=start)
+            out.append(host)
+        self.stream.synchronize()
+        return out[0], out[1]
 
     @driver.in_context
     def reset(self, slot: int | None = None) -> None:
@@ -546,16 +611,16 @@ class GpuKVCache(driver.DeviceOwner):
 
     def _copy3d(self, region: str, slot: int, layers: range, n: int, *,
                 host: np.ndarray | None = None, src: "GpuKVCache | None" = None,
-                to_host: bool = False) -> None:
-        """Copies positions [0, n) of `layers` of (region, slot): with the host array
-        [len(layers)][Hkv][n][row] (either way), or from slot 0 of src. One cuMemcpy3DAsync
-        when every pitch is within the device's largest (plan_copy3d)."""
+                to_host: bool = False, first: int = 0) -> None:
+        """Copies positions [first, first + n) of `layers` of (region, slot): with the host
+        array [len(layers)][Hkv][n][row] (either way), or from slot 0 of src (first 0).
+        One cuMemcpy3DAsync when every pitch is within the device's largest (plan_copy3d)."""
         drv = driver.cuda()
         f, s = region_format(self.spec, region), self.spec
         row = f.code_row_bytes(s.head_dim) if region.endswith("codes") else f.scale_row_bytes(s.head_dim)
         heads = s.num_kv_heads
-        dev = CopySide(True, self._data.ptr + self.layout.slot_offset(region, layers.start, slot),
-                       s.capacity, self.slots * heads)
+        dev = CopySide(True, self._data.ptr + self.layout.slot_offset(region, layers.start, slot)
+                       + first * row, s.capacity, self.slots * heads)
         if src is not None:
             a = CopySide(True, src._data.ptr + src.layout.slot_offset(region, layers.start, 0),
                          src.spec.capacity, src.slots * heads)
@@ -597,10 +662,27 @@ class GpuKVCache(driver.DeviceOwner):
             if n:
                 self._copy3d(region, slot, range(L), n, host=host, to_host=True)
             parts[region] = host
+        res = self._residual_host(slot) if s.k_fmt.group else None
         self.stream.synchronize()
         parts = {k: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1, 3))
                  for k, a in parts.items()}
-        return Snapshot(s, n, parts["k_codes"], parts["v_codes"], parts["k_scales"], parts["v_scales"])
+        if res is None:
+            return Snapshot(s, n, parts["k_codes"], parts["v_codes"], parts["k_scales"], parts["v_scales"])
+        full = n - n % s.k_fmt.group               # the open group: rows without codes yet
+        parts["k_codes"][:, full:] = 0
+        parts["k_scales"][:, full:] = 0
+        return Snapshot(s, n, parts["k_codes"], parts["v_codes"], parts["k_scales"], parts["v_scales"],
+                        k_residual=np.ascontiguousarray(res[:, :, :n - full].transpose(0, 2, 1, 3)))
+
+    def _residual_host(self, slot: int) -> np.ndarray:
+        """K q4_1ch's residual of `slot`, every layer: float16 [L][Hkv][32][D] (queued on
+        the stream: synchronise before reading)."""
+        shape = cast(tuple, self.layout.residual_shape)
+        out = np.empty((shape[0],) + shape[2:], np.float16)
+        for layer in range(shape[0]):
+            self._data.copy_to_host(out[layer], offset=self.layout.residual_offset(layer, slot),
+                                    stream=self.stream)
+        return out
 
     def _check_source(self, src_spec: KVSpec, n: int, what: str) -> None:
         a, b = self.spec, src_spec
@@ -643,6 +725,13 @@ class GpuKVCache(driver.DeviceOwner):
             if n:
                 for region in (r for r in REGIONS if self.layout.itemsize(r)):
                     self._copy3d(region, slot, layers, n, src=src)
+            if self.layout.residual_shape:
+                nbytes = self.layout.residual_offset(0, 1) - self.layout.residual_offset(0, 0)
+                for layer in layers:
+                    ptr = driver.cuda().CUdeviceptr
+                    driver.call("cuMemcpyDtoDAsync", ptr(self._data.ptr + self.layout.residual_offset(layer, slot)),
+                                ptr(src._data.ptr + src.layout.residual_offset(layer, 0)), nbytes,
+                                self.stream.handle)
         elif isinstance(src, Snapshot):
             src = fit_snapshot(s, src, requantize=requantize)
             n = src.length
@@ -655,6 +744,14 @@ class GpuKVCache(driver.DeviceOwner):
                 host = np.ascontiguousarray(arr[layers.start:layers.stop].transpose(0, 2, 1, 3))
                 hosts.append(host)
                 self._copy3d(region, slot, layers, n, host=host)
+            if self.layout.residual_shape:            # the open group (K q4_1ch)
+                res = np.zeros(self.layout.residual_shape[:1] + self.layout.residual_shape[2:], np.float16)
+                open_ = cast(np.ndarray, src.k_residual)
+                res[:, :, :open_.shape[1]] = open_.transpose(0, 2, 1, 3)
+                hosts.append(res)
+                for layer in layers:
+                    self._data.copy_from_host(res[layer], offset=self.layout.residual_offset(layer, slot),
+                                              stream=self.stream)
         else:
             raise DTypeError(f"invalid type of src: expected Snapshot or GpuKVCache, got {type(src).__name__}")
         self.stream.synchronize()

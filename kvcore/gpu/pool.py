@@ -217,7 +217,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
                  store=None, store_writer=None, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
-        check_gpu_format(spec, "GpuKVPool")
+        check_gpu_format(spec, "GpuKVPool", paged=True)
         P, ps = _positive("num_pages", num_pages), _positive("page_size", page_size)
         self.max_batch = _positive("max_batch", max_batch)
         self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq)
