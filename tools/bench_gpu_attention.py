@@ -28,7 +28,8 @@ from _benchlib import print_table  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096, 16384, 32768)
-FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
+FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1",
+           "q4_1ch/q4_1")   # K q4_1ch (KIVI's layout; GpuKVCache only) with V q4_1
 REPEAT = 15
 
 
@@ -64,9 +65,9 @@ def copy_bandwidth(torch, timer) -> float:
 
 
 def _fill_random(torch, cache, ctx_len):
-    """Random valid codes and scales in every slot, lengths = ctx_len (torch, in place)."""
-    f = cache.spec.fmt
-    for arr in (cache.keys(0), cache.values(0)):
+    """Random valid codes and scales in every slot (and K q4_1ch's residual), lengths =
+    ctx_len (torch, in place)."""
+    for f, arr in zip(cache.spec.fmts, (cache.keys(0), cache.values(0))):
         t = torch.as_tensor(arr, device="cuda")
         if f.name == "f32":
             t.normal_()
@@ -78,9 +79,11 @@ def _fill_random(torch, cache, ctx_len):
             t.random_(-127, 128)
         else:  # fp8: finite codes only; 4-bit: any byte
             t.random_(0, 0x7C)
-    if f.quantized:
-        for arr in (cache.key_scales(0), cache.value_scales(0)):
-            torch.as_tensor(arr, device="cuda").uniform_(0.001, 0.01)
+    for f, scales in zip(cache.spec.fmts, (cache.key_scales, cache.value_scales)):
+        if f.quantized:
+            torch.as_tensor(scales(0), device="cuda").uniform_(0.001, 0.01)
+    if cache.spec.k_fmt.group:
+        torch.as_tensor(cache.key_residual(0), device="cuda").normal_()
     torch.as_tensor(cache.lengths, device="cuda").fill_(ctx_len)
     torch.cuda.synchronize()
 
@@ -116,7 +119,7 @@ def attention_section(torch, timer, copy_gbs) -> None:
                 assert torch.isfinite(out).all()
                 plan.free()
                 cache.free()
-                kv_bytes = batch * ctx_len * spec.rows_per_position * spec.fmt.row_bytes(D)
+                kv_bytes = batch * ctx_len * spec.bytes_per_position
                 gbs = kv_bytes / (ms * 1e-3) / 1e9
                 row_t.append(f"{ms * 1e3:.1f} ({t_torch / ms:.2f}x)")
                 row_f.append(f"{gbs / copy_gbs:.2f}")

@@ -24,7 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_ARGS = ["tests/test_emu_kernels.py", "tests/test_gpu_attention.py", "tests/test_gpu_cache.py",
-                "tests/test_gpu_graph.py", "tests/test_gpu_layer.py"]
+                "tests/test_gpu_graph.py", "tests/test_gpu_layer.py", "tests/test_gpu_groups.py"]
 
 
 class AsanPlugin:
