@@ -199,8 +199,9 @@ __device__ __forceinline__ KvSlotStorage kv_slot_storage(
 // p % page_size) * Hkv, the kv head's offset being in the bases.
 struct KvPagedStorage {
     const unsigned char *k, *v, *ks, *vs;
+    const unsigned char* kr;  // K q4_1ch: the sequence's residual [32][D] f16 (else null)
     const int* table;
-    int page_size, hkv, qrow, n, full;  // full: n (K q4_1ch is not paged yet)
+    int page_size, hkv, qrow, n, full;  // full: positions in complete groups (K q4_1ch; else n)
     __device__ __forceinline__ size_t row(int p) const {
         return ((size_t)table[p / page_size] * page_size + p % page_size) * hkv;
     }
@@ -208,9 +209,10 @@ struct KvPagedStorage {
 
 __device__ __forceinline__ KvPagedStorage kv_paged_storage(
     const unsigned char* k_codes, const unsigned char* v_codes,
-    const unsigned char* k_scales, const unsigned char* v_scales,
-    const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,
-    int max_batch, int page_size, int hkv, int causal, int kvh, int RBK, int RBV, int SBK, int SBV) {
+    const unsigned char* k_scales, const unsigned char* v_scales, const unsigned char* k_res,
+    const int* res_slots, const int* block_tables, int max_pages, const int* lengths,
+    const int* q_offsets, int max_batch, int page_size, int hkv, int causal, int kvh, int RBK,
+    int RBV, int SBK, int SBV, int RBR) {
     const int r = blockIdx.z;
     int lo = 0, hi = max_batch;  // the last b with q_offsets[b] <= r (q_offsets[0] = 0)
     while (hi - lo > 1) {
@@ -218,9 +220,9 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
         if (q_offsets[mid] <= r) lo = mid; else hi = mid;
     }
     const int t = r - q_offsets[lo], count = q_offsets[lo + 1] - q_offsets[lo];
-    int n = 0;
+    int n = 0, len = 0;
     if (t < count) {
-        const int len = min(lengths[lo], max_pages * page_size);
+        len = min(lengths[lo], max_pages * page_size);
         n = causal ? len - count + t + 1 : len;
         n = n < 0 ? 0 : (n < len ? n : len);
     }
@@ -233,7 +235,11 @@ __device__ __forceinline__ KvPagedStorage kv_paged_storage(
     s.page_size = page_size;
     s.hkv = hkv;
     s.qrow = r;
-    s.n = s.full = n;
+    s.n = n;
+    // the residual holds the positions after the sequence's last complete group, of all
+    // `len` (the step's tokens see fewer, causal, but read what the step left)
+    s.kr = RBR ? k_res + ((size_t)res_slots[lo] * hkv + kvh) * KV_GROUP * RBR : nullptr;
+    s.full = RBR ? len - len % KV_GROUP : n;
     return s;
 }
 
@@ -310,8 +316,11 @@ struct AttnCfg {
     // spills 4-24 bytes on sm_80 (none on sm_90).
     // 3 too for the pool kernels of a K/V pair at 4 heads, or with q_s (at 128 registers
     // ptxas spills 4-52 bytes on sm_80).
+    // 2 for the pool kernels of K q4_1ch: without it ptxas spilled 8 bytes at 72 registers
+    // (d64_g2 on sm_90), with 3 or 4 more.
     __host__ __device__ static constexpr int min_blocks(int DT, bool paged) {
-        return KF != VF && paged && (GB == 4 || qs(DT)) ? 3 : qs(DT) ? (KF == KV_INT8 && paged ? 3 : 4) : 0;
+        return GROUPED && paged ? 2 : KF != VF && paged && (GB == 4 || qs(DT)) ? 3
+             : qs(DT) ? (KF == KV_INT8 && paged ? 3 : 4) : 0;
     }
     static_assert(32 % DPT == 0, "a thread's dims must stay in one q8_0 / q4 block");
     // Geometry of head_dim D (a multiple of 16 up to 256; q8_0, q4_0, q4_1: of 32):
@@ -862,8 +871,10 @@ __device__ __forceinline__ void kv_attn_split(
 //   f16; ignored by float formats); k_res: K q4_1ch's residual [M][Hkv][32][D] f16 of the
 //   layer (ignored by every other K format); lengths [M] int32 (+ extra, at most capacity N).
 // kv_pattn_<format>_d<D>_g<GB>: GpuKVPool step rows (KvPagedStorage). Grid (nsplit,
-//   Hkv * G / GB, R). k_codes.. v_scales: one layer's bases; block_tables int32
-//   [max_batch][max_pages]; lengths int32 [max_batch]; q_offsets int32 [max_batch + 1].
+//   Hkv * G / GB, R). k_codes.. v_scales: one layer's bases; k_res [R][Hkv][32][D] f16 and
+//   res_slots int32 [max_batch]: K q4_1ch's residuals and each sequence's (ignored by every
+//   other K format); block_tables int32 [max_batch][max_pages]; lengths int32 [max_batch];
+//   q_offsets int32 [max_batch + 1].
 // D is 64, 128, 256 or x (any multiple of 16 up to 256, given as d).
 #define KV_ATTN_SLOT(KF, VF, NAME, DN, DT, GB)                                                 \
     extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, false)) kv_attn_##NAME##_d##DN##_g##GB( \
@@ -882,15 +893,17 @@ __device__ __forceinline__ void kv_attn_split(
     extern "C" __global__ void __launch_bounds__(KV_ATTN_THREADS, AttnCfg<KF, VF, GB>::min_blocks(DT, true)) kv_pattn_##NAME##_d##DN##_g##GB( \
         const unsigned char* k_codes, const unsigned char* v_codes,                            \
         const unsigned char* k_scales, const unsigned char* v_scales,                          \
+        const unsigned char* k_res, const int* res_slots,                                      \
         const int* block_tables, int max_pages, const int* lengths, const int* q_offsets,      \
         int max_batch, int page_size, int hkv, int causal, KV_ATTN_ARGS) {                     \
         using C = AttnCfg<KF, VF, GB>;                                                         \
         const int D = DT ? DT : d;                                                             \
         kv_attn_split<KF, VF, DT, GB>(                                                         \
-            kv_paged_storage(k_codes, v_codes, k_scales, v_scales, block_tables, max_pages,    \
-                             lengths, q_offsets, max_batch, page_size, hkv, causal,            \
-                             kv_block_kvh(group, GB), C::K::rb(D), C::V::rb(D), C::K::sb(D),   \
-                             C::V::sb(D)), KV_ATTN_PASS);                                      \
+            kv_paged_storage(k_codes, v_codes, k_scales, v_scales, k_res, res_slots,           \
+                             block_tables, max_pages, lengths, q_offsets, max_batch,           \
+                             page_size, hkv, causal, kv_block_kvh(group, GB), C::K::rb(D),     \
+                             C::V::rb(D), C::K::sb(D), C::V::sb(D), C::GROUPED ? 2 * D : 0),   \
+            KV_ATTN_PASS);                                                                     \
     }
 #define KV_ATTN_INSTANCE(KF, VF, NAME, DN, DT, GB) \
     KV_ATTN_SLOT(KF, VF, NAME, DN, DT, GB) KV_ATTN_PAGED(KF, VF, NAME, DN, DT, GB)
@@ -903,5 +916,3 @@ __device__ __forceinline__ void kv_attn_split(
 // Every instance of K in format KF and V in VF (one format: KF == VF), named NAME.
 #define KV_ATTN_PAIR(KF, VF, NAME) KV_ATTN_DIMS(KF, VF, NAME, KV_ATTN_INSTANCE)
 #define KV_ATTN_FORMAT(FMT, NAME) KV_ATTN_PAIR(FMT, FMT, NAME)
-// The GpuKVCache instances only (K q4_1ch: GpuKVPool does not hold it yet).
-#define KV_ATTN_SLOT_PAIR(KF, VF, NAME) KV_ATTN_DIMS(KF, VF, NAME, KV_ATTN_SLOT)

@@ -1,6 +1,6 @@
 // Decode attention kernels kv_attn_q4_1ch_q4_0_d<D>_g<GB> for K in q4_1ch (by channel over
 // groups of 32 positions, with the open group's float16 residual) and V in q4_0 (a K/V pair)
-// (GpuKVCache only: no kv_pattn_* yet), D 64/128/256/x, GB 1/2/4/8; see attention.cuh.
+// and kv_pattn_* (pool), D 64/128/256/x, GB 1/2/4/8; see attention.cuh.
 #include "attention.cuh"
 
-KV_ATTN_SLOT_PAIR(KV_Q4_1CH, KV_Q4_0, q4_1ch_q4_0)
+KV_ATTN_PAIR(KV_Q4_1CH, KV_Q4_0, q4_1ch_q4_0)

@@ -81,6 +81,46 @@ __device__ void encode_group(const X& x, int D, uint8_t* codes, long long code_s
 // The float16 rounding of an input value, as a float (what q4_1ch's residual holds).
 __device__ __forceinline__ float kv_round_f16(float x) { return kv_f16_to_f32(kv_f32_to_f16(x)); }
 
+// The K warp of one head of one sequence for a K in q4_1ch (kv_append.cu, paged.cu), for
+// input row r (at k_in + in_base, rows s_r apart) of the T rows written at positions
+// [len, len + T) (one position: T = 1, r = 0). The warp of row 0, and of each row that
+// starts a group, takes the group its row starts: when the rows complete it, it is encoded
+// (encode_group) from the residual's positions before len and the input's; the warp of
+// row 0 then writes the positions of the last, open group into the residual (after its own
+// group read it). codes / scales: the row of the warp's position (rows of consecutive
+// positions code_stride bytes / scale_stride uint16 apart: a group's 32 rows are
+// consecutive, in a cache's head and in a pool's page alike), res [32][D] the residual.
+__device__ void append_group(const void* k_in, int in_dtype, long long in_base, long long s_r,
+                             int D, int len, int r, int T, uint8_t* codes, long long code_stride,
+                             uint16_t* scales, long long scale_stride, uint16_t* res, int lane) {
+    const int pos = len + r;
+    auto input = [&](int p, int c) {               // position p's input value (float16-rounded)
+        return kv_round_f16(kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c));
+    };
+    auto to_residual = [&](int p_lo, int p_hi) {   // input positions [p_lo, p_hi) -> residual
+        for (int p = p_lo; p < p_hi; p++)
+            for (int c = lane; c < D; c += WARP) res[(p % KV_GROUP) * D + c] = kv_f32_to_f16(input(p, c));
+    };
+    const int g0 = pos - pos % KV_GROUP, end = len + T;
+    if (r != 0 && pos != g0) return;               // not the start of a group
+    if (g0 + KV_GROUP <= end) {                     // the group completes: encode it
+        const int t = g0 + lane;                    // the lane's position
+        encode_group([&](int c) {
+            return t < len ? kv_f16_to_f32(res[(t % KV_GROUP) * D + c]) : input(t, c);
+        }, D, codes - (pos - g0) * code_stride, code_stride, scales - (pos - g0) * scale_stride,
+           scale_stride, lane);
+    } else if (r != 0) {
+        return;                                     // the open group: the first row's warp
+    }
+    if (r == 0) {
+        const int open = end - end % KV_GROUP;      // the positions of the open group
+        if (open < end) {
+            __syncwarp(0xffffffffu);                // the group above has read the residual
+            to_residual(open > pos ? open : pos, end);
+        }
+    }
+}
+
 // Quantizes one head row of D input values into `codes` / `scales` (one warp, all lanes).
 // Returns 0, or (writing nothing) check_row's KV_ERR_NONFINITE / KV_ERR_RANGE.
 __device__ int encode_row(const void* in, int in_dtype, long long base, int D, int fmt,

@@ -25,43 +25,6 @@
 //    crossing a group boundary overwrites residual slots of the open group).
 #include "encode.cuh"
 
-// The K warp of one head of one slot for a K in q4_1ch, for input row r (at k_in + in_base,
-// rows s_r apart) of the T rows written at positions [len, len + T) (one position: T = 1,
-// r = 0). The warp of row 0, and of each row that starts a group, takes the group its row
-// starts: when the rows complete it, it is encoded (encode_group) from the residual's
-// positions before len and the input's; the warp of row 0 then writes the positions of the
-// last, open group into the residual (after its own group read it). codes [N][D/2] and
-// scales [N][D/16] are the head's rows, res [32][D] its residual.
-__device__ void append_group(const void* k_in, int in_dtype, long long in_base, long long s_r,
-                             int D, int len, int r, int T, uint8_t* codes, uint16_t* scales,
-                             uint16_t* res, int lane) {
-    const int pos = len + r, W = D / 2, S = D / 16;
-    auto input = [&](int p, int c) {               // position p's input value (float16-rounded)
-        return kv_round_f16(kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c));
-    };
-    auto to_residual = [&](int p_lo, int p_hi) {   // input positions [p_lo, p_hi) -> residual
-        for (int p = p_lo; p < p_hi; p++)
-            for (int c = lane; c < D; c += WARP) res[(p % KV_GROUP) * D + c] = kv_f32_to_f16(input(p, c));
-    };
-    const int g0 = pos - pos % KV_GROUP, end = len + T;
-    if (r != 0 && pos != g0) return;               // not the start of a group
-    if (g0 + KV_GROUP <= end) {                     // the group completes: encode it
-        const int t = g0 + lane;                    // the lane's position
-        encode_group([&](int c) {
-            return t < len ? kv_f16_to_f32(res[(t % KV_GROUP) * D + c]) : input(t, c);
-        }, D, codes + (long long)g0 * W, W, scales + (long long)g0 * S, S, lane);
-    } else if (r != 0) {
-        return;                                     // the open group: the first row's warp
-    }
-    if (r == 0) {
-        const int open = end - end % KV_GROUP;      // the positions of the open group
-        if (open < end) {
-            __syncwarp(0xffffffffu);                // the group above has read the residual
-            to_residual(open > pos ? open : pos, end);
-        }
-    }
-}
-
 // Appends one step to one layer.
 //   k_in, v_in [R][Hkv][D] in_dtype (0 f32, 1 f16, 2 bf16); element strides s_r, s_h; D contiguous
 //   k_codes, v_codes [M][Hkv][N][W] code dtype; k_scales, v_scales [M][Hkv][N][S] (layer bases)
@@ -107,14 +70,12 @@ extern "C" __global__ void kv_append(
         refused = check_row(is_v ? v_in : k_in, in_dtype, in_base, D, fmt, lane);
     } else if (fmt == KV_Q4_1CH) {                  // K by channel (is_v is false)
         uint16_t* res = (uint16_t*)k_res + head * KV_GROUP * D;
+        uint8_t* codes = (uint8_t*)k_codes + row * (D / 2);      // position pos's row
+        uint16_t* scales = (uint16_t*)k_scales + row * (D / 16);
         if (slot >= 0) {
-            append_group(k_in, in_dtype, in_base, s_r, D, len, r, T,
-                         (uint8_t*)k_codes + head * N * (D / 2), (uint16_t*)k_scales + head * N * (D / 16),
-                         res, lane);
+            append_group(k_in, in_dtype, in_base, s_r, D, len, r, T, codes, D / 2, scales, D / 16, res, lane);
         } else if (!(refused = check_row(k_in, in_dtype, in_base, D, fmt, lane))) {
-            append_group(k_in, in_dtype, in_base, s_r, D, pos, 0, 1,
-                         (uint8_t*)k_codes + head * N * (D / 2), (uint16_t*)k_scales + head * N * (D / 16),
-                         res, lane);
+            append_group(k_in, in_dtype, in_base, s_r, D, pos, 0, 1, codes, D / 2, scales, D / 16, res, lane);
         }
     } else {
         refused = encode_row_into(k_in, v_in, in_dtype, in_base, D, fmt, is_v, k_codes, v_codes,

@@ -202,17 +202,6 @@ def test_what_is_refused_names_the_format(rng):
     cache = filled(spec, *(rng.standard_normal((2, 5, 2, 64)).astype(F32)))
 
 
-def test_the_gpu_pool_refuses_it():
-    # GpuKVCache holds K q4_1ch (tests/test_gpu_groups.py); the GPU pool does not yet
-    from kvcore.gpu import GpuKVPool, GpuLayout, max_slots_for_memory
-    spec = kivi_spec()
-    assert GpuLayout(spec, 2).residual_shape[-2:] == (32, spec.head_dim)
-    assert max_slots_for_memory(spec, 2**30) > 0
-    with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of "
-                                          r"32 positions\) is not paged on the GPU yet"):
-        GpuKVPool(spec, 4, 32, max_batch=1, max_pages_per_seq=2)
-
-
 # -- KVPool: pages of whole groups, each sequence with its residual ----------------------
 
 def pool_and_caches(rng, lengths, spec, page_size=32, num_pages=24, **kw):

@@ -74,7 +74,7 @@ def test_entries_from_the_signatures():
     assert [p.is_pointer for p in attn.entries["kv_attn_q8_0_d64_g1"]] == (
         [True] * 6 + [False] * 3 + [True] + [False] * 4 + [True] * 4 + [False] * 3 + [True])
     assert [p.is_pointer for p in attn.entries["kv_pattn_q8_0_dx_g1"]] == (
-        [True] * 5 + [False] + [True] * 2 + [False] * 5 + [True] + [False] * 4 + [True] * 4
+        [True] * 7 + [False] + [True] * 2 + [False] * 5 + [True] + [False] * 4 + [True] * 4
         + [False] * 3 + [True])   # the variants: window, sink_tokens, softcap2, sinks
 
 

@@ -276,15 +276,13 @@ def test_a_graph_replays_a_step_over_it(gpu, rng):
 
 
 def test_what_the_gpu_refuses_names_it(gpu):
-    """The pool (pages of q4_1ch are CPU-only for now), head_dims whose threads per row do
-    not divide a warp, and pairs with another V format: FormatError naming the format,
-    nothing allocated."""
+    """head_dims whose threads per row do not divide a warp (attention only), and pairs
+    with another V format: FormatError naming the format, nothing allocated."""
     before = gpu.live_bytes()
-    with pytest.raises(FormatError, match=r"K format q4_1ch \(by channel over groups of 32 "
-                                          r"positions\) is not paged on the GPU yet"):
-        gpu.GpuKVPool(spec_of(), 4, 32, max_batch=1, max_pages_per_seq=2)
     with pytest.raises(FormatError, match="K format q4_1ch and V format int8"):
         gpu.GpuKVCache(spec_of(v="int8"), 1)
+    with pytest.raises(FormatError, match="K format q4_1ch and V format int8"):
+        gpu.GpuKVPool(spec_of(v="int8"), 4, 32, max_batch=1, max_pages_per_seq=2)
     assert gpu.live_bytes() == before
     odd = new_cache(gpu, spec_of(D=96), 1)            # stores and moves; attention refused
     with pytest.raises(FormatError, match="needs head_dim 32, 64, 128 or 256 on the GPU, got 96"):
@@ -309,3 +307,164 @@ def test_cpu_layouts_are_shared(gpu):
     assert lay.data_bytes >= lay.offsets["k_residual"] + lay.residual_bytes
     assert gpu.GpuLayout(kvcore.KVSpec(num_layers=1, num_kv_heads=1, head_dim=32, capacity=4,
                                        format="q4_1"), 1).residual_bytes == 0
+
+
+# -- GpuKVPool: pages of whole groups, a residual per sequence ---------------------------
+
+def pool_step(gpu, gp, cp, seqs, counts, rng, keep):
+    """One step of counts[b] new positions for seqs[b] on the GPU pool and the CPU one."""
+    H, D = gp.spec.num_kv_heads, gp.spec.head_dim
+    gp.begin_step(seqs, counts)
+    for layer in range(gp.spec.num_layers):
+        k, v = keys(rng, (sum(counts), H, D)), keys(rng, (sum(counts), H, D))
+        keep += [dev(gpu, k), dev(gpu, v)]
+        gp.append(layer, keep[-2], keep[-1])
+        cp.append_batch(k, v, seqs=seqs, layer=layer, counts=counts)
+    assert gp.advance() == list(counts)
+    cp.advance(seqs)
+
+
+def assert_same_seq(gp, cp, seq):
+    got, want = gp.snapshot(seq), cp.snapshot(seq)
+    assert got.length == want.length
+    for name in PARTS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"seq {seq} {name}")
+
+
+@pytest.mark.parametrize("v_fmt, D", [("q4_1", 64), ("q4_0", 128)])
+def test_pool_equals_the_cpu_pool(gpu, rng, v_fmt, D):
+    """Prefill runs and decode steps of several sequences in one step (runs crossing group
+    and page boundaries), a fork, truncates into the open and into a complete group, a
+    snapshot restored: the GPU pool's bytes (residuals included) and decode attention equal
+    the CPU KVPool's."""
+    spec = spec_of(D=D, H=2, Hq=4, N=400, v=v_fmt)
+    gp = gpu.GpuKVPool(spec, 24, 32, max_batch=4, max_pages_per_seq=12, max_tokens=80,
+                       max_sequences=6)
+    cp = kvcore.KVPool(spec, 24, 32)
+    gp._data.fill(POISON)
+    keep = []
+    a, b = gp.new_sequence(), gp.new_sequence()
+    assert [a, b] == [cp.new_sequence(), cp.new_sequence()]
+    pool_step(gpu, gp, cp, [a, b], [45, 70], rng, keep)
+    for i in range(20):
+        pool_step(gpu, gp, cp, [a, b], [1, 1 + (i == 7) * 30], rng, keep)
+    for s in (a, b):
+        assert_same_seq(gp, cp, s)
+    f = gp.fork(a)
+    assert f == cp.fork(a)
+    pool_step(gpu, gp, cp, [f, a], [3, 40], rng, keep)
+    gp.truncate(b, 110); cp.truncate(b, 110)     # into the open group of 121
+    gp.truncate(a, 70); cp.truncate(a, 70)       # into a complete group
+    for s in (a, b, f):
+        assert_same_seq(gp, cp, s)
+    pool_step(gpu, gp, cp, [a, b, f], [5, 1, 33], rng, keep)
+    r = gp.restore(cp.snapshot(b))
+    assert r == cp.restore(cp.snapshot(b))
+    pool_step(gpu, gp, cp, [r, a], [2, 1], rng, keep)
+    for s in (a, b, f, r):
+        assert_same_seq(gp, cp, s)
+    seqs = [a, b, f, r]
+    q = rng.standard_normal((4, spec.num_heads, D)).astype(np.float32)
+    gp.begin_step(seqs, [1] * 4)
+    k, v = keys(rng, (4, 2, D)), keys(rng, (4, 2, D))
+    out = gpu.DeviceBuffer.alloc(4 * q.size).view(q.shape, np.float32)
+    for layer in range(2):
+        gp.append(layer, dev(gpu, k), dev(gpu, v))
+        cp.append_batch(k, v, seqs=seqs, layer=layer)
+        for variants in ({}, {"window": 50, "sink_tokens": 4}):
+            gp.decode_attention(dev(gpu, q), out, layer, **variants)
+            got = out.to_numpy()
+            want = decode_attention(q, cp, layer, seqs=seqs, **variants)
+            np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5 * (1 + np.abs(want).max()),
+                                       err_msg=str(variants))
+    gp.advance()
+    cp.advance(seqs)
+    for s in seqs:
+        assert_same_seq(gp, cp, s)
+    gp.free()
+
+
+def test_pool_refusals_change_nothing(gpu, rng):
+    """A NaN in a step's run that crosses a group boundary: refused, every sequence as it
+    was; max_sequences residuals: one more sequence refused, freeing one makes room; a
+    page_size that is not a multiple of 32 refused."""
+    spec = spec_of(D=64)
+    with pytest.raises(FormatError, match="page_size must be a multiple of 32, got 16"):
+        gpu.GpuKVPool(spec, 8, 16, max_batch=2, max_pages_per_seq=4)
+    gp = gpu.GpuKVPool(spec, 12, 32, max_batch=2, max_pages_per_seq=6, max_tokens=50, max_sequences=2)
+    cp = kvcore.KVPool(spec, 12, 32)
+    keep = []
+    a, b = gp.new_sequence(), gp.new_sequence()
+    cp.new_sequence(), cp.new_sequence()
+    pool_step(gpu, gp, cp, [a, b], [40, 10], rng, keep)
+    with pytest.raises(CapacityError, match="every one of the 2 residuals"):
+        gp.new_sequence()
+    with pytest.raises(CapacityError, match="max_sequences"):
+        gp.fork(a)
+    before = [gp.snapshot(s) for s in (a, b)]
+    gp.begin_step([a, b], [30, 1])
+    bad = keys(rng, (31, 2, 64))
+    bad[20, 0, 5] = np.nan                       # position 60 of a: the run crosses 64
+    for layer in range(2):
+        gp.append(layer, dev(gpu, bad), dev(gpu, bad))
+    with pytest.raises(NonFiniteError):
+        gp.advance()
+    for s, snap in zip((a, b), before):
+        after = gp.snapshot(s)
+        for name in PARTS:
+            np.testing.assert_array_equal(getattr(after, name).view(np.uint8),
+                                          getattr(snap, name).view(np.uint8), err_msg=name)
+    gp.free_sequence(b)
+    cp.free(b)
+    c = gp.new_sequence()
+    assert c == cp.new_sequence()
+    pool_step(gpu, gp, cp, [a, c], [30, 33], rng, keep)
+    for s in (a, c):
+        assert_same_seq(gp, cp, s)
+    gp.free()
+
+
+def test_pool_graph_and_prefix_cache(gpu, rng):
+    """A DecodeGraph over a q4_1ch pool replayed across group boundaries, and a sequence
+    started on a cached prefix (whole pages, so whole groups: no open group) and stepped on:
+    equal to the CPU pool."""
+    spec = spec_of(D=64, H=1, Hq=2, L=1, N=256)
+    gp = gpu.GpuKVPool(spec, 16, 32, max_batch=2, max_pages_per_seq=8, max_tokens=70,
+                       prefix_cache=True, max_sequences=3)
+    cp = kvcore.KVPool(spec, 16, 32, prefix_cache=True)
+    keep = []
+    tokens = rng.integers(0, 1000, 100)
+    a = gp.new_sequence()
+    assert a == cp.new_sequence()
+    gp.begin_step([a], [70])
+    k, v = keys(rng, (70, 1, 64)), keys(rng, (70, 1, 64))
+    keep += [dev(gpu, k), dev(gpu, v)]
+    gp.append(0, keep[-2], keep[-1])
+    cp.append_batch(k, v, seqs=[a], layer=0, counts=[70])
+    gp.advance(tokens=[tokens[:70]])
+    cp.advance([a], tokens=[tokens[:70]])
+    s, n = gp.match_prefix(tokens)
+    assert (s, n) == cp.match_prefix(tokens) and n == 64
+    graph = gpu.DecodeGraph(gp, dtype="float32", rope=False)
+    for step in range(40):
+        seqs = [a, s]
+        q = rng.standard_normal((2, 2, 64)).astype(np.float32)
+        k, v = keys(rng, (2, 1, 64)), keys(rng, (2, 1, 64))
+        gp.begin_step(seqs)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            getattr(graph, name)(0).copy_from_numpy(x)
+        graph.replay()
+        ids = [tokens[70 + step:71 + step] if step < 30 else [step], [step]]
+        gp.advance(tokens=ids)
+        got = graph.out(0).to_numpy()
+        cp.append_batch(k, v, seqs=seqs, layer=0)
+        want = decode_attention(q, cp, 0, seqs=seqs)
+        cp.advance(seqs, tokens=ids)
+        np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5 * (1 + np.abs(want).max()),
+                                   err_msg=f"step {step}")
+    for seq in (a, s):
+        assert_same_seq(gp, cp, seq)
+    graph.destroy()
+    gp.free()

@@ -29,7 +29,7 @@ HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096, 16384, 32768)
 FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1",
-           "q4_1ch/q4_1")   # K q4_1ch (KIVI's layout; GpuKVCache only) with V q4_1
+           "q4_1ch/q4_1")   # K q4_1ch (KIVI's layout) with V q4_1
 REPEAT = 15
 
 

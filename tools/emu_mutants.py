@@ -38,8 +38,14 @@ MUTANTS = {
         "",
         "K q4_1ch: the writing launch of T rows ignores what the checking launch refused",
         GROUP_TESTS),
+    "pool-group-write-unchecked": (
+        "paged.cu",
+        "    if (slot < 0 || (mode == 2 && *status != 0)) return;",
+        "    if (slot < 0) return;",
+        "K q4_1ch pool: the writing launch ignores what the checking launch refused",
+        GROUP_TESTS),
     "group-unrounded": (
-        "kv_append.cu",
+        "encode.cuh",
         "        return kv_round_f16(kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c));",
         "        return kv_load_input(k_in, in_dtype, in_base + (p - pos) * s_r + c);",
         "K q4_1ch: a group is encoded from its float32 input, not the float16 values the residual "

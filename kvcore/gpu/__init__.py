@@ -19,7 +19,7 @@ See docs/gpu.md for layouts, per-slot status, streams, contexts, graph capture a
 emulator.
 """
 from .attention import AttentionPlan, apply_rope, decode_attention
-from .cache import GPU_CACHE_PAIRS, GPU_FORMATS, GPU_PAIRS, GpuKVCache, GpuLayout, max_slots_for_memory
+from .cache import GPU_GROUPED_PAIRS, GPU_FORMATS, GPU_PAIRS, GpuKVCache, GpuLayout, max_slots_for_memory
 from .driver import (Context, CudaError, DeviceCopyError, Event, GpuUnavailableError, Stream,
                      is_available)
 from .graph import DecodeGraph
@@ -34,7 +34,7 @@ def live_bytes(device: int = 0) -> int:
     return 0 if ctx is None else ctx.live_bytes
 
 
-__all__ = ["GPU_CACHE_PAIRS", "GPU_FORMATS", "GPU_PAIRS", "AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache", "GpuKVPool",
+__all__ = ["GPU_GROUPED_PAIRS", "GPU_FORMATS", "GPU_PAIRS", "AttentionPlan", "apply_rope", "decode_attention", "DecodeGraph", "GpuKVCache", "GpuKVPool",
            "GpuLayout", "max_slots_for_memory", "Context", "CudaError", "DeviceCopyError",
            "GpuUnavailableError", "Event", "Stream", "is_available", "DeviceArray", "DeviceBuffer",
            "as_device_array", "live_bytes", "use_emulator", "using_emulator"]

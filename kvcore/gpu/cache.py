@@ -59,19 +59,16 @@ GPU_FORMATS = ("f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4
 """The formats the GPU kernels hold for K and V (every one of kvcore.formats.ROW_FORMATS)."""
 GPU_PAIRS = ("q8_0/q4_0", "f16/q4_0")
 """The K/V pairs of two formats the GPU kernels hold (KVSpec(k_format=, v_format=))."""
-GPU_CACHE_PAIRS = ("q4_1ch/q4_1", "q4_1ch/q4_0")
-"""The K/V pairs that GpuKVCache holds and GpuKVPool does not yet: K q4_1ch (KIVI's layout)."""
+GPU_GROUPED_PAIRS = ("q4_1ch/q4_1", "q4_1ch/q4_0")
+"""The K/V pairs of K q4_1ch (KIVI's layout: by channel over groups of 32 positions, with a
+float16 residual per sequence; a GpuKVPool's page_size a multiple of 32)."""
 
 
-def check_gpu_format(spec: KVSpec, what: str, *, paged: bool = False) -> None:
+def check_gpu_format(spec: KVSpec, what: str) -> None:
     """FormatError unless the GPU kernels have spec's format: every format that stores K
-    and V (kvcore.formats.ROW_FORMATS) for both, the K/V pairs of GPU_PAIRS, and in a
-    GpuKVCache (paged False) those of GPU_CACHE_PAIRS."""
-    if spec.k_fmt.group and paged:
-        raise FormatError(f"{what}: K format {spec.k_format} (by channel over groups of "
-                          f"{spec.k_fmt.group} positions) is not paged on the GPU yet: "
-                          f"GpuKVCache holds it, and KVPool on the CPU")
-    pairs = GPU_PAIRS if paged else GPU_PAIRS + GPU_CACHE_PAIRS
+    and V (kvcore.formats.ROW_FORMATS) for both, and the K/V pairs of GPU_PAIRS and
+    GPU_GROUPED_PAIRS."""
+    pairs = GPU_PAIRS + GPU_GROUPED_PAIRS
     if spec.paired and spec.format not in pairs:
         raise FormatError(f"{what}: K format {spec.k_format} and V format {spec.v_format}: the "
                           f"GPU kernels hold one format for both or the K/V pairs "

@@ -54,12 +54,13 @@ from .._window import (WindowViews, check_window, positions, restore_need, snaps
 from ..errors import (CapacityError, CudaError, FormatError, NonFiniteError,
                       OutOfRangeError, ShapeError, SpecError, StateError)
 from ..formats import describe
-from ..pool import KVPool, PoolStats, _attached, _counts, completed_chunks, consult_store
+from ..pool import KVPool, PoolStats, _attached, _check_grouped, _counts, completed_chunks, consult_store
+from ..quant import dequantize
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
 from .cache import check_gpu_format, largest_divisor_at_most, range_limits, region_format
-from .attention import (MAX_GRID_Z, check_head_dim, check_lse, check_variants, choose_splits,
+from .attention import (MAX_GRID_Z, check_grouped_k, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound)
 from .cache import _check_input
 from .driver import Context, Event, Stream
@@ -202,6 +203,10 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     applies the window unless given a smaller one. The block tables still index pages by
     position: max_pages_per_seq bounds a sequence's length, not its memory.
 
+    K q4_1ch (KVSpec(k_format="q4_1ch", v_format="q4_1" or "q4_0"); page_size a multiple
+    of 32): each live sequence holds one of max_sequences (default max_batch) float16
+    residuals, its open group (docs/gpu.md, "K q4_1ch"); one more sequence is refused.
+
     Not copyable nor picklable (DeviceCopyError): move a sequence with snapshot() and
     restore(), or offload() it into a CPU KVPool.
     """
@@ -214,15 +219,19 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int = 16, *, max_batch: int,
                  max_pages_per_seq: int, max_tokens: int = 1, window: int | None = None,
                  sink_tokens: int = 0, prefix_cache: bool = False, host: KVPool | None = None,
-                 store=None, store_writer=None, device: int = 0):
+                 store=None, store_writer=None, max_sequences: int | None = None, device: int = 0):
         if not isinstance(spec, KVSpec):
             raise SpecError(f"GpuKVPool needs a KVSpec, got {type(spec).__name__}")
-        check_gpu_format(spec, "GpuKVPool", paged=True)
+        check_gpu_format(spec, "GpuKVPool")
         P, ps = _positive("num_pages", num_pages), _positive("page_size", page_size)
         self.max_batch = _positive("max_batch", max_batch)
         self.max_pages_per_seq = _positive("max_pages_per_seq", max_pages_per_seq)
         self.max_tokens = _positive("max_tokens", max_tokens)
         self.spec, self.page_size = spec, ps
+        _check_grouped(spec, ps)
+        # K q4_1ch: a residual per live sequence (its open group), max_sequences of them
+        self.max_sequences = (_positive("max_sequences", max_sequences) if max_sequences is not None
+                              else self.max_batch) if spec.k_fmt.group else 0
         self._guard = CallGuard("GpuKVPool")   # one call at a time (docs/design.md, Threads)
         win, sinks = check_window(window, sink_tokens)
         if not isinstance(prefix_cache, bool):
@@ -246,12 +255,15 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         for region in REGIONS:
             self.offsets[region] = off
             off += _align(L * rows * self._row[region])
-        data_bytes = off
+        self.offsets["k_residual"] = off      # [L][max_sequences][Hkv][32][D] float16
+        self._res_bytes = H * spec.k_fmt.group * D * 2      # one sequence's, one layer's
+        data_bytes = off + _align(L * self.max_sequences * self._res_bytes)
         B, M, T = self.max_batch, self.max_pages_per_seq, self.max_batch * self.max_tokens
         self.meta_offsets = {"block_tables": 0, "lengths": _align(4 * B * M)}
         self.meta_offsets["q_offsets"] = self.meta_offsets["lengths"] + _align(4 * B)
         self.meta_offsets["slot_mapping"] = self.meta_offsets["q_offsets"] + _align(4 * (B + 1))
-        self.meta_offsets["status"] = self.meta_offsets["slot_mapping"] + _align(8 * T)
+        self.meta_offsets["res_slots"] = self.meta_offsets["slot_mapping"] + _align(8 * T)
+        self.meta_offsets["status"] = self.meta_offsets["res_slots"] + _align(4 * B)
         meta_bytes = self.meta_offsets["status"] + 256
         self.ctx = Context.get(device)
         with self.ctx:
@@ -300,6 +312,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._host_lengths = self._view_staging("lengths", (B,), np.int32)
         self._host_q_offsets = self._view_staging("q_offsets", (B + 1,), np.int32)
         self._host_slots = self._view_staging("slot_mapping", (T,), np.int64)
+        self._host_res = self._view_staging("res_slots", (B,), np.int32)
+        self._res: dict[int, int] = {}                  # K q4_1ch: seq -> its residual
+        self._res_free = list(range(self.max_sequences))[::-1]
         self._host_tables[:] = -1
         self._host_slots[:] = -1
         self._meta.copy_from_host(self._staging)
@@ -317,6 +332,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         rows = self.max_batch * self.max_tokens
         try:
             check_head_dim(s.head_dim, "GpuKVPool.decode_attention")
+            check_grouped_k(s, "GpuKVPool.decode_attention")
         except FormatError as e:
             self._decode_error = e
             return
@@ -786,12 +802,65 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if self._step is not None:
             raise StateError(f"GpuKVPool.{what} inside a step: advance() it first")
 
+    def _residual_offset(self, layer: int, seq: int) -> int:
+        """Byte offset of seq's residual [Hkv][32][D] float16 in `layer` (K q4_1ch)."""
+        return self.offsets["k_residual"] + (layer * self.max_sequences + self._res[seq]) * self._res_bytes
+
+    def _need_residual(self, what: str) -> None:
+        """CapacityError, before anything changes, when a K q4_1ch pool has no residual
+        left for one more sequence."""
+        if self.max_sequences and not self._res_free:
+            raise CapacityError(f"GpuKVPool.{what}: every one of the {self.max_sequences} residuals "
+                                f"(K {self.spec.k_format}'s open groups, max_sequences) is held by a "
+                                f"live sequence: free one, or make the pool with a larger max_sequences")
+
+    def _take_residual(self, seq: int) -> int:
+        if self.max_sequences:
+            self._res[seq] = self._res_free.pop()
+        return seq
+
+    def _residual_host(self, seq: int) -> np.ndarray:
+        """seq's residual, every layer: float16 [L][Hkv][32][D] (synchronises)."""
+        s = self.spec
+        out = np.empty((s.num_layers, s.num_kv_heads, s.k_fmt.group, s.head_dim), np.float16)
+        for layer in range(s.num_layers):
+            self._data.copy_to_host(out[layer], offset=self._residual_offset(layer, seq), stream=self.stream)
+        self._sync()
+        return out
+
+    def _write_residual(self, seq: int, res: np.ndarray) -> None:
+        """seq's residual of every layer from float16 [L][Hkv][32][D] (synchronises)."""
+        for layer in range(self.spec.num_layers):
+            self._data.copy_from_host(np.ascontiguousarray(res[layer]),
+                                      offset=self._residual_offset(layer, seq), stream=self.stream)
+        self._sync()
+
+    def _open_group(self, seq: int, parts: dict) -> Any:
+        """snapshot_parts' open_group of seq (K q4_1ch; None otherwise): the open group of
+        its first n positions, float16 [n % 32, Hkv, D], from its residual when that group
+        is the sequence's own open group, else decoded from the gathered codes (parts)."""
+        if not self.max_sequences:
+            return None
+        G, length = self.spec.k_fmt.group, self._table.get(seq).length
+        res = self._residual_host(seq)
+
+        def open_group(layer: int, n: int) -> np.ndarray:
+            start = n - n % G
+            if start == length - length % G:
+                return np.ascontiguousarray(res[layer, :, :n - start].swapaxes(0, 1))
+            group = dequantize(parts["k_codes"][layer, start:start + G].swapaxes(0, 1),
+                               parts["k_scales"][layer, start:start + G].swapaxes(0, 1), self.spec.k_fmt)
+            return group.swapaxes(0, 1)[:n - start].astype(np.float16)
+        return open_group
+
     @_one_call
     @driver.in_context
     def new_sequence(self) -> int:
-        """A new empty sequence (no page yet); returns its id."""
+        """A new empty sequence (no page yet); returns its id. K q4_1ch: CapacityError when
+        max_sequences live sequences hold every residual."""
         self._idle("new_sequence")
-        return self._table.new()
+        self._need_residual("new_sequence")
+        return self._take_residual(self._table.new())
 
     @_one_call
     @driver.in_context
@@ -807,7 +876,9 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             raise StateError("match_prefix needs a pool made with prefix_cache=True")
         ids = token_array(tokens)
         extra_bytes = encode_extra(extra)
+        self._need_residual("match_prefix")
         s, n = self._table.match(ids, extra_bytes)
+        self._take_residual(s)        # n is whole pages, so whole groups: no open group
         if self._host is not None:
             n = self._bring_back(s, ids)
         if self._kv is not None:
@@ -821,12 +892,25 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         cache a registered page no one holds stays cached)."""
         self._idle("free_sequence")
         self._table.free_seq(seq)
+        if seq in self._res:
+            self._res_free.append(self._res.pop(seq))
 
     @_one_call
     @driver.in_context
     def truncate(self, seq: int, n: int) -> None:
         """Keeps the first n positions of seq (0 <= n <= length), releasing later pages."""
         self._idle("truncate")
+        G = self.spec.k_fmt.group
+        length = self._table.get(seq).length
+        if G and isinstance(n, (int, np.integer)) and 0 < n <= length and n % G and n - n % G + G <= length:
+            # into a complete group: decoded into the residual (as the CPU's), read first
+            start = n - n % G
+            parts = self._gather(seq)
+            group = dequantize(parts["k_codes"][:, start:start + G].swapaxes(1, 2),
+                               parts["k_scales"][:, start:start + G].swapaxes(1, 2), self.spec.k_fmt)
+            self._table.truncate(seq, n)
+            self._write_residual(seq, group.astype(np.float16))
+            return
         self._table.truncate(seq, n)
 
     @_one_call
@@ -835,11 +919,19 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         """A new sequence holding seq's positions: full pages shared, the partial last page
         copied on the device (CapacityError, nothing changed, when no page is free)."""
         self._idle("fork")
+        self._need_residual("fork")
         self._await(self._table.get(seq).pages)
         t, copy = self._table.fork(seq)
         if copy is not None:
             self._await([copy[1]], self._tier.reading)
             self._copy_pages([copy])
+        if self.max_sequences:
+            self._take_residual(t)
+            ptr = driver.cuda().CUdeviceptr
+            for layer in range(self.spec.num_layers):
+                driver.call("cuMemcpyDtoDAsync", ptr(self._data.ptr + self._residual_offset(layer, t)),
+                            ptr(self._data.ptr + self._residual_offset(layer, seq)), self._res_bytes,
+                            self.stream.handle)
         return t
 
     # ------------------------------------------------------------------ steps
@@ -879,6 +971,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         self._host_tables[:] = -1
         self._host_lengths[:] = 0
         self._host_slots[:] = -1
+        self._host_res[:] = 0
         self._host_q_offsets[0] = 0
         self._host_q_offsets[1:] = sum(counts)
         self._host_q_offsets[1:len(counts) + 1] = np.cumsum(counts)
@@ -888,6 +981,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             used = -(-n // self.page_size)
             self._host_tables[b, :used] = pages[:used]
             self._host_lengths[b] = n
+            self._host_res[b] = self._res.get(s, 0)
         self._host_slots[:len(plan.rows)] = plan.rows
         self._meta.copy_from_host(self._staging, stream=self.stream)
         self._step = (seqs, counts)
@@ -928,19 +1022,29 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         rows = self.num_pages * self.page_size
         base = [self._data.ptr + self.offsets[r] + layer * rows * self._row[r] if self._row[r] else 0
                 for r in REGIONS]
-        meta = self._meta.ptr
+        meta, off = self._meta.ptr, self.meta_offsets
         warps = 2 * T * s.num_kv_heads
-        driver.launch(self._fn_append, ((warps + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1),
-                      (32 * _APPEND_WARPS, 1, 1), [
+        args = [
             (k.ptr, None), (v.ptr, None), (in_dtype, ctypes.c_int),
             (k.strides[0] // isz, ctypes.c_longlong), (k.strides[1] // isz, ctypes.c_longlong),
-            *((b, None) for b in base),
-            (meta + self.meta_offsets["slot_mapping"], None), (rows, ctypes.c_longlong),
-            (meta + self.meta_offsets["status"], None),
+            *((b, None) for b in base), (self._residual_base(layer), None),
+            (meta + off["slot_mapping"], None), (rows, ctypes.c_longlong),
+            (meta + off["status"], None), (meta + off["lengths"], None),
+            (meta + off["q_offsets"], None), (meta + off["res_slots"], None),
+            (self.max_batch, ctypes.c_int),
             (s.k_fmt.id, ctypes.c_int), (s.v_fmt.id, ctypes.c_int), (T, ctypes.c_int),
             (self.max_batch * self.max_tokens, ctypes.c_int), (s.num_kv_heads, ctypes.c_int),
-            (s.head_dim, ctypes.c_int),
-        ], stream=st)
+            (s.head_dim, ctypes.c_int)]
+        # K q4_1ch: check every row (mode 1), then write (mode 2): a refused step leaves
+        # every residual as it was (cuda/paged.cu)
+        for mode in (1, 2) if self.max_sequences else (0,):
+            driver.launch(self._fn_append, ((warps + _APPEND_WARPS - 1) // _APPEND_WARPS, 1, 1),
+                          (32 * _APPEND_WARPS, 1, 1), args + [(mode, ctypes.c_int)], stream=st)
+
+    def _residual_base(self, layer: int) -> int:
+        """Address of `layer`'s residuals [max_sequences][Hkv][32][D] (0: not K q4_1ch)."""
+        return (self._data.ptr + self.offsets["k_residual"]
+                + layer * self.max_sequences * self._res_bytes) if self.max_sequences else 0
 
     @_one_call
     @driver.in_context
@@ -1006,7 +1110,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         base = [self._data.ptr + self.offsets[r] + layer * n_rows * self._row[r] if self._row[r] else 0
                 for r in REGIONS]
         meta = self._meta.ptr
-        storage = [*((b, None) for b in base),
+        storage = [*((b, None) for b in base), (self._residual_base(layer), None),
+                   (meta + self.meta_offsets["res_slots"], None),
                    (meta + self.meta_offsets["block_tables"], None),
                    (self.max_pages_per_seq, ctypes.c_int),
                    (meta + self.meta_offsets["lengths"], None),
@@ -1173,13 +1278,14 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if not table.get(seq).start:
             parts = self._gather(seq)
             return snapshot_parts(self.spec, self.length(seq), n, lambda layer, count: tuple(
-                None if parts[r] is None else parts[r][layer, :count] for r in REGIONS))
+                None if parts[r] is None else parts[r][layer, :count] for r in REGIONS),
+                open_group=self._open_group(seq, parts))
         n, start, sink_end = snapshot_span(table, seq, n)
         at = positions(table.held(table.get(seq), n))
         parts = self._gather(seq)
         return snapshot_parts(self.spec, n, n, lambda layer, count: tuple(
             None if parts[r] is None else parts[r][layer, at] for r in REGIONS),
-            start=start, sink_end=sink_end)
+            start=start, sink_end=sink_end, open_group=self._open_group(seq, parts))
 
     @_one_call
     @driver.in_context
@@ -1193,9 +1299,11 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         snap = fit_snapshot(self.spec, snapshot, requantize=requantize,
                             windowed=table.window is not None)
         start = restore_need(table, snap, seq)
+        if seq is None:
+            self._need_residual("restore")
         self._sync()
         if seq is None:
-            seq = table.new()
+            seq = self._take_residual(table.new())
         else:
             table.truncate(seq, 0)
         if self._host is not None:       # no window: every page of the snapshot is taken
@@ -1215,6 +1323,12 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
             for i, g in enumerate(restored.pages):
                 if g >= 0:
                     self._copy_page(region, g, host=host, index=i)
+        if self.max_sequences:                    # the open group (K q4_1ch)
+            res = np.zeros((self.spec.num_layers, self.spec.num_kv_heads, self.spec.k_fmt.group,
+                            self.spec.head_dim), np.float16)
+            open_ = snap.k_residual
+            res[:, :, :open_.shape[1]] = open_.swapaxes(1, 2)
+            self._write_residual(seq, res)
         self._sync()
         return seq
 
