@@ -468,3 +468,35 @@ def test_pool_graph_and_prefix_cache(gpu, rng):
         assert_same_seq(gp, cp, seq)
     graph.destroy()
     gp.free()
+
+
+def test_windowed_pool(gpu, rng):
+    """A sliding-window q4_1ch pool (window 50, 3 sink positions: pages of whole groups
+    released): causal decode attention of steps of 1 to 31 tokens and the snapshots of the
+    held positions equal the CPU pool's."""
+    spec = spec_of(D=64, H=2, Hq=4, L=1, N=400, v="q4_0")
+    gp = gpu.GpuKVPool(spec, 16, 32, max_batch=2, max_pages_per_seq=12, max_tokens=40,
+                       window=50, sink_tokens=3)
+    cp = kvcore.KVPool(spec, 16, 32, window=50, sink_tokens=3)
+    a, b = gp.new_sequence(), gp.new_sequence()
+    assert [a, b] == [cp.new_sequence(), cp.new_sequence()]
+    keep = []
+    for step in range(30):
+        counts = [1 + (step % 7 == 0) * 20, 1 + (step % 5 == 0) * 30]
+        k, v = keys(rng, (sum(counts), 2, 64)), keys(rng, (sum(counts), 2, 64))
+        q = rng.standard_normal((sum(counts), 4, 64)).astype(np.float32)
+        gp.begin_step([a, b], counts)
+        keep += [dev(gpu, k), dev(gpu, v)]
+        gp.append(0, keep[-2], keep[-1])
+        cp.append_batch(k, v, seqs=[a, b], layer=0, counts=counts)
+        out = gpu.DeviceBuffer.alloc(4 * q.size).view(q.shape, np.float32)
+        gp.decode_attention(dev(gpu, q), out, 0)
+        want = decode_attention(q, cp, 0, seqs=[a, b], counts=counts)
+        np.testing.assert_allclose(out.to_numpy(), want, rtol=3e-5,
+                                   atol=3e-5 * (1 + np.abs(want).max()), err_msg=f"step {step}")
+        gp.advance()
+        cp.advance([a, b])
+    assert gp.page_table(b).tolist()[1] == -1            # released pages
+    for s in (a, b):
+        assert_same_seq(gp, cp, s)
+    gp.free()
