@@ -24,11 +24,12 @@ def test_bench_gpu_smoke_sizes_run(capsys):
     assert "paged / contiguous" in header and "decode / copy" in header and "decode / SDPA" in header
     assert len(rows) == len(bench_gpu.PAGED_FORMATS) * 2 * 2   # formats x batches x contexts
     assert {r[0] for r in rows} == set(bench_gpu.PAGED_FORMATS)
-    for r in rows:   # decode time, paged / contiguous, decode / copy
-        assert float(r[3]) > 0 and float(r[6]) > 0 and float(r[9]) > 0
+    for r in rows:   # page size (K q4_1ch: whole groups), decode time, paged / contiguous, decode / copy
+        assert r[3] == ("32" if r[0].startswith("q4_1ch") else "4")
+        assert float(r[4]) > 0 and float(r[7]) > 0 and float(r[10]) > 0
     if gpu.using_emulator():
         assert "EMULATOR: times are CPU times" in paged
-        assert all(r[10] == r[11] == "n/a" for r in rows)
+        assert all(r[11] == r[12] == "n/a" for r in rows)
     assert "### append" in text and "### tiers: prefix hit" in text and "### tiers: serving trace" in text
     assert bench_gpu.main(["--smoke", "attention"]) == 2     # no smoke size there
 

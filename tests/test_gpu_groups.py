@@ -293,6 +293,10 @@ def test_what_the_gpu_refuses_names_it(gpu):
     with pytest.raises(FormatError, match="K format f16 has no residual"):
         f16.key_residual(0)
     f16.free()
+    f16 = gpu.GpuKVPool(f16.spec, 2, 16, max_batch=1, max_pages_per_seq=1)
+    with pytest.raises(FormatError, match="K format f16 has no residual"):
+        f16.key_residual(0)
+    f16.free()
 
 
 def test_cpu_layouts_are_shared(gpu):
@@ -383,6 +387,15 @@ def test_pool_equals_the_cpu_pool(gpu, rng, v_fmt, D):
     cp.advance(seqs)
     for s in seqs:
         assert_same_seq(gp, cp, s)
+    for layer in range(2):     # the public view: each sequence's open group is one of its rows
+        rows = gp.key_residual(layer).to_numpy().view(np.uint16)       # [S, Hkv, 32, D]
+        for s in seqs:
+            want = cp.snapshot(s).k_residual[layer].swapaxes(0, 1).view(np.uint16)   # [Hkv, n % 32, D]
+            m = want.shape[1]
+            if m:
+                assert sum(np.array_equal(r[:, :m], want) for r in rows) == 1, (layer, s, m)
+    with pytest.raises(IndexError, match="layer"):
+        gp.key_residual(2)
     gp.free()
 
 

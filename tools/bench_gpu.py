@@ -17,8 +17,9 @@ family.
           of cuMemcpyDtoDAsync of the same input bytes (one copy per layer), same stream;
           also the step launched eagerly from Python.
   paged:  GpuKVPool.decode_attention (one query token per sequence, Hq 32, Hkv 8, D 128,
-          pages of 16 in a shuffled physical order, q and out float32), batch 1/8/32/128 x
-          context 1024/4096/16384 per format (--batches, --contexts, --formats), replayed
+          pages of 16 (K q4_1ch: 32, whole groups) in a shuffled physical order, q and out
+          float32), batch 1/8/32/128 x context 1024/4096/16384 per format and K/V pair
+          (--batches, --contexts, --formats: PAGED_FORMATS), replayed
           as a CUDA graph, against the same decode over a contiguous GpuKVCache
           (AttentionPlan.run: paged / contiguous), a graph of one cuMemcpyDtoDAsync of the
           same bytes (the K and V codes and scales the decode reads) and torch
@@ -142,8 +143,7 @@ def bench_append(opts) -> None:
         t_app = time_ms(times(g_step), cache.stream, before=cache.reset) / steps
         cache.check()
         t_cpy = time_ms(times(g_copy), cache.stream) / steps
-        f = spec.fmt
-        out_bytes = 2 * L * M * H * f.row_bytes(D)
+        out_bytes = M * spec.bytes_per_position
         in_bytes = buf.nbytes
         rows.append([fmt, t_app * 1e3, (in_bytes + out_bytes) / (t_app * 1e-3) / 1e9,
                      t_cpy * 1e3, 2 * in_bytes / (t_cpy * 1e-3) / 1e9, t_app / t_cpy,
@@ -161,7 +161,9 @@ def bench_append(opts) -> None:
                  "copy GB/s (r+w)", "append / copy", "eager step us"], rows)
 
 
-PAGED_FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1")
+PAGED_FORMATS = ("f16", "bf16", "f32", "int8", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q4_1",
+                 "q8_0/q4_0", "q4_1ch/q4_1")
+"""Formats and K/V pairs of the paged section; K q4_1ch takes pages of at least 32 (whole groups)."""
 FLUSH_BYTES = 256 << 20     # more than the L2 of any GPU kvcore targets (H100: 50 MiB)
 
 
@@ -203,18 +205,26 @@ def _torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
+def _fill_random(store, block: tuple, rng, stream) -> None:
+    """Random valid codes and scales in layer 0 of a GpuKVCache or GpuKVPool (`block`: the
+    leading shape of the copied block, ending with Hkv), and K q4_1ch's residuals."""
+    D = store.spec.head_dim
+    for f, codes, scales in zip(store.spec.fmts, (store.keys, store.values),
+                                (store.key_scales, store.value_scales)):
+        _fill(codes(0), _random_codes(rng, f, block + (f.code_width(D),)), stream)
+        if f.quantized:
+            _fill(scales(0), rng.uniform(0.001, 0.01, block + (f.scales_per_row(D),))
+                  .astype(f.scale_dtype), stream)
+    if store.spec.k_fmt.group:
+        res = store.key_residual(0)
+        _fill(res, rng.standard_normal(res.shape).astype(np.float16), stream)
+
+
 def _contiguous(spec, B: int, N: int, q, out, rng, stream):
     """A GpuKVCache of B slots holding N random positions each and an AttentionPlan over it:
     (cache, plan, run) with run() the decode of q into out on `stream`."""
-    f = spec.fmt
     cache = gpu.GpuKVCache(spec, B, stream=stream)
-    block = (1, spec.num_kv_heads, min(N, 64), f.code_width(spec.head_dim))
-    _fill(cache.keys(0), _random_codes(rng, f, block), stream)
-    _fill(cache.values(0), _random_codes(rng, f, block), stream)
-    if f.quantized:
-        for view in (cache.key_scales(0), cache.value_scales(0)):
-            _fill(view, rng.uniform(0.001, 0.01, block[:3] + (f.scales_per_row(spec.head_dim),))
-                  .astype(f.scale_dtype), stream)
+    _fill_random(cache, (1, spec.num_kv_heads, min(N, 64)), rng, stream)
     lengths = np.full(B, N, np.int32)
     cache.lengths.copy_from_numpy(lengths, stream=stream)
     stream.synchronize()
@@ -236,7 +246,6 @@ def bench_paged(opts) -> None:
     rows = []
     for B in batches:
         for N in contexts:
-            pages_per_seq = -(-N // PS)
             if 2.5 * 2 * B * N * HKV * D * 2 > 0.7 * ctx.mem_get_info()[0]:
                 continue   # torch's fp16 K/V must fit
             t_sdpa = None
@@ -250,23 +259,19 @@ def bench_paged(opts) -> None:
                 del k, v, qt
                 torch.cuda.empty_cache()    # give its K/V back before the pools allocate
             for name in opts.formats:
-                spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * PS,
+                spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=N, num_heads=HQ,
+                              format=name)
+                ps = max(PS, spec.k_fmt.group)          # K q4_1ch: pages of whole groups
+                pages_per_seq = -(-N // ps)
+                spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * ps,
                               num_heads=HQ, format=name)
-                f = spec.fmt
-                if 3.3 * 2 * B * pages_per_seq * PS * HKV * f.row_bytes(D) > 0.8 * ctx.mem_get_info()[0]:
+                if 3.3 * B * pages_per_seq * ps * spec.bytes_per_position > 0.8 * ctx.mem_get_info()[0]:
                     continue   # the pool, the contiguous cache and the copy's destination must fit
                 chunk = min(N - 1, MAX_GRID_Z // B)   # decode's rows: B x max_tokens
-                pool = gpu.GpuKVPool(spec, B * pages_per_seq, PS, max_batch=B,
+                pool = gpu.GpuKVPool(spec, B * pages_per_seq, ps, max_batch=B,
                                      max_pages_per_seq=pages_per_seq, max_tokens=chunk)
                 pool._table.free[:] = rng.permutation(pool.num_pages).tolist()  # scattered pages
-                block = min(pool.num_pages, 64)
-                _fill(pool.keys(0), _random_codes(rng, f, (block, PS, HKV, f.code_width(D))), pool.stream)
-                _fill(pool.values(0), _random_codes(rng, f, (block, PS, HKV, f.code_width(D))), pool.stream)
-                if f.quantized:
-                    S = f.scales_per_row(D)
-                    for view in (pool.key_scales(0), pool.value_scales(0)):
-                        _fill(view, rng.uniform(0.001, 0.01, (block, PS, HKV, S)).astype(f.scale_dtype),
-                              pool.stream)
+                _fill_random(pool, (min(pool.num_pages, 64), ps, HKV), rng, pool.stream)
                 seqs = [pool.new_sequence() for _ in range(B)]
                 for done in range(0, N - 1, chunk):  # N - 1 positions each (the random codes above)
                     pool.begin_step(seqs, [min(chunk, N - 1 - done)] * B)
@@ -276,7 +281,7 @@ def bench_paged(opts) -> None:
                 q = qo.view((B, HQ, D), np.float32)
                 out = qo.view((B, HQ, D), np.float32, offset=B * HQ * D * 4)
                 q.copy_from_numpy(rng.standard_normal((B, HQ, D)).astype(np.float32))
-                kv_bytes = B * N * 2 * HKV * f.row_bytes(D)
+                kv_bytes = B * N * spec.bytes_per_position
                 dst = gpu.DeviceBuffer.alloc(kv_bytes)
 
                 def copy(src=pool.keys(0).ptr, dst=dst, n=kv_bytes, st=pool.stream):
@@ -299,7 +304,7 @@ def bench_paged(opts) -> None:
                 dst.free(), qo.free()
                 plan.free(), cache.free(), pool.free()
                 sdpa_cols = ["n/a", "n/a"] if t_sdpa is None else [t_sdpa * 1e3, t_dec / t_sdpa]
-                rows.append([name, B, N, t_dec * 1e3, kv_bytes / (t_dec * 1e-3) / 1e9,
+                rows.append([name, B, N, ps, t_dec * 1e3, kv_bytes / (t_dec * 1e-3) / 1e9,
                              t_con * 1e3, t_dec / t_con,
                              t_cpy * 1e3, 2 * kv_bytes / (t_cpy * 1e-3) / 1e9, t_dec / t_cpy,
                              *sdpa_cols])
@@ -308,10 +313,10 @@ def bench_paged(opts) -> None:
     where = ("EMULATOR: times are CPU times of the emulated kernels, not device figures"
              if gpu.using_emulator() else ctx.name)
     print_table(f"paged: GpuKVPool.decode_attention, one query token per sequence, Hq={HQ}, "
-                f"Hkv={HKV}, D={D}, pages of {PS} ({where}; graph replays, L2 flushed; copy = "
+                f"Hkv={HKV}, D={D} ({where}; graph replays, L2 flushed; copy = "
                 f"graph of one DtoD copy of the K/V bytes the decode reads; contiguous = the same "
                 f"decode over a GpuKVCache; SDPA = torch fp16 enable_gqa on dense K/V)",
-                ["format", "batch", "context", "decode us", "decode GB/s (read)", "contiguous us",
+                ["format", "batch", "context", "page", "decode us", "decode GB/s (read)", "contiguous us",
                  "paged / contiguous", "copy us", "copy GB/s (r+w)", "decode / copy", "SDPA us",
                  "decode / SDPA"], rows)
 

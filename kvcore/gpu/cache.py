@@ -75,6 +75,12 @@ def check_gpu_format(spec: KVSpec, what: str) -> None:
                           f"{', '.join(pairs)} (KVCache and KVPool on the CPU hold every pair)")
 
 
+def no_residual(spec: KVSpec) -> FormatError:
+    """The error of asking a cache or pool whose K format has no residual for one."""
+    return FormatError(f"K format {spec.k_format} has no residual (only q4_1ch, by channel over "
+                       f"groups of positions, has one)")
+
+
 def region_format(spec: KVSpec, region: str) -> Format:
     """The format of a region: K's for k_codes / k_scales, V's for v_codes / v_scales."""
     return spec.k_fmt if region.startswith("k") else spec.v_fmt
@@ -382,8 +388,7 @@ class GpuKVCache(driver.DeviceOwner):
         """K q4_1ch's residual of `layer`: float16 [M, Hkv, 32, D], slot p mod 32 holding
         position p of each slot's open group; FormatError for every other K format."""
         if not self.layout.residual_shape:
-            raise FormatError(f"K format {self.spec.k_format} has no residual (only q4_1ch, by "
-                              f"channel over groups of positions, has one)")
+            raise no_residual(self.spec)
         return self._data.view(self.layout.residual_shape[1:], np.float16,
                                offset=self.residual_ptr(layer) - self._data.ptr, producer=self)
 

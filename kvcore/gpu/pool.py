@@ -59,7 +59,7 @@ from ..quant import dequantize
 from ..snapshot import Snapshot, fit_snapshot, snapshot_parts
 from ..spec import KVSpec
 from . import driver, kernels
-from .cache import check_gpu_format, largest_divisor_at_most, range_limits, region_format
+from .cache import check_gpu_format, largest_divisor_at_most, no_residual, range_limits, region_format
 from .attention import (MAX_GRID_Z, check_grouped_k, check_head_dim, check_lse, check_variants, choose_splits,
                         launch_split, split_kernel, splits_bound)
 from .cache import _check_input
@@ -453,6 +453,18 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def value_scales(self, layer: int) -> DeviceArray:
         return self._region_view("v_scales", layer)
+
+    def key_residual(self, layer: int) -> DeviceArray:
+        """K q4_1ch's residuals of `layer`: float16 [max_sequences, Hkv, 32, D], one per live
+        sequence (which one is the pool's to choose), slot p mod 32 holding position p of
+        its open group; FormatError for every other K format."""
+        self._alive()
+        layer = check_index("layer", layer, self.spec.num_layers)
+        if not self.max_sequences:
+            raise no_residual(self.spec)
+        s = self.spec
+        return self._data.view((self.max_sequences, s.num_kv_heads, 32, s.head_dim), np.float16,
+                               offset=self.offsets["k_residual"] + layer * self.max_sequences * self._res_bytes)
 
     # ------------------------------------------------------------------ page copies
 
