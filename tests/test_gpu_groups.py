@@ -513,3 +513,60 @@ def test_windowed_pool(gpu, rng):
     for s in (a, b):
         assert_same_seq(gp, cp, s)
     gp.free()
+
+
+def test_the_tiers_of_a_pool(gpu, tmp_path):
+    """Host tier and store (issue 32, item 1: the prefix cache and the store): whole-group
+    pages evicted to a host KVPool come back, and the chunks a pool saved come back into a
+    fresh pool, each sequence then byte for byte the CPU KVPool's that computed every prompt
+    (residual included: the prompt's open group is computed after the matched pages)."""
+    from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+    spec = spec_of(D=64, H=2, Hq=4, N=256)
+    kv_of = lambda tokens: keys(np.random.default_rng(tokens[0]), (len(tokens), 2, 64))  # noqa: E731
+    store = KVStore(DirectoryBackend(str(tmp_path)), model="m", spec=spec, chunk_tokens=32, page_size=32)
+    writer = StoreWriter(store)
+    host = kvcore.KVPool(spec, 16, 32, prefix_cache=True)
+    ref = kvcore.KVPool(spec, 64, 32, prefix_cache=True)
+    keep = []
+
+    def prefill(g, tokens):
+        s, n = g.match_prefix(tokens)
+        r, m = ref.match_prefix(tokens)
+        kv = kv_of(tokens)
+        g.begin_step([s], [len(tokens) - n])
+        for layer in range(2):
+            keep.extend([dev(gpu, kv[n:]), dev(gpu, -kv[n:])])
+            g.append(layer, keep[-2], keep[-1])
+            if len(tokens) > m:
+                ref.append(kv[m:], -kv[m:], seq=r, layer=layer)
+        g.advance(tokens=[tokens[n:]])
+        if len(tokens) > m:
+            ref.advance(r, tokens=tokens[m:])
+        assert_same_seq_of(g, s, ref, r)
+        return s, n, r
+
+    def assert_same_seq_of(g, s, cpu, r):
+        got, want = g.snapshot(s), cpu.snapshot(r)
+        for name in PARTS:
+            assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+
+    g = gpu.GpuKVPool(spec, 6, 32, max_batch=2, max_pages_per_seq=8, max_tokens=80,
+                      prefix_cache=True, host=host, store=store, store_writer=writer)
+    g._data.fill(POISON)
+    prompts = [list(range(1000 * i, 1000 * i + 70)) for i in range(1, 5)]  # 2 groups + 6
+    for p in prompts:                  # 6 GPU pages: the later prompts evict the earlier
+        s, n, r = prefill(g, p)
+        assert n == 0
+        g.free_sequence(s), ref.free(r)
+    assert g.tier_stats.demoted >= 2
+    s, n, r = prefill(g, prompts[0] + [5, 6, 7])          # from the host tier
+    assert n == 64 and g.tier_stats.host_hits == 2
+    g.free_sequence(s), ref.free(r)
+    g.free()
+    writer.close()
+    assert writer.stats.chunks_written == 8 and writer.stats.failed == 0
+    fresh = gpu.GpuKVPool(spec, 6, 32, max_batch=2, max_pages_per_seq=8, max_tokens=80,
+                          prefix_cache=True, store=store)
+    s, n, r = prefill(fresh, prompts[1] + [9])            # from the store
+    assert n == 64 and fresh.stats.store_hits == 2       # 2 chunks of one page each
+    fresh.free()
