@@ -22,7 +22,7 @@
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
-   slots, and the next tile's V rows, are prefetched by hand. With a window, groups and
+   slots, and the next tile's V rows and their scales, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
 3. A softmax per row (max subtracted, the attention kernel's vector exp), then the
    weighted sum of V in tiles of V_TILE positions: the tile's V rows are decoded once per
@@ -272,6 +272,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
             if p + V_TILE < n and p + V_TILE >= lo:   # the next tile's row (H rows apart)
                 nxt = _row(table, ps, p + V_TILE) * H + h
                 _prefetch(vc + nxt * v_code_row, v_code_row)
+                if vs != NULL:
+                    _prefetch(vs + nxt * v_scale_row, v_scale_row)
             vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
             decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
         for r in range(R):
