@@ -19,7 +19,8 @@
    the row of each position, `kv_tile`), so the result never depends on where a row is
    stored. The next tile's codes (its runs of consecutive rows) are prefetched a few
    lines at a time between the current tile's score blocks, so the prefetches overlap
-   the arithmetic; a split's first tile is prefetched in one burst. The (job, split)
+   the arithmetic; a split's first tile is prefetched in one burst, the next tile's
+   scales in one burst as soon as its rows are known. The (job, split)
    items of a call share the threads (`_run`). The splits follow num_threads(); a call of
    fewer than 4 items per thread runs them on run_threads() (fewer while other processes
    keep the cores busy: one thread then runs several splits, the same bits), since one
@@ -553,6 +554,17 @@ cdef extern from *:
        decode 3-4x slower on a Zen 4 core (docs/attention.md). */
     /* The stream counts K's bytes (cs: K's code bytes per row); V's rows (vcs bytes each)
        are prefetched in step, the same share of each run. */
+    /* The scales of a tile's rows (its runs of consecutive rows), into L2: a tile's scales
+       are one contiguous run per run of rows, read whole by kv_tile_scales when the tile
+       starts. Nothing for a side without scales. */
+    KV_INLINE void kv_prefetch_scales(const kv_side* x, const kv_tile* T) {
+        if (!x->sc) return;
+        for (int i = 0; i < T->nr; i++) {
+            const char* p = x->sc + T->rs[i] * x->ss;
+            for (ptrdiff_t o = 0; o < T->rl[i] * x->ss; o += 64) __builtin_prefetch(p + o, 0, 1);
+        }
+    }
+
     typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs, vcs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
@@ -1149,7 +1161,11 @@ cdef extern from *:
             const int np = cur->np;
             const int64_t next = j0 + KV_P + KV_P < end ? j0 + KV_P + KV_P : end;
             const size_t calls = (size_t)H * ((np + KV_W - 1) / KV_W) * (KV_W / KV_PB) * KV_PFB * ((nr + KV_RB - 1) / KV_RB);
-            if (next > j0 + KV_P) kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
+            if (next > j0 + KV_P) {
+                kv_tile_rows(J, j0 + KV_P, (int)((p1 - j0 - KV_P) < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
+                kv_prefetch_scales(&J->k, nxt);
+                kv_prefetch_scales(&J->v, nxt);
+            }
             kv_pf pf = {J->k.c, J->v.c, nxt, J->k.cs, J->v.cs, 0, 0,
                         next > j0 + KV_P ? (size_t)(next - j0 - KV_P) * J->k.cs : 0, 0};
             pf.step = (pf.left / calls + 63) / 64 * 64;
