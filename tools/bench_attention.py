@@ -22,6 +22,10 @@ than torch at the same thread count).
   probe's time and the FMA time: `% limit` is that bound over the call's time, the table
   of limits says which one binds (the 8-bit formats at G = 4 are FMA-bound on 2-FMA-pipe
   cores: 1,024 multiply-adds per 256 bytes).
+- goal lines at 4096 and 16384 positions: each format's share of the probe and of the
+  limit (goal 90%), the int8 scores' share of the probe, and the 4-bit formats' goal (q4_0
+  and q4_1 at no less than the 8-bit formats' share of the limit, and 1.6x faster than
+  q8_0 at 16384 positions).
 - in cache: ns per position and kv head of kvcore on one thread over a cache small enough
   to stay in the CPU caches (the slope between 128 and 512 positions, so fixed costs
   cancel), and the FMAs' share of it (2 * G * D multiply-adds at the measured rate): how
@@ -319,6 +323,16 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}: every format "
                       f"at >= 90% of {what}; lowest {low} {share[low]:.0%}, highest {high} "
                       f"{share[high]:.0%}")
+            eight, four = ("int8", "fp8_e4m3", "fp8_e5m2", "q8_0"), ("q4_0", "q4_1")
+            lim = {f: _gbps(results[(f"kvcore {f}", threads)][n]) / limit_gbps(f"kvcore {f}", threads, n)
+                   for f in eight + four}
+            q8 = results[("kvcore q8_0", threads)][n][0]
+            print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}, 4-bit: % of the limit "
+                  + ", ".join(f"{f} {lim[f]:.0%}" for f in four)
+                  + f" (>= the 8-bit formats': {min(lim[f] for f in eight):.0%}-"
+                  f"{max(lim[f] for f in eight):.0%}); x faster than q8_0: "
+                  + ", ".join(f"{f} {q8 / results[(f'kvcore {f}', threads)][n][0]:.2f}" for f in four)
+                  + " (>= 1.6 at 16384)")
             share = {f: _gbps(results[(f"kvcore {f} scores=int8", threads)][n])
                      / probe_gbps(f"kvcore {f} scores=int8", threads, n) for f in INT8_SCORES}
             print(f"goal @{n}, {threads} thread{'s' if threads > 1 else ''}, int8 scores: "
