@@ -126,6 +126,13 @@ def _kill(proc: subprocess.Popen) -> None:
 
 @pytest.hookimpl(trylast=True)   # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
+    if _mode(config.getoption("--gpu"))[0] == "emu":
+        # device-marked tests need torch/CuPy CUDA arrays, which no emulator can make:
+        # deselected (and counted in the header), so an emulated gpu run skips nothing
+        device = [i for i in items if i.get_closest_marker("device") is not None]
+        if device:
+            config.hook.pytest_deselected(items=device)
+            items[:] = [i for i in items if i.get_closest_marker("device") is None]
     children = [i for i in items if i.get_closest_marker("child") is not None]
     config.stash[_CHILDREN] = {i.nodeid: _spawn(i.get_closest_marker("child").args[0])
                                for i in children if _runnable(i)}
@@ -157,7 +164,8 @@ def pytest_report_header(config):
     mode, reason = _mode(config.getoption("--gpu"))
     if mode == "emu":
         return (f"gpu: emu (kvcore.gpu.use_emulator: CPU kernels built by {_compiler()}, "
-                f"seed {config.getoption('--gpu-seed')})")
+                f"seed {config.getoption('--gpu-seed')}; tests marked device, which need "
+                f"torch/CuPy CUDA arrays, deselected)")
     if mode == "device" and reason is None:
         from kvcore import gpu
         ctx = gpu.Context.get()
@@ -197,8 +205,6 @@ def pytest_runtest_setup(item):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
     if mode == "emu":
-        if item.get_closest_marker("device") is not None:
-            pytest.skip("needs CUDA arrays of torch/CuPy, which exist on a real device only")
         _start_emulator(item.config)
         from kvcore.gpu._emu import driver as emu
         item.stash[_LEAK_MARK] = emu.live_serial()

@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _benchlib import print_table  # noqa: E402
 
 from kvcore import KVSpec  # noqa: E402
+from kvcore.spec import resolve_formats  # noqa: E402
 from kvcore import gpu  # noqa: E402
 from kvcore.gpu import driver  # noqa: E402
 from kvcore.gpu.attention import MAX_GRID_Z  # noqa: E402
@@ -113,8 +114,7 @@ def bench_append(opts) -> None:
     rng = np.random.default_rng(0)
     rows = []
     for fmt in opts.formats:
-        spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=min_steps, format=fmt)
-        steps = max(min_steps, spec.k_fmt.group)    # K q4_1ch: a whole group, its encode included
+        steps = max(min_steps, _k_group(fmt))    # K q4_1ch: a whole group, its encode included
         spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=steps, format=fmt)
         cache = gpu.GpuKVCache(spec, M)
         x = (rng.standard_normal((L, 2, M, H, D)) * 3).astype(np.float16)
@@ -208,6 +208,11 @@ def _torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
+def _k_group(name: str) -> int:
+    """Positions K of format (or pair) `name` encodes together: 32 for q4_1ch, else 0."""
+    return resolve_formats(name)[0].group
+
+
 def _fill_random(store, block: tuple, rng, stream) -> None:
     """Random valid codes and scales in layer 0 of a GpuKVCache or GpuKVPool (`block`: the
     leading shape of the copied block, ending with Hkv), and K q4_1ch's residuals."""
@@ -262,9 +267,7 @@ def bench_paged(opts) -> None:
                 del k, v, qt
                 torch.cuda.empty_cache()    # give its K/V back before the pools allocate
             for name in opts.formats:
-                spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=N, num_heads=HQ,
-                              format=name)
-                ps = max(PS, spec.k_fmt.group)          # K q4_1ch: pages of whole groups
+                ps = max(PS, _k_group(name))            # K q4_1ch: pages of whole groups
                 pages_per_seq = -(-N // ps)
                 spec = KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=pages_per_seq * ps,
                               num_heads=HQ, format=name)

@@ -463,8 +463,8 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
         if not self.max_sequences:
             raise no_residual(self.spec)
         s = self.spec
-        return self._data.view((self.max_sequences, s.num_kv_heads, 32, s.head_dim), np.float16,
-                               offset=self.offsets["k_residual"] + layer * self.max_sequences * self._res_bytes)
+        return self._data.view((self.max_sequences, s.num_kv_heads, s.k_fmt.group, s.head_dim),
+                               np.float16, offset=self._residual_base(layer) - self._data.ptr)
 
     # ------------------------------------------------------------------ page copies
 
@@ -816,7 +816,7 @@ class GpuKVPool(WindowViews, driver.DeviceOwner):
 
     def _residual_offset(self, layer: int, seq: int) -> int:
         """Byte offset of seq's residual [Hkv][32][D] float16 in `layer` (K q4_1ch)."""
-        return self.offsets["k_residual"] + (layer * self.max_sequences + self._res[seq]) * self._res_bytes
+        return self._residual_base(layer) - self._data.ptr + self._res[seq] * self._res_bytes
 
     def _need_residual(self, what: str) -> None:
         """CapacityError, before anything changes, when a K q4_1ch pool has no residual
