@@ -1,9 +1,10 @@
 """The CPU storage of K/V rows, shared by KVCache (one sequence) and KVPool (pages).
 
-One allocation of `rows * spec.bytes_per_position` bytes (fresh anonymous pages: zero-
-filled, page-aligned, so every region is 64-byte aligned), in four regions:
+One allocation (fresh anonymous pages: zero-filled, page-aligned) of the regions'
+`rows * spec.bytes_per_position` bytes and a gap of GAP bytes between one region and the
+next, never touched (`storage_bytes`):
 
-    [K scales][V scales][K codes][V codes]
+    [K scales] gap [V scales] gap [K codes] gap [V codes]
     codes:  [L][rows][Hkv][W]  the format's code dtype  (token-major: a step is one block;
                                W = fmt.code_width(D): D, or D/2 for the 4-bit formats)
     scales: [L][rows][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
@@ -35,6 +36,12 @@ from .formats import view_dtype
 from .spec import KVSpec
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")   # the order of layer_arrays
+GAP = 4096
+"""Bytes between consecutive regions. Without it K row p and V row p of a large storage lie
+a multiple of 2^28 bytes apart (a KVCache of 131072 f16 positions at Hkv = 8, D = 128; a
+pool of 256 MiB of codes a side), and decode attention ran 1.7-2x slower on an AMD Zen 5
+core (docs/attention.md, "Address aliasing"); gaps of 512 bytes to 2 MiB all measured as
+fast as unaliased storage. The gaps are never written (zero), 12 KiB at most."""
 
 LayerArrays = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
 """(k_codes, v_codes, k_scales, v_scales) of one layer; scales None when S = 0."""
@@ -67,26 +74,40 @@ def region_shapes(spec: KVSpec, rows: int) -> list[tuple[str, tuple[int, ...], n
     return sorted(shapes, key=lambda x: -x[2].itemsize)
 
 
+def region_offsets(shapes: list[tuple[str, tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
+    """(byte offset of each region of `shapes`, the allocation's bytes): the regions in
+    order, GAP bytes between one and the next."""
+    offsets, end = [], 0
+    for i, (_, shape, dtype) in enumerate(shapes):
+        offsets.append(end + (GAP if i else 0))
+        end = offsets[-1] + prod(shape) * dtype.itemsize
+    return offsets, end
+
+
+def storage_bytes(spec: KVSpec, rows: int) -> int:
+    """Bytes of the allocation of a storage of `rows` rows: rows * spec.bytes_per_position
+    of regions and the gaps between them."""
+    return region_offsets(region_shapes(spec, rows))[1]
+
+
 class Storage:
     """Rows of every layer in one allocation (module comment), with its checked writer."""
 
     def __init__(self, spec: KVSpec, rows: int):
-        self._build(spec, rows, zeroed_pages(rows * spec.bytes_per_position))
+        self._build(spec, rows, zeroed_pages(storage_bytes(spec, rows)))
 
     def _build(self, spec: KVSpec, rows: int, array: np.ndarray) -> None:
-        """Regions, writer and read-only views over `array` (uint8, rows *
-        spec.bytes_per_position bytes, page-aligned)."""
+        """Regions, writer and read-only views over `array` (uint8, storage_bytes(spec,
+        rows) bytes, page-aligned)."""
         self.spec, self.rows = spec, rows
         shapes = region_shapes(spec, rows)
         self.array = array
         self.regions: dict[str, np.ndarray] = {}
         self.offsets: dict[str, int] = {}
-        offset = 0
-        for name, shape, dtype in shapes:
+        for (name, shape, dtype), offset in zip(shapes, region_offsets(shapes)[0]):
             nbytes = prod(shape) * dtype.itemsize
             self.regions[name] = self.array[offset:offset + nbytes].view(dtype).reshape(shape)
             self.offsets[name] = offset
-            offset += nbytes
         r = self.regions
         self.writer = _cache.RowWriter(spec.k_fmt, spec.v_fmt, r["k_codes"], r["v_codes"],
                                        r.get("k_scales"), r.get("v_scales"))
@@ -98,6 +119,11 @@ class Storage:
             .view(view_dtype(spec.fmts[name[0] == "v"]) if name.endswith("codes") else arr.dtype)
             .reshape(arr.shape)
             for name, arr in r.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the regions, rows * spec.bytes_per_position (the gaps not counted)."""
+        return self.rows * self.spec.bytes_per_position
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Storage":
         """A storage of the same rows on fresh pages holding the same bytes (one copy)."""
@@ -117,12 +143,12 @@ class Storage:
         regions, views and writer over them; SnapshotError when their size is not the
         spec's."""
         spec, rows, data = state["spec"], state["rows"], state["array"]
-        nbytes = rows * spec.bytes_per_position
+        nbytes = storage_bytes(spec, rows)
         if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (nbytes,):
             got = (f"{type(data).__name__}" if not isinstance(data, np.ndarray)
                    else f"{data.dtype} {list(data.shape)}")
             raise SnapshotError(f"pickled storage: expected uint8 [{nbytes}] ({rows} rows of "
-                                f"{spec.bytes_per_position} bytes), got {got}")
+                                f"{spec.bytes_per_position} bytes and the gaps), got {got}")
         array = zeroed_pages(nbytes)
         np.copyto(array, data)
         self._build(spec, rows, array)

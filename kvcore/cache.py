@@ -1,9 +1,10 @@
 """KVCache: the CPU key/value cache of one sequence.
 
-Storage is one allocation of exactly `spec.memory_bytes` bytes (`_storage.Storage` with
-rows = capacity: the one-sequence case of a KVPool's pages, one page of N rows in order):
+Storage is one allocation of `spec.memory_bytes` bytes of regions and a 4 KiB gap between
+each region and the next (`_storage.Storage` with rows = capacity: the one-sequence case of
+a KVPool's pages, one page of N rows in order):
 
-    [K scales][V scales][K codes][V codes]
+    [K scales] gap [V scales] gap [K codes] gap [V codes]
     codes:  [L][N][Hkv][D]  the format's code dtype  (token-major: a step is one block)
     scales: [L][N][Hkv][S]  the format's scale dtype (no scale regions when S = 0)
 
@@ -321,8 +322,9 @@ class KVCache:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the storage, exactly (spec.memory_bytes)."""
-        return self._storage.nbytes
+        """Bytes of the K/V regions, exactly spec.memory_bytes (the allocation adds an
+        untouched 4 KiB gap between regions: docs/formats.md)."""
+        return self._store.nbytes
 
     @property
     def fp32_equivalent_bytes(self) -> int:

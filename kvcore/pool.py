@@ -785,8 +785,9 @@ class KVPool(WindowViews):
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the storage: num_pages * page_size * spec.bytes_per_position."""
-        return self._storage.nbytes
+        """Bytes of the K/V regions: num_pages * page_size * spec.bytes_per_position (the
+        allocation adds an untouched 4 KiB gap between regions: docs/formats.md)."""
+        return self._store.nbytes
 
     def _layer_arrays(self, layer: int) -> LayerArrays:
         """Writable views of one layer's rows (as KVCache._layer_arrays, rows = P * ps)."""
