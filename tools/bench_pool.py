@@ -1,6 +1,7 @@
 """KVPool benchmarks against peers measured in the same run.
 
     python tools/bench_pool.py        (or: python tools/bench_cpu.py --only pool)
+    python tools/bench_pool.py --paged   (the paged = contiguous table only)
 
 Attention: one new token per sequence, Hq = 32, Hkv = 8, D = 128, B sequences of a
 context each (equal lengths, or ragged: uniform in [ctx / 2, 3 ctx / 2), the same total),
@@ -9,6 +10,12 @@ one layer. kvcore paged: one `decode_attention(q, pool, 0, seqs=...)` call over 
 the same positions in one KVCache per sequence, one `decode_attention` call each (what a
 runtime without a pool runs); torch SDPA: the batch padded to the longest sequence with a
 boolean mask, float32 (only when torch is installed). Per-token cost = time / positions.
+
+Paged = contiguous (issue 34): every format and K/V pair, 4096 and 16384 positions, B = 1
+and 32 sequences of equal length, one thread: one `decode_attention` call over a pool of
+16-position pages in a shuffled order against one call per sequence on KVCaches holding the
+same positions, timed in turn within each round (median); "shuffled / contiguous" is the
+goal's ratio (<= 1.10).
 
 Step write: a decode step of 32 sequences x 32 layers (one position, K and V, float32
 input [8, 128], f16 storage): 32 `append_batch` calls and one `advance` (at 1 thread and
@@ -78,6 +85,51 @@ def _attention_row(rng, fmt: str, B: int, ctx: int, ragged: bool) -> tuple[list,
     total = sum(lengths)
     return ([fmt, B, ctx, "ragged" if ragged else "equal", paged * 1e6, flat * 1e6,
              paged / flat, paged / total * 1e9], lengths)
+
+
+def _paged_row(rng, fmt: str, B: int, ctx: int) -> list:
+    """One row of the paged = contiguous table (module comment)."""
+    spec = kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, capacity=ctx,
+                         num_heads=HQ, format=fmt)
+    pool = kvcore.KVPool(spec, num_pages=B * (ctx // PAGE), page_size=PAGE)
+    pool._table.free[:] = rng.permutation(pool.num_pages).tolist()   # pages in any order
+    seqs = [pool.new_sequence() for _ in range(B)]
+    k = rng.standard_normal((ctx, HKV, D), dtype=np.float32)
+    v = rng.standard_normal((ctx, HKV, D), dtype=np.float32)
+    caches = [kvcore.KVCache(spec) for _ in range(B)]
+    for s, cache in zip(seqs, caches):
+        pool.append(k, v, seq=s, layer=0)
+        cache.append(0, k, v)
+    q = rng.standard_normal((B, HQ, D), dtype=np.float32)
+    out = np.empty_like(q)
+
+    def contiguous():
+        for b, cache in enumerate(caches):
+            kvcore.decode_attention(q[b], cache, 0, out=out[b])
+    times = _interleaved({"paged": lambda: kvcore.decode_attention(q, pool, 0, seqs=seqs, out=out),
+                          "contiguous": contiguous}, rounds=8 if B * ctx > 65536 else 16)
+    paged, flat = times["paged"], times["contiguous"]
+    return [fmt, B, ctx, paged * 1e3, flat * 1e3, paged / flat,
+            spec.bytes_per_position * B * ctx / paged / 1e9]
+
+
+def bench_paged() -> None:
+    """The paged = contiguous table, on one thread (the module comment)."""
+    from _benchlib import PAIRS
+    rng = np.random.default_rng(4)
+    threads = kvcore.max_threads()
+    kvcore.set_num_threads(1)
+    try:
+        rows = [_paged_row(rng, fmt, B, ctx)
+                for fmt in [f for f in kvcore.FORMATS if f != "q4_1ch"]
+                + [p for p in PAIRS if not p.startswith("q4_1ch")]
+                for ctx in (4096, 16384) for B in (1, 32)]
+    finally:
+        kvcore.set_num_threads(threads)
+    print_table(f"Paged = contiguous: one decode_attention over pages of {PAGE} in a shuffled "
+                f"order vs one call per sequence on KVCaches, Hq {HQ}, Hkv {HKV}, D {D}, 1 thread",
+                ["format", "B", "positions", "shuffled pages ms", "contiguous ms",
+                 "shuffled / contiguous", "paged GB/s"], rows)
 
 
 def _torch_time(torch, lengths: list[int]) -> float:
@@ -292,6 +344,13 @@ def _interleaved(fns: dict, rounds: int = 9, between=None) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description="KVPool benchmarks (the module comment)")
+    parser.add_argument("--paged", action="store_true", help="the paged = contiguous table only")
+    args = parser.parse_args(argv or [])
+    bench_paged()
+    if args.paged:
+        return
     bench_step_write()
     bench_step_overhead()
     bench_attention()
@@ -299,5 +358,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
-    main()
+    main(sys.argv[1:])
     print(f"\n({time.perf_counter() - t0:.0f} s)")
