@@ -1,8 +1,8 @@
 """The CPU storage of K/V rows, shared by KVCache (one sequence) and KVPool (pages).
 
 One allocation (fresh anonymous pages: zero-filled, page-aligned) of the regions'
-`rows * spec.bytes_per_position` bytes and a gap of GAP bytes between one region and the
-next, never touched (`storage_bytes`):
+`rows * spec.bytes_per_position` bytes and a gap of under 4 KiB before each region but the
+first, never written, that starts region i at i * SKEW bytes modulo 4096 (`storage_bytes`):
 
     [K scales] gap [V scales] gap [K codes] gap [V codes]
     codes:  [L][rows][Hkv][W]  the format's code dtype  (token-major: a step is one block;
@@ -36,12 +36,14 @@ from .formats import view_dtype
 from .spec import KVSpec
 
 REGIONS = ("k_codes", "v_codes", "k_scales", "v_scales")   # the order of layer_arrays
-GAP = 4096
-"""Bytes between consecutive regions. Without it K row p and V row p of a large storage lie
-a multiple of 2^28 bytes apart (a KVCache of 131072 f16 positions at Hkv = 8, D = 128; a
-pool of 256 MiB of codes a side), and decode attention ran 1.7-2x slower on an AMD Zen 5
-core (docs/attention.md, "Address aliasing"); gaps of 512 bytes to 2 MiB all measured as
-fast as unaliased storage. The gaps are never written (zero), 12 KiB at most."""
+SKEW = 2048
+"""Region i starts at the first offset past region i - 1 that is i * SKEW modulo 4096, so
+that row p of K and row p of V (of codes, and of scales) lie half a page apart modulo
+4096 and never share an L1 set. Packed end to end, K row p and V row p of a large storage
+lay a multiple of 2^27 or 2^28 bytes apart (a KVCache of 131072 f16 positions at Hkv = 8,
+D = 128: 256 MiB of K codes; a pool of 32 x 4096 int8 positions: 128 MiB), and decode
+attention ran 1.4-2x slower on an AMD Zen 5 core (docs/attention.md, "Address aliasing").
+The gaps (under 4 KiB each) are never written."""
 
 LayerArrays = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]
 """(k_codes, v_codes, k_scales, v_scales) of one layer; scales None when S = 0."""
@@ -76,10 +78,10 @@ def region_shapes(spec: KVSpec, rows: int) -> list[tuple[str, tuple[int, ...], n
 
 def region_offsets(shapes: list[tuple[str, tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
     """(byte offset of each region of `shapes`, the allocation's bytes): the regions in
-    order, GAP bytes between one and the next."""
+    order, region i at the first offset past the one before that is i * SKEW modulo 4096."""
     offsets, end = [], 0
     for i, (_, shape, dtype) in enumerate(shapes):
-        offsets.append(end + (GAP if i else 0))
+        offsets.append(end + (i * SKEW - end) % 4096)
         end = offsets[-1] + prod(shape) * dtype.itemsize
     return offsets, end
 

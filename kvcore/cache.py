@@ -1,8 +1,8 @@
 """KVCache: the CPU key/value cache of one sequence.
 
-Storage is one allocation of `spec.memory_bytes` bytes of regions and a 4 KiB gap between
-each region and the next (`_storage.Storage` with rows = capacity: the one-sequence case of
-a KVPool's pages, one page of N rows in order):
+Storage is one allocation of `spec.memory_bytes` bytes of regions and gaps under 4 KiB
+between them (`_storage.Storage` with rows = capacity: the one-sequence case of a KVPool's
+pages, one page of N rows in order):
 
     [K scales] gap [V scales] gap [K codes] gap [V codes]
     codes:  [L][N][Hkv][D]  the format's code dtype  (token-major: a step is one block)
@@ -322,8 +322,8 @@ class KVCache:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the K/V regions, exactly spec.memory_bytes (the allocation adds an
-        untouched 4 KiB gap between regions: docs/formats.md)."""
+        """Bytes of the K/V regions, exactly spec.memory_bytes (the allocation adds
+        gaps under 4 KiB between regions: docs/formats.md)."""
         return self._store.nbytes
 
     @property

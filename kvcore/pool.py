@@ -786,7 +786,7 @@ class KVPool(WindowViews):
     @property
     def memory_bytes(self) -> int:
         """Bytes of the K/V regions: num_pages * page_size * spec.bytes_per_position (the
-        allocation adds an untouched 4 KiB gap between regions: docs/formats.md)."""
+        allocation adds gaps under 4 KiB between regions: docs/formats.md)."""
         return self._store.nbytes
 
     def _layer_arrays(self, layer: int) -> LayerArrays:

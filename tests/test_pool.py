@@ -9,7 +9,7 @@ from _formats import PAIRS
 from _blocking import BlockingLayer
 
 import kvcore
-from kvcore._storage import GAP
+from kvcore._storage import storage_bytes
 from kvcore import (CapacityError, DTypeError, KVCache, KVPool, KVSpec, NonFiniteError,
                     OutOfRangeError, ShapeError, SnapshotError, SpecError, StateError)
 
@@ -48,7 +48,7 @@ def test_layout_pages_are_rows_of_every_layer():
     s = spec("int8")
     pool = KVPool(s, num_pages=5, page_size=16)
     assert pool.memory_bytes == 5 * 16 * s.bytes_per_position == pool._store.nbytes
-    assert pool._storage.nbytes == pool.memory_bytes + 3 * GAP
+    assert pool._storage.nbytes == storage_bytes(s, 80)
     lay = pool.layout
     assert list(lay) == ["k_scales", "v_scales", "k_codes", "v_codes"]
     assert lay["k_codes"]["shape"] == (L, 80, H, D) and lay["k_scales"]["shape"] == (L, 80, H, 1)
