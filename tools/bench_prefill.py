@@ -65,6 +65,18 @@ def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
+def _torch_isa_like_kvcore() -> None:
+    """A kvcore build without AVX-512 (an AVX2 machine, or KVCORE_MARCH=x86-64-v3 on an
+    AVX-512 one) is compared with torch on AVX2 too, as torch runs on an AVX2 machine: its
+    own kernels (ATEN_CPU_CAPABILITY), MKL's and oneDNN's. Only before torch is imported,
+    and not over a setting the caller made."""
+    if "AVX512F" in kvcore._cache.build_info()["isa"] or "torch" in sys.modules:
+        return
+    for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+                        ("ONEDNN_MAX_CPU_ISA", "AVX2")):
+        os.environ.setdefault(name, value)
+
+
 def main(argv: Sequence[str] = ()) -> dict[tuple[str, int], dict[int, float]]:
     """Runs with command-line style arguments (none: the defaults). Returns {(implementation,
     threads): {tokens: seconds}}."""
@@ -73,6 +85,7 @@ def main(argv: Sequence[str] = ()) -> dict[tuple[str, int], dict[int, float]]:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    _torch_isa_like_kvcore()
     try:
         import torch
     except ImportError:
@@ -100,8 +113,10 @@ def main(argv: Sequence[str] = ()) -> dict[tuple[str, int], dict[int, float]]:
             ref = results.get((SDPA, threads), {}).get(T)
             row += [per_t[T] * 1e3, ref / per_t[T] if ref else "-"]
         rows.append(row)
+    isa = "" if torch is None else f"; torch on {torch.backends.cpu.get_cpu_capability()}"
     print_table(f"Causal prefill: T tokens over T positions, Hq={HQ}, Hkv={HKV}, D={D}, "
-                f"batch 1 ({args.rounds} rounds, median)", header, rows)
+                f"batch 1 ({args.rounds} rounds, median; kvcore built for "
+                f"{' '.join(kvcore._cache.build_info()['isa'])}{isa})", header, rows)
     if torch is None:
         print(f"\n{SDPA}: torch not installed")
     else:
