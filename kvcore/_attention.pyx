@@ -97,6 +97,7 @@ cdef extern from *:
     #define KV_Q4(fmt) ((fmt) == KV_Q4_0 || (fmt) == KV_Q4_1)
     #define KV_P 64            /* positions per tile (a multiple of 16) */
     #define KV_RB 4            /* query rows per register block */
+    #define KV_VR 6            /* rows per value register block of a row-wise tile (kv_tile_values) */
     /* V rows per pass over the columns when rows lie a multiple of 4 KiB apart (f32 at
        Hkv = 8, D = 128): such rows share one L1 set, 8 ways, so a pass over all the
        tile's rows would evict each line before the next column block reads it again. */
@@ -877,7 +878,7 @@ cdef extern from *:
        column vectors (the last one passes d when `tail`). */
     KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
                                   int j0, int j1, const float* w, int ws, int wp, float* acc, int dp, int i0) {
-        kv_vf a[KV_RB][KV_CB];
+        kv_vf a[KV_VR][KV_CB];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
         for (int j = j0; j < j1; j++) {
@@ -1278,52 +1279,18 @@ cdef extern from *:
             }
         }
     }
-    /* acc [nr][dp] += the tile's weights x its V rows, for a row-wise block: vf [np][dp]
-       float32 (the tile's V rows decoded, zero past d), weights sT [KV_P][KV_ROWS] (row r's
-       weight of position j at sT[j * KV_ROWS + r]). Register blocks of KV_VR rows x KV_VC
-       column vectors, each a sum over the tile's positions in order (every value the same
-       operations as kv_values'); a function of its own: inlined into kv_block_fmt, the
-       value block's column offsets and loop bound lived on the stack and were reloaded at
-       every position, and its 8 accumulators (AVX2) were too few to hide the FMA latency. */
-    #if KV_W == 16
-    #define KV_VR 6
-    #define KV_VC 4
-    #else
-    #define KV_VR 6
-    #define KV_VC 2
-    #endif
-    KV_INLINE void kv_tile_value_block(const int RB, const int CB, const float* vf, int np, int dp,
-                                       const float* w, float* acc, int i0) {
-        kv_vf a[KV_VR][KV_VC];
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
-        for (int j = 0; j < np; j++) {
-            kv_vf x[KV_VC];
-            for (int c = 0; c < CB; c++) x[c] = kv_loadf(vf + (size_t)j * dp + i0 + KV_W * c);
-            for (int r = 0; r < RB; r++) {
-                kv_vf wr = kv_splat(w[(size_t)j * KV_ROWS + r]);
-                for (int c = 0; c < CB; c++) a[r][c] = kv_fma(wr, x[c], a[r][c]);
-            }
-        }
-        for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + KV_W * c, a[r][c]);
-    }
-    KV_INLINE void kv_tile_value_rows(const int RB, const float* vf, int np, int dp, const float* w, float* acc) {
-        int i0 = 0;
-        for (; i0 + KV_W * KV_VC <= dp; i0 += KV_W * KV_VC) kv_tile_value_block(RB, KV_VC, vf, np, dp, w, acc, i0);
-        for (; i0 < dp; i0 += KV_W) kv_tile_value_block(RB, 1, vf, np, dp, w, acc, i0);
-    }
-    static __attribute__((noinline)) void kv_tile_values(int nr, const float* vf, int np, int dp,
-                                                         const float* sT, float* acc) {
+    /* acc [nr][dp] += the tile's weights x its V rows, for a row-wise block: v the tile's
+       V rows as float32 (vf), weights sT [KV_P][KV_ROWS] (row r's weight of position j at
+       sT[j * KV_ROWS + r]); kv_values' value blocks (the same operations), KV_VR rows at a
+       time. A function of its own: inlined into kv_block_fmt, the value block's column
+       offsets and loop bound lived on the stack and were reloaded at every position, and
+       its 8 accumulators (AVX2) were too few to hide the FMA latency. */
+    static __attribute__((noinline)) void kv_tile_values(int nr, kv_rows v, int np, const float* sT,
+                                                         float* acc, int dp) {
         int r = 0;
-        for (; r + KV_VR <= nr; r += KV_VR) kv_tile_value_rows(KV_VR, vf, np, dp, sT + r, acc + (size_t)r * dp);
-        switch (nr - r) {
-        case 1: kv_tile_value_rows(1, vf, np, dp, sT + r, acc + (size_t)r * dp); break;
-        case 2: kv_tile_value_rows(2, vf, np, dp, sT + r, acc + (size_t)r * dp); break;
-        case 3: kv_tile_value_rows(3, vf, np, dp, sT + r, acc + (size_t)r * dp); break;
-        case 4: kv_tile_value_rows(4, vf, np, dp, sT + r, acc + (size_t)r * dp); break;
-        case 5: kv_tile_value_rows(5, vf, np, dp, sT + r, acc + (size_t)r * dp); break;
-        }
+        for (; r + KV_VR <= nr; r += KV_VR)
+            kv_value_rows(KV_F32, KV_VR, v, np, sT + r, 1, KV_ROWS, acc + (size_t)r * dp, dp);
+        if (r < nr) kv_values(KV_F32, nr - r, v, np, sT + r, 1, KV_ROWS, acc + (size_t)r * dp, dp);
     }
 
     /* kv_block_scores of KV_BP positions, of 4 (a tile's last 64 % KV_BP = 4) and of one,
@@ -1412,10 +1379,6 @@ cdef extern from *:
             for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
             for (int h = 0; h < H; h++) {
                 kv_rows k = kv_head_rows(&J->k, J, ksc, &tile, h), v = kv_head_rows(&J->v, J, vsc, &tile, h);
-                /* K rows decoded (f32: copied) into kf, dp floats apart: the score blocks
-                   read every K row once per KV_SV row vectors, and f32 rows read in place
-                   lie Hkv * D * 4 bytes apart (4 KiB at Hkv = 8, D = 128: a tile's rows
-                   all in the same few L1 sets, evicted between those reads) */
                 const float* kp[KV_P];
                 if (kfmt == KV_F32) {
                     for (int j = 0; j < KV_P; j++) kp[j] = (const float*)(k.c + k.ph[j] * k.cs);
@@ -1423,12 +1386,13 @@ cdef extern from *:
                     kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
                     for (int j = 0; j < KV_P; j++) kp[j] = kf + (size_t)rowf[j] * dp;
                 }
-                /* V rows decoded (f32: copied) into vf, dp floats apart, zero past d
-                   (kv_tile_values): the value blocks walk the tile's rows once per block of
-                   rows, and f32 rows read in place lie Hkv * D * 4 bytes apart (4 KiB at
-                   Hkv = 8, D = 128: a tile's rows all in the same few L1 sets); copied,
-                   f32 causal prefill ran 1.2x faster at 4096 tokens on a Zen 5 core */
+                /* V rows decoded (f32: copied) into vf, dp floats apart: the value
+                   blocks walk the tile's rows once per block of rows, and f32 rows read in
+                   place lie Hkv * D * 4 bytes apart (4 KiB at Hkv = 8, D = 128: a tile's
+                   rows all in the same few L1 sets); copied, f32 causal prefill ran 1.2x
+                   faster at 4096 tokens on a Zen 5 core */
                 kv_decode_rows_in(vf0, vfmt, v, np, vf, dp);
+                const kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, d};
                 const float* q = qt + (size_t)h * d * KV_ROWS;
                 const float* rs = KV_ROW_SCALED(kfmt) ? ksc + (size_t)h * KV_P : NULL;
                 for (int b = 0; b < KV_BV; b += KV_SV) {
@@ -1476,7 +1440,7 @@ cdef extern from *:
                     kv_storef(su, sum);
                     for (int k = 0; k < KV_W; k++) lh[(size_t)(b * KV_W + k) * KV_W] += su[k];
                 }
-                kv_tile_values(nr, vf, np, dp, sT, ah);
+                kv_tile_values(nr, vd, np, sT, ah, dp);
             }
         }
     }
