@@ -39,7 +39,9 @@
    q d - 8 d and q4_1's (d, m) pairs q d + m, one multiply-add each (exact products).
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
-   vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L).
+   vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L);
+   a group of KV_W positions of 4 rows is a function of its own per format
+   (kv_score_group_full), so that its loop has the general registers to itself.
    V: a register block of 4 rows x KV_CB column vectors walks the tile's positions (in
    passes of KV_VJ = 8 positions over all columns where rows lie a multiple of 4 KiB apart).
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
@@ -91,6 +93,8 @@ cdef extern from *:
 
     #define KV_INLINE static inline __attribute__((always_inline))
     enum { KV_F32, KV_F16, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2, KV_Q8_0, KV_Q4_0, KV_Q4_1 };
+    #define KV_EACH_FORMAT(X) X(KV_F32) X(KV_F16) X(KV_BF16) X(KV_INT8) X(KV_E4M3) \
+                              X(KV_E5M2) X(KV_Q8_0) X(KV_Q4_0) X(KV_Q4_1)
     #define KV_ROW_SCALED(fmt) ((fmt) == KV_INT8 || (fmt) == KV_E4M3 || (fmt) == KV_E5M2)
     /* ggml's blocks of 32 values with float16 scales (q4_1: d, m pairs) */
     #define KV_BLOCKED(fmt) ((fmt) == KV_Q8_0 || (fmt) == KV_Q4_0 || (fmt) == KV_Q4_1)
@@ -851,6 +855,28 @@ cdef extern from *:
         for (int r = 0; r < RB; r++) out[r] = kv_tree(part[r], KV_W / KV_PB, KV_W / 2 / KV_PB);
     }
 
+    /* kv_score_group of KV_RB rows and no tail, one function per format (and per format
+       of the int8 scores): inlined into the tile's loops, the group's inner loop kept the
+       query rows' base and stride in vector registers and reloaded them at every step
+       (GCC 12 left the general registers to the caller's values). */
+    #define KV_GROUP_FN(F)                                                                         \
+        static __attribute__((noinline)) void kv_score_group_##F(const int qi, kv_rows k, int j, \
+                int np, const float* q, int dp, kv_vf out[KV_RB], kv_pf* pf) {                     \
+            if (qi && (F == KV_INT8 || KV_BLOCKED(F)))   /* the int8 scores' formats */            \
+                kv_score_group(F, 1, 0, KV_RB, k, j, np, q, dp, out, pf);                          \
+            else kv_score_group(F, 0, 0, KV_RB, k, j, np, q, dp, out, pf);                         \
+        }
+    KV_EACH_FORMAT(KV_GROUP_FN)
+    #undef KV_GROUP_FN
+    KV_INLINE void kv_score_group_full(const int fmt, const int qi, kv_rows k, int j, int np, const float* q,
+                                       int dp, kv_vf out[KV_RB], kv_pf* pf) {
+        switch (fmt) {
+        #define KV_CASE(F) case F: kv_score_group_##F(qi, k, j, np, q, dp, out, pf); break;
+        KV_EACH_FORMAT(KV_CASE)
+        #undef KV_CASE
+        }
+    }
+
     /* s[r][0 .. np) = scores of RB rows against the tile's np K rows, times the row scales
        rs [KV_P] (int8/FP8; NULL: none); lanes past np or past last[r] (position j0 + lane)
        are -inf. */
@@ -860,6 +886,7 @@ cdef extern from *:
         for (int j = 0; j < np; j += KV_W) {
             kv_vf o[KV_RB];
             if (k.d % (qi ? KV_QC : KV_W)) kv_score_group(fmt, qi, 1, RB, k, j, np, q, dp, o, pf);
+            else if (RB == KV_RB) kv_score_group_full(fmt, qi, k, j, np, q, dp, o, pf);
             else kv_score_group(fmt, qi, 0, RB, k, j, np, q, dp, o, pf);
             for (int r = 0; r < RB; r++) {
                 kv_vf x = rs ? o[r] * kv_loadf(rs + j) : o[r];
@@ -942,8 +969,6 @@ cdef extern from *:
        per tile and head into the copy of the code made for that format. A K/V pair reads
        K's codes in the scores and V's in the weighted sums, each side through its own
        format's copy, so the kernels are made once per format, never per pair. */
-    #define KV_EACH_FORMAT(X) X(KV_F32) X(KV_F16) X(KV_BF16) X(KV_INT8) X(KV_E4M3) \
-                              X(KV_E5M2) X(KV_Q8_0) X(KV_Q4_0) X(KV_Q4_1)
     static void kv_scores_of(int fmt, int R, kv_rows k, int np, const float* q, int dp,
                              const float* rs, const int64_t* last, int64_t j0, float* s, kv_pf* pf) {
         switch (fmt) {
@@ -1622,6 +1647,45 @@ cdef extern from *:
         return t[0];
     }
 
+    /* rounds passes of one of the kernel's blocks over one tile of KV_P positions of one kv
+       head, KV_RB query rows (G = 4), d values: part 0 the scores (kv_scores_of, or with
+       qi kv_qscores), part 1 the weighted sum of V (kv_values_of). codes: the tile's rows
+       (cs bytes apart) in format fmt, bs: their block scales as float32 (s per row; the
+       blocked formats). Only the blocks: no scale gathers, softmax, prefetch or merging,
+       and the tile stays in the L1 cache: the kernel's arithmetic alone, its floor.
+       buf: kv_tile_blocks_floats(d) floats. Returns a value of the results (live). */
+    static size_t kv_tile_blocks_floats(int d) {
+        return 2 * (size_t)KV_RB * KV_ROUND16(d) + (size_t)KV_RB * KV_P + (size_t)KV_RB * KV_QREC(d);
+    }
+    static float kv_tile_blocks(int fmt, int part, int qi, int64_t rounds, const char* codes, ptrdiff_t cs,
+                                const float* bs, int s, int d, float* buf) {
+        const int dp = (int)KV_ROUND16(d), qr = (int)KV_QREC(d);
+        float* q = buf;
+        float* w = q + (size_t)KV_RB * dp;
+        float* acc = w + (size_t)KV_RB * KV_P;
+        float* qx = acc + (size_t)KV_RB * dp;
+        int64_t ph[KV_P], last[KV_RB];
+        for (int j = 0; j < KV_P; j++) ph[j] = j;
+        for (int r = 0; r < KV_RB; r++) {
+            last[r] = KV_P - 1;
+            for (int i = 0; i < dp; i++) {
+                q[r * dp + i] = i < d ? 0.01f * (float)((r * 7 + i * 5) % 13 - 6) : 0.0f;
+                acc[r * dp + i] = 0.0f;
+            }
+            for (int j = 0; j < KV_P; j++) w[r * KV_P + j] = 1.0f / KV_P;
+            if (qi) kv_quant_row(q + (size_t)r * dp, d, qx + (size_t)r * qr, NULL);
+        }
+        const kv_rows rows = {codes, cs, ph, KV_BLOCKED(fmt) ? bs : NULL, s, d};
+        kv_pf pf;
+        memset(&pf, 0, sizeof pf);
+        for (int64_t n = 0; n < rounds; n++) {
+            if (part == 1) kv_values_of(fmt, KV_RB, rows, KV_P, w, KV_P, 1, acc, dp);
+            else if (qi) kv_qscores(fmt, KV_RB, rows, KV_P, qx, qr, NULL, last, 0, w, &pf);
+            else kv_scores_of(fmt, KV_RB, rows, KV_P, q, dp, NULL, last, 0, w, &pf);
+        }
+        return w[0] + acc[0];
+    }
+
     /* out [n] = kv_softcap of x [n] (the scores' soft-capping, for its accuracy test). */
     static void kv_softcap_array(const float* x, size_t n, float c, float* out) {
         const float ic = 1.0f / c;
@@ -1710,6 +1774,11 @@ cdef extern from *:
     float kv_exp_sum(float* s, size_t n, float mx) noexcept nogil
     uint64_t kv_stream_sum(const char* p, size_t w0, size_t w1) noexcept nogil
     float kv_fma_burn(int64_t rounds, float seed) noexcept nogil
+    size_t kv_tile_blocks_floats(int d) noexcept nogil
+    float kv_tile_blocks(int fmt, int part, int qi, int64_t rounds, const char* codes, ptrdiff_t cs,
+                         const float* bs, int s, int d, float* buf) noexcept nogil
+    int KV_P
+    int KV_RB
     void kv_softcap_array(const float* x, size_t n, float c, float* out) noexcept nogil
     void kv_quant_row(const float* x, int d, float* rec, float* qhat) noexcept nogil
     size_t KV_QREC(int d) noexcept nogil
@@ -2089,6 +2158,37 @@ def fma_burn(int64_t rounds) -> int:
         for t in prange(nt, num_threads=nt, schedule="static"):
             sink += kv_fma_burn(rounds, <float>(t + 1))
     return int(rounds) * 12 * KV_W * nt if sink == sink else 0
+
+
+def tile_blocks(int fmt, const unsigned char[:, ::1] codes, const float[:, ::1] scales, int d,
+                int part, int64_t rounds, bint int8_scores=False) -> float:
+    """Runs rounds passes of one block of the decode kernel on one thread over one tile of
+    TILE = 64 positions of one kv head, in cache: codes [TILE, row bytes] the tile's rows
+    in format id fmt (d values each), scales [TILE, S] float32 their block scales (q8_0,
+    q4_0, q4_1; else any one column). part 0: the scores of G = 4 query rows (int8_scores: the
+    int8 scores); part 1: their weighted sum of the V rows. Only the blocks, without a
+    tile's other work (scale gathers, softmax, prefetch, merging): timed, the floor of
+    the kernel's arithmetic (tools/bench_attention.py). Returns a value of the results."""
+    if codes.shape[0] != KV_P or scales.shape[0] != KV_P:
+        raise ValueError(f"tile_blocks takes {KV_P} rows, got {codes.shape[0]} and {scales.shape[0]}")
+    if not 0 <= fmt < 9 or part not in (0, 1) or rounds < 0 or d < 1 or scales.shape[1] < 1 \
+            or codes.shape[1] * (2 if fmt >= 7 else 1) < d * (4 if fmt == 0 else 2 if fmt <= 2 else 1):
+        raise ValueError(f"tile_blocks: bad format id {fmt}, part {part}, rounds {rounds}, d {d}, "
+                         f"row bytes {codes.shape[1]} or scales [{scales.shape[0]}, {scales.shape[1]}]")
+    cdef float* buf = <float*>malloc(kv_tile_blocks_floats(d) * sizeof(float))
+    cdef float r
+    if buf == NULL:
+        raise MemoryError("tile_blocks")
+    try:
+        with nogil:
+            r = kv_tile_blocks(fmt, part, int8_scores, rounds, <const char*>&codes[0, 0], codes.shape[1],
+                               &scales[0, 0], <int>scales.shape[1], d, buf)
+    finally:
+        free(buf)
+    return r
+
+TILE = KV_P
+"""int: positions per tile of the decode kernel (tile_blocks' rows)."""
 
 
 cdef void _rotate(char* x, Py_ssize_t es, const double* c, const double* s,

@@ -357,6 +357,37 @@ def test_benchmark_probes(rng, threads):
         kvcore.set_num_threads(0)
 
 
+@pytest.mark.parametrize("fmt", kvcore.formats.ROW_FORMATS)
+@pytest.mark.parametrize("d", [128, 64])
+def test_tile_blocks(rng, fmt, d):
+    """tile_blocks (the kernel floor of tools/bench_attention.py) runs the kernel's own
+    score and value blocks: row 0's score of position 0 is q . K row 0 and, after one
+    round, row 0's weighted sum of V is the mean of value 0 over the tile (the values
+    before a row scale: int8/FP8 row scales are the softmax's, e4m3's decode / 2^8)."""
+    from kvcore._attention import TILE, tile_blocks
+    f = kvcore.formats.get_format(fmt)
+    x = rng.standard_normal((TILE, d), dtype=np.float32)
+    codes, scales = kvcore.quantize(x, fmt)
+    if f.scale_dtype is not None and not f.block:     # the row scales left out
+        scales = np.ones_like(scales)
+    want = kvcore.dequantize(codes, scales, fmt).astype(np.float64)
+    if fmt == "fp8_e4m3":
+        want /= 256
+    raw = np.ascontiguousarray(codes).view(np.uint8).reshape(TILE, -1)
+    sc = (np.ascontiguousarray(scales, dtype=np.float32).reshape(TILE, -1) if f.block
+          else np.zeros((TILE, 1), np.float32))
+    q0 = 0.01 * ((np.arange(d) * 5) % 13 - 6)            # the block's query row 0
+    assert tile_blocks(f.id, raw, sc, d, 0, 3) == pytest.approx(q0 @ want[0], rel=1e-5, abs=1e-6)
+    assert tile_blocks(f.id, raw, sc, d, 1, 1) == pytest.approx(
+        1 / TILE + want[:, 0].mean(), rel=1e-5, abs=1e-6)   # + the weight of position 0
+    for bad in (dict(fmt=9), dict(part=2), dict(rounds=-1), dict(d=2 * d + 64)):
+        args = dict(fmt=f.id, codes=raw, scales=sc, d=d, part=0, rounds=1) | bad
+        with pytest.raises(ValueError, match="tile_blocks: bad"):
+            tile_blocks(*args.values())
+    with pytest.raises(ValueError, match="takes 64 rows, got 63"):
+        tile_blocks(f.id, raw[:63], sc[:63], d, 0, 1)
+
+
 # ---------------------------------------------------------------- variants (docs/variants.md)
 # Every variant against the float64 reference of tests/_attention_reference.py, on the
 # cache's own dequantized K/V.

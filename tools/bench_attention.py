@@ -29,7 +29,11 @@ than torch at the same thread count).
 - in cache: ns per position and kv head of kvcore on one thread over a cache small enough
   to stay in the CPU caches (the slope between 128 and 512 positions, so fixed costs
   cancel), and the FMAs' share of it (2 * G * D multiply-adds at the measured rate): how
-  efficiently the kernel runs its arithmetic, memory aside.
+  efficiently the kernel runs its arithmetic, memory aside. Beside it the kernel's floor:
+  its score block and value block alone (`kvcore._attention.tile_blocks`: the kernel's
+  own code over one tile of 64 positions in L1, without the scale gathers, softmax,
+  prefetch and merging), the FMAs' share of their sum (the highest `% limit` this
+  kernel's arithmetic allows), and their share of the whole call's time.
 - kvcore: `kvcore.decode_attention` on a KVCache in each format, and in the K/V pairs
   (`_benchlib.PAIRS`: K in the first format, V in the second; the goal lines are the
   formats'); "<fmt> scores=int8" (int8, q8_0, q4_0, q4_1): the opt-in int8 scores
@@ -58,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchlib import PAIRS, copy_bandwidth, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
+from kvcore import _attention  # noqa: E402
 from kvcore._attention import fma_burn, stream_sum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -179,6 +184,32 @@ def _in_cache_ns(label: str, q: np.ndarray, rng: np.random.Generator,
                 kvcore.decode_attention(q, c, 0, out=out, scores=scores)
             best[n] = min(best[n], (time.perf_counter() - t0) / calls)
     return (best[sizes[1]] - best[sizes[0]]) / ((sizes[1] - sizes[0]) * HKV) * 1e9
+
+
+def _blocks_ns(label: str, rng: np.random.Generator, rounds: int = 5) -> tuple[float, float] | None:
+    """ns per position and kv head (G = HQ / HKV query rows) of the kernel's score block and
+    value block alone, on one thread, over one tile of `_attention.TILE` positions in the
+    L1 cache (`_attention.tile_blocks`: no scale gathers, softmax, prefetch or merging),
+    the fastest of `rounds`; None for a format the split kernel does not read (q4_1ch)."""
+    fmt, scores = _split_label(label)
+    kf, vf = kvcore.formats.get_pair(fmt)
+    if kf.group or vf.group:
+        return None
+    tile = _attention.TILE
+    times = []
+    for part, f in ((0, kf), (1, vf)):
+        codes, scales = kvcore.quantize(rng.standard_normal((tile, D), dtype=np.float32), f.name)
+        codes = np.ascontiguousarray(codes).view(np.uint8).reshape(tile, -1)
+        scales = (np.zeros((tile, 1), np.float32) if not f.block
+                  else np.ascontiguousarray(scales, dtype=np.float32).reshape(tile, -1))
+        reps = 20000
+        best = math.inf
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            _attention.tile_blocks(f.id, codes, scales, D, part, reps, scores == "int8" and part == 0)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best / (reps * tile) * 1e9)
+    return times[0], times[1]
 
 
 def _numpy_calls(k: np.ndarray, v: np.ndarray, q: np.ndarray):
@@ -305,11 +336,25 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
     fma1 = fma.get(1) or _fma_rate()
     fma_ns = 2 * (HQ // HKV) * D / fma1 * 1e9
     in_cache = {label: _in_cache_ns(label, q, rng) for label in _labels()}
+    blocks = {label: _blocks_ns(label, rng) for label in _labels()}
     kvcore.set_num_threads(0)
+
+    def blocks_row(label: str) -> list[object]:
+        b = blocks[label]
+        if b is None:
+            return ["-"] * 5
+        fmas = fma_ns / 2 if label.endswith(" scores=int8") else fma_ns   # the values' FMAs
+        return [b[0], b[1], b[0] + b[1], f"{fmas / (b[0] + b[1]):.0%}",
+                f"{(b[0] + b[1]) / in_cache[label]:.0%}"]
     print_table(f"In cache, 1 thread: ns per position and kv head (the slope between 128 and "
                 f"512 positions) and the FMAs' share of it ({fma_ns:.1f} ns at "
-                f"{fma1 / 1e9:.1f} G multiply-adds/s)", ["format", "ns", "FMA share"],
-                [[fmt, ns, f"{fma_ns / ns:.0%}"] for fmt, ns in in_cache.items()])
+                f"{fma1 / 1e9:.1f} G multiply-adds/s); the kernel's score and value blocks "
+                f"alone over one tile in L1 (the floor of its arithmetic), the FMAs' share of "
+                f"them (the float32 multiply-adds they do: for int8 scores the values' only), "
+                f"and their share of the whole",
+                ["format", "ns", "FMA share", "scores alone", "values alone", "blocks",
+                 "FMA share of blocks", "blocks / ns"],
+                [[fmt, ns, f"{fma_ns / ns:.0%}", *blocks_row(fmt)] for fmt, ns in in_cache.items()])
     copy = copy_bandwidth(256 * 2**20)
     print(f"\nnp.copyto bandwidth (read + write): {copy:.1f} GB/s")
     for n in [c for c in (4096, 16384) if c in args.contexts]:
@@ -340,7 +385,7 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                   + " of the probe (>= 90%); float32 scores: "
                   + ", ".join(f"{f} {_gbps(results[(f'kvcore {f}', threads)][n]) / probe_gbps(f'kvcore {f}', threads, n):.0%}"
                               for f in INT8_SCORES))
-    return {"times": results, "probe": probe, "fma": fma, "in_cache_ns": in_cache,
+    return {"times": results, "probe": probe, "fma": fma, "in_cache_ns": in_cache, "blocks_ns": blocks,
             "copy_GBps": copy, "variants": variants(args.variant_formats, args.threads)}
 
 
