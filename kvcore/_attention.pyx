@@ -35,8 +35,9 @@
    of the cache is made.
 4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of KV_W
    scores (K) or softmax weights (V), from a per-tile transposed copy; q8_0 block scales
-   (converted to float32 once per tile) multiply the decoded vectors; q4_0's give
-   q d - 8 d and q4_1's (d, m) pairs q d + m, one multiply-add each (exact products).
+   (converted to float32 once per tile) multiply the decoded vectors; q4_0's, made
+   (d, -8 d) pairs per tile, give q d - 8 d and q4_1's (d, m) pairs q d + m, one
+   multiply-add each (exact products).
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L);
@@ -267,15 +268,14 @@ cdef extern from *:
     }
 
     /* x (values [i, i + KV_W) of a row from kv_load) as their block makes them: q8_0
-       x * d (d = bs[i / 32]); q4_0 (x - 8) d as x d - 8 d in one multiply-add; q4_1
-       x d + m ((d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1]) in one multiply-add; the
+       x * d (d = bs[i / 32]); q4_0 (x - 8) d as x d + (-8 d) and q4_1 x d + m, one
+       multiply-add each ((d, -8 d) or (d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1]); the
        other formats unchanged. x d and 8 d are exact in float32 (a 4-bit integer times a
        float16 value), so the multiply-adds round once, exactly as kvcore.dequantize's
        (q - 8) * d and q * d + m: the same values, fused or not. */
     KV_INLINE kv_vf kv_block_scale(const int fmt, kv_vf x, const float* bs, int i) {
         if (fmt == KV_Q8_0) return x * kv_splat(bs[i / 32]);
-        if (fmt == KV_Q4_0) { const float d = bs[i / 32]; return kv_fma(x, kv_splat(d), kv_splat(-8.0f * d)); }
-        if (fmt == KV_Q4_1) return kv_fma(x, kv_splat(bs[2 * (i / 32)]), kv_splat(bs[2 * (i / 32) + 1]));
+        if (KV_Q4(fmt)) return kv_fma(x, kv_splat(bs[2 * (i / 32)]), kv_splat(bs[2 * (i / 32) + 1]));
         return x;
     }
 
@@ -502,9 +502,12 @@ cdef extern from *:
     } kv_rows;
 
     #define KV_ROUND16(x) (((size_t)(x) + 15) / 16 * 16)
+    /* Float32 tile scales per position and kv head of one side: its stored scales, q4_0's
+       twice (each block's d and -8 d, as q4_1's d and m: kv_tile_scales). */
+    KV_INLINE int kv_tile_s(const kv_side* x) { return x->fmt == KV_Q4_0 ? 2 * x->s : x->s; }
     /* Floats of one side's tile scales: KV_P * hkv * max(s, 1) of the side with more. */
     KV_INLINE size_t kv_scale_floats(const kv_job* J) {
-        const int s = J->k.s > J->v.s ? J->k.s : J->v.s;
+        const int s = kv_tile_s(&J->k) > kv_tile_s(&J->v) ? kv_tile_s(&J->k) : kv_tile_s(&J->v);
         return KV_ROUND16((size_t)KV_P * J->hkv * (s > 0 ? s : 1));
     }
     #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
@@ -792,7 +795,7 @@ cdef extern from *:
         kv_vf kd[KV_PB], km[KV_PB];
         for (int p = 0; p < KV_PB; p++) {
             k[p] = KV_Q4(fmt) ? kv_qk4(fmt, tail, row[p], i) : kv_qk(tail, row[p] + i, d - i);
-            if (KV_BLOCKED(fmt)) kd[p] = kv_qlanes(bs[p], i, fmt == KV_Q4_1 ? 2 : 1, 0, tail);
+            if (KV_BLOCKED(fmt)) kd[p] = kv_qlanes(bs[p], i, KV_Q4(fmt) ? 2 : 1, 0, tail);
             if (fmt == KV_Q4_1) km[p] = kv_qlanes(bs[p], i, 2, 1, tail);
         }
         for (int r = 0; r < RB; r++) {
@@ -1049,6 +1052,26 @@ cdef extern from *:
         }
     }
 
+    /* x [2 n] = the pairs (d, -8 d) of the n values d at x, in place (q4_0's tile scales:
+       its values (q - 8) d are then q d + (-8 d), one multiply-add as q4_1's q d + m;
+       -8 d is exact). */
+    static void kv_pair_scales(float* x, size_t n) {
+        size_t i = n;
+        for (; i >= KV_W; i -= KV_W) {   /* from the end: the pairs land at or past what is read */
+            const kv_vf d = kv_loadf(x + i - KV_W), m = d * kv_splat(-8.0f);
+    #if KV_W == 16
+            const kv_vf a = __builtin_shufflevector(d, m, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+            const kv_vf b = __builtin_shufflevector(d, m, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    #else
+            const kv_vf a = __builtin_shufflevector(d, m, 0, 8, 1, 9, 2, 10, 3, 11);
+            const kv_vf b = __builtin_shufflevector(d, m, 4, 12, 5, 13, 6, 14, 7, 15);
+    #endif
+            kv_storef(x + 2 * (i - KV_W), a);
+            kv_storef(x + 2 * (i - KV_W) + KV_W, b);
+        }
+        while (i--) { const float d = x[i]; x[2 * i] = d; x[2 * i + 1] = -8.0f * d; }
+    }
+
     /* The tile's scales of one side (fmt: its format, a constant in the kernels of one
        format) as float32 in out: int8/FP8 row scales of its np positions
        transposed to [hkv][KV_P] (zero past np; e4m3 times 2^8, the factor its decode
@@ -1059,6 +1082,7 @@ cdef extern from *:
             const int per = hkv * side->s;   /* scales of one position, contiguous */
             for (int i = 0, j = 0; i < T->nr; j += T->rl[i], i++)
                 kv_halves(sc + T->rs[i] * side->ss, T->rl[i] * per, out + (size_t)j * per);
+            if (fmt == KV_Q4_0) kv_pair_scales(out, (size_t)T->np * per);
         } else if (KV_ROW_SCALED(fmt)) {
             const float f = fmt == KV_E4M3 ? 256.0f : 1.0f;
             const ptrdiff_t ss = side->ss, sh = side->sh;
@@ -1075,8 +1099,8 @@ cdef extern from *:
     /* Head h's rows of one side within a tile; sc: the side's tile scales (kv_tile_scales). */
     KV_INLINE kv_rows kv_head_rows(const kv_side* x, const kv_job* J, const float* sc,
                                    const kv_tile* T, int h) {
-        kv_rows r = {x->c + h * x->ch, x->cs, T->ph, KV_BLOCKED(x->fmt) ? sc + (size_t)h * x->s : NULL,
-                     J->hkv * x->s, J->d};
+        kv_rows r = {x->c + h * x->ch, x->cs, T->ph, KV_BLOCKED(x->fmt) ? sc + (size_t)h * kv_tile_s(x) : NULL,
+                     J->hkv * kv_tile_s(x), J->d};
         return r;
     }
 
@@ -1650,12 +1674,13 @@ cdef extern from *:
     /* rounds passes of one of the kernel's blocks over one tile of KV_P positions of one kv
        head, KV_RB query rows (G = 4), d values: part 0 the scores (kv_scores_of, or with
        qi kv_qscores), part 1 the weighted sum of V (kv_values_of). codes: the tile's rows
-       (cs bytes apart) in format fmt, bs: their block scales as float32 (s per row; the
-       blocked formats). Only the blocks: no scale gathers, softmax, prefetch or merging,
+       (cs bytes apart) in format fmt, bs: their block scales as float32 (s per row, as
+       stored; the blocked formats). Only the blocks: no scale gathers, softmax, prefetch or merging,
        and the tile stays in the L1 cache: the kernel's arithmetic alone, its floor.
        buf: kv_tile_blocks_floats(d) floats. Returns a value of the results (live). */
     static size_t kv_tile_blocks_floats(int d) {
-        return 2 * (size_t)KV_RB * KV_ROUND16(d) + (size_t)KV_RB * KV_P + (size_t)KV_RB * KV_QREC(d);
+        return 2 * (size_t)KV_RB * KV_ROUND16(d) + (size_t)KV_RB * KV_P + (size_t)KV_RB * KV_QREC(d)
+               + 2 * (size_t)KV_P * (d / 16 + 1);
     }
     static float kv_tile_blocks(int fmt, int part, int qi, int64_t rounds, const char* codes, ptrdiff_t cs,
                                 const float* bs, int s, int d, float* buf) {
@@ -1664,6 +1689,7 @@ cdef extern from *:
         float* w = q + (size_t)KV_RB * dp;
         float* acc = w + (size_t)KV_RB * KV_P;
         float* qx = acc + (size_t)KV_RB * dp;
+        float* ts = qx + (size_t)KV_RB * qr;    /* the tile scales (q4_0: pairs) */
         int64_t ph[KV_P], last[KV_RB];
         for (int j = 0; j < KV_P; j++) ph[j] = j;
         for (int r = 0; r < KV_RB; r++) {
@@ -1675,7 +1701,12 @@ cdef extern from *:
             for (int j = 0; j < KV_P; j++) w[r * KV_P + j] = 1.0f / KV_P;
             if (qi) kv_quant_row(q + (size_t)r * dp, d, qx + (size_t)r * qr, NULL);
         }
-        const kv_rows rows = {codes, cs, ph, KV_BLOCKED(fmt) ? bs : NULL, s, d};
+        const int tsn = fmt == KV_Q4_0 ? 2 * s : s;
+        if (KV_BLOCKED(fmt)) {
+            memcpy(ts, bs, (size_t)KV_P * s * sizeof(float));
+            if (fmt == KV_Q4_0) kv_pair_scales(ts, (size_t)KV_P * s);
+        }
+        const kv_rows rows = {codes, cs, ph, KV_BLOCKED(fmt) ? ts : NULL, tsn, d};
         kv_pf pf;
         memset(&pf, 0, sizeof pf);
         for (int64_t n = 0; n < rounds; n++) {
@@ -2172,7 +2203,8 @@ def tile_blocks(int fmt, const unsigned char[:, ::1] codes, const float[:, ::1] 
     if codes.shape[0] != KV_P or scales.shape[0] != KV_P:
         raise ValueError(f"tile_blocks takes {KV_P} rows, got {codes.shape[0]} and {scales.shape[0]}")
     if not 0 <= fmt < 9 or part not in (0, 1) or rounds < 0 or d < 1 or scales.shape[1] < 1 \
-            or codes.shape[1] * (2 if fmt >= 7 else 1) < d * (4 if fmt == 0 else 2 if fmt <= 2 else 1):
+            or codes.shape[1] * (2 if fmt >= 7 else 1) < d * (4 if fmt == 0 else 2 if fmt <= 2 else 1) \
+            or fmt >= 6 and (d % 32 or scales.shape[1] != d // 32 * (2 if fmt == 8 else 1)):
         raise ValueError(f"tile_blocks: bad format id {fmt}, part {part}, rounds {rounds}, d {d}, "
                          f"row bytes {codes.shape[1]} or scales [{scales.shape[0]}, {scales.shape[1]}]")
     cdef float* buf = <float*>malloc(kv_tile_blocks_floats(d) * sizeof(float))

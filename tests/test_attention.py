@@ -380,7 +380,8 @@ def test_tile_blocks(rng, fmt, d):
     assert tile_blocks(f.id, raw, sc, d, 0, 3) == pytest.approx(q0 @ want[0], rel=1e-5, abs=1e-6)
     assert tile_blocks(f.id, raw, sc, d, 1, 1) == pytest.approx(
         1 / TILE + want[:, 0].mean(), rel=1e-5, abs=1e-6)   # + the weight of position 0
-    for bad in (dict(fmt=9), dict(part=2), dict(rounds=-1), dict(d=2 * d + 64)):
+    for bad in (dict(fmt=9), dict(part=2), dict(rounds=-1), dict(d=2 * d + 64),
+                dict(scales=np.zeros((TILE, 17), np.float32)) if f.block else dict(d=0)):
         args = dict(fmt=f.id, codes=raw, scales=sc, d=d, part=0, rounds=1) | bad
         with pytest.raises(ValueError, match="tile_blocks: bad"):
             tile_blocks(*args.values())
