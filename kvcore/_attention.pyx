@@ -1810,6 +1810,7 @@ cdef extern from *:
                          const float* bs, int s, int d, float* buf) noexcept nogil
     int KV_P
     int KV_RB
+    enum: KV_F32, KV_F16, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2, KV_Q8_0, KV_Q4_0, KV_Q4_1
     void kv_softcap_array(const float* x, size_t n, float c, float* out) noexcept nogil
     void kv_quant_row(const float* x, int d, float* rec, float* qhat) noexcept nogil
     size_t KV_QREC(int d) noexcept nogil
@@ -2202,11 +2203,15 @@ def tile_blocks(int fmt, const unsigned char[:, ::1] codes, const float[:, ::1] 
     the kernel's arithmetic (tools/bench_attention.py). Returns a value of the results."""
     if codes.shape[0] != KV_P or scales.shape[0] != KV_P:
         raise ValueError(f"tile_blocks takes {KV_P} rows, got {codes.shape[0]} and {scales.shape[0]}")
-    if not 0 <= fmt < 9 or part not in (0, 1) or rounds < 0 or d < 1 or scales.shape[1] < 1 \
-            or codes.shape[1] * (2 if fmt >= 7 else 1) < d * (4 if fmt == 0 else 2 if fmt <= 2 else 1) \
-            or fmt >= 6 and (d % 32 or scales.shape[1] != d // 32 * (2 if fmt == 8 else 1)):
+    cdef bint q4 = fmt == KV_Q4_0 or fmt == KV_Q4_1, blocked = q4 or fmt == KV_Q8_0
+    cdef int code_bytes = 4 if fmt == KV_F32 else 2 if fmt <= KV_BF16 else 1   # per value (q4: 1/2)
+    if not KV_F32 <= fmt <= KV_Q4_1 or part not in (0, 1) or rounds < 0 or d < 1 \
+            or scales.shape[1] < 1 or codes.shape[1] * (2 if q4 else 1) < d * code_bytes \
+            or blocked and (d % 32 or scales.shape[1] != d // 32 * (2 if fmt == KV_Q4_1 else 1)) \
+            or int8_scores and not (blocked or fmt == KV_INT8):
         raise ValueError(f"tile_blocks: bad format id {fmt}, part {part}, rounds {rounds}, d {d}, "
-                         f"row bytes {codes.shape[1]} or scales [{scales.shape[0]}, {scales.shape[1]}]")
+                         f"row bytes {codes.shape[1]}, scales [{scales.shape[0]}, {scales.shape[1]}] "
+                         f"or int8_scores {bool(int8_scores)}")
     cdef float* buf = <float*>malloc(kv_tile_blocks_floats(d) * sizeof(float))
     cdef float r
     if buf == NULL:

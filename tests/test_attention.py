@@ -380,9 +380,13 @@ def test_tile_blocks(rng, fmt, d):
     assert tile_blocks(f.id, raw, sc, d, 0, 3) == pytest.approx(q0 @ want[0], rel=1e-5, abs=1e-6)
     assert tile_blocks(f.id, raw, sc, d, 1, 1) == pytest.approx(
         1 / TILE + want[:, 0].mean(), rel=1e-5, abs=1e-6)   # + the weight of position 0
+    int8_scores = fmt in ("int8", "q8_0", "q4_0", "q4_1")
+    if int8_scores:   # the int8 scores of q^ (q quantized per block of 32): q0's within 1%
+        assert tile_blocks(f.id, raw, sc, d, 0, 1, True) == pytest.approx(q0 @ want[0], rel=0.01, abs=0.01)
     for bad in (dict(fmt=9), dict(part=2), dict(rounds=-1), dict(d=2 * d + 64),
-                dict(scales=np.zeros((TILE, 17), np.float32)) if f.block else dict(d=0)):
-        args = dict(fmt=f.id, codes=raw, scales=sc, d=d, part=0, rounds=1) | bad
+                dict(scales=np.zeros((TILE, 17), np.float32)) if f.block else dict(d=0),
+                dict(int8_scores=not int8_scores) if not int8_scores else dict(fmt=-1)):
+        args = dict(fmt=f.id, codes=raw, scales=sc, d=d, part=0, rounds=1, int8_scores=False) | bad
         with pytest.raises(ValueError, match="tile_blocks: bad"):
             tile_blocks(*args.values())
     with pytest.raises(ValueError, match="takes 64 rows, got 63"):
