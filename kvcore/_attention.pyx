@@ -507,7 +507,7 @@ cdef extern from *:
     KV_INLINE int kv_tile_s(const kv_side* x) { return x->fmt == KV_Q4_0 ? 2 * x->s : x->s; }
     /* Floats of one side's tile scales: KV_P * hkv * max(s, 1) of the side with more. */
     KV_INLINE size_t kv_scale_floats(const kv_job* J) {
-        const int s = kv_tile_s(&J->k) > kv_tile_s(&J->v) ? kv_tile_s(&J->k) : kv_tile_s(&J->v);
+        const int ks = kv_tile_s(&J->k), vs = kv_tile_s(&J->v), s = ks > vs ? ks : vs;
         return KV_ROUND16((size_t)KV_P * J->hkv * (s > 0 ? s : 1));
     }
     #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
@@ -2192,26 +2192,30 @@ def fma_burn(int64_t rounds) -> int:
     return int(rounds) * 12 * KV_W * nt if sink == sink else 0
 
 
-def tile_blocks(int fmt, const unsigned char[:, ::1] codes, const float[:, ::1] scales, int d,
-                int part, int64_t rounds, bint int8_scores=False) -> float:
+def tile_blocks(int fmt, const unsigned char[:, ::1] codes, scales, int d, int part, int64_t rounds,
+                bint int8_scores=False) -> float:
     """Runs rounds passes of one block of the decode kernel on one thread over one tile of
     TILE = 64 positions of one kv head, in cache: codes [TILE, row bytes] the tile's rows
-    in format id fmt (d values each), scales [TILE, S] float32 their block scales (q8_0,
-    q4_0, q4_1; else any one column). part 0: the scores of G = 4 query rows (int8_scores: the
+    in format id fmt (d values each), scales [TILE, S] float32 C-contiguous their block
+    scales (q8_0, q4_0, q4_1; None for the other formats). part 0: the scores of G = 4 query rows (int8_scores: the
     int8 scores); part 1: their weighted sum of the V rows. Only the blocks, without a
     tile's other work (scale gathers, softmax, prefetch, merging): timed, the floor of
     the kernel's arithmetic (tools/bench_attention.py). Returns a value of the results."""
-    if codes.shape[0] != KV_P or scales.shape[0] != KV_P:
-        raise ValueError(f"tile_blocks takes {KV_P} rows, got {codes.shape[0]} and {scales.shape[0]}")
+    # the kernel's own sizes (kvcore.formats holds them for the library; this module
+    # imports no Python module of kvcore's): bytes per value, block scales per row
     cdef bint q4 = fmt == KV_Q4_0 or fmt == KV_Q4_1, blocked = q4 or fmt == KV_Q8_0
-    cdef int code_bytes = 4 if fmt == KV_F32 else 2 if fmt <= KV_BF16 else 1   # per value (q4: 1/2)
+    cdef int code_bytes = 4 if fmt == KV_F32 else 2 if fmt <= KV_BF16 else 1   # q4: 1/2
+    cdef const float[:, ::1] sc = scales if blocked else None
+    if codes.shape[0] != KV_P or blocked and sc.shape[0] != KV_P:
+        raise ValueError(f"tile_blocks takes {KV_P} rows, got {codes.shape[0]} and "
+                         f"{sc.shape[0] if blocked else None}")
     if not KV_F32 <= fmt <= KV_Q4_1 or part not in (0, 1) or rounds < 0 or d < 1 \
-            or scales.shape[1] < 1 or codes.shape[1] * (2 if q4 else 1) < d * code_bytes \
-            or blocked and (d % 32 or scales.shape[1] != d // 32 * (2 if fmt == KV_Q4_1 else 1)) \
-            or int8_scores and not (blocked or fmt == KV_INT8):
+            or codes.shape[1] * (2 if q4 else 1) < d * code_bytes \
+            or blocked and (d % 32 or sc.shape[1] != d // 32 * (2 if fmt == KV_Q4_1 else 1)) \
+            or (scales is not None) != blocked or int8_scores and not (blocked or fmt == KV_INT8):
         raise ValueError(f"tile_blocks: bad format id {fmt}, part {part}, rounds {rounds}, d {d}, "
-                         f"row bytes {codes.shape[1]}, scales [{scales.shape[0]}, {scales.shape[1]}] "
-                         f"or int8_scores {bool(int8_scores)}")
+                         f"row bytes {codes.shape[1]}, scales "
+                         f"{None if scales is None else np.shape(scales)} or int8_scores {bool(int8_scores)}")
     cdef float* buf = <float*>malloc(kv_tile_blocks_floats(d) * sizeof(float))
     cdef float r
     if buf == NULL:
@@ -2219,7 +2223,7 @@ def tile_blocks(int fmt, const unsigned char[:, ::1] codes, const float[:, ::1] 
     try:
         with nogil:
             r = kv_tile_blocks(fmt, part, int8_scores, rounds, <const char*>&codes[0, 0], codes.shape[1],
-                               &scales[0, 0], <int>scales.shape[1], d, buf)
+                               &sc[0, 0] if blocked else NULL, <int>sc.shape[1] if blocked else 0, d, buf)
     finally:
         free(buf)
     return r

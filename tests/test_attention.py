@@ -365,6 +365,7 @@ def test_tile_blocks(rng, fmt, d):
     round, row 0's weighted sum of V is the mean of value 0 over the tile (the values
     before a row scale: int8/FP8 row scales are the softmax's, e4m3's decode / 2^8)."""
     from kvcore._attention import TILE, tile_blocks
+    from kvcore.attention import _INT8_SCORE_FORMATS
     f = kvcore.formats.get_format(fmt)
     x = rng.standard_normal((TILE, d), dtype=np.float32)
     codes, scales = kvcore.quantize(x, fmt)
@@ -374,23 +375,23 @@ def test_tile_blocks(rng, fmt, d):
     if fmt == "fp8_e4m3":
         want /= 256
     raw = np.ascontiguousarray(codes).view(np.uint8).reshape(TILE, -1)
-    sc = (np.ascontiguousarray(scales, dtype=np.float32).reshape(TILE, -1) if f.block
-          else np.zeros((TILE, 1), np.float32))
+    sc = np.ascontiguousarray(scales, dtype=np.float32).reshape(TILE, -1) if f.block else None
     q0 = 0.01 * ((np.arange(d) * 5) % 13 - 6)            # the block's query row 0
     assert tile_blocks(f.id, raw, sc, d, 0, 3) == pytest.approx(q0 @ want[0], rel=1e-5, abs=1e-6)
     assert tile_blocks(f.id, raw, sc, d, 1, 1) == pytest.approx(
         1 / TILE + want[:, 0].mean(), rel=1e-5, abs=1e-6)   # + the weight of position 0
-    int8_scores = fmt in ("int8", "q8_0", "q4_0", "q4_1")
+    int8_scores = fmt in _INT8_SCORE_FORMATS
     if int8_scores:   # the int8 scores of q^ (q quantized per block of 32): q0's within 1%
         assert tile_blocks(f.id, raw, sc, d, 0, 1, True) == pytest.approx(q0 @ want[0], rel=0.01, abs=0.01)
     for bad in (dict(fmt=9), dict(part=2), dict(rounds=-1), dict(d=2 * d + 64),
-                dict(scales=np.zeros((TILE, 17), np.float32)) if f.block else dict(d=0),
+                dict(scales=np.zeros((TILE, 17), np.float32)) if f.block
+                else dict(scales=np.zeros((TILE, 1), np.float32)),
                 dict(int8_scores=not int8_scores) if not int8_scores else dict(fmt=-1)):
         args = dict(fmt=f.id, codes=raw, scales=sc, d=d, part=0, rounds=1, int8_scores=False) | bad
         with pytest.raises(ValueError, match="tile_blocks: bad"):
             tile_blocks(*args.values())
     with pytest.raises(ValueError, match="takes 64 rows, got 63"):
-        tile_blocks(f.id, raw[:63], sc[:63], d, 0, 1)
+        tile_blocks(f.id, raw[:63], sc if sc is None else sc[:63], d, 0, 1)
 
 
 # ---------------------------------------------------------------- variants (docs/variants.md)

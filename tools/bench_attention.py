@@ -200,8 +200,7 @@ def _blocks_ns(label: str, rng: np.random.Generator, rounds: int = 5) -> tuple[f
     for part, f in ((0, kf), (1, vf)):
         codes, scales = kvcore.quantize(rng.standard_normal((tile, D), dtype=np.float32), f.name)
         codes = np.ascontiguousarray(codes).view(np.uint8).reshape(tile, -1)
-        scales = (np.zeros((tile, 1), np.float32) if not f.block
-                  else np.ascontiguousarray(scales, dtype=np.float32).reshape(tile, -1))
+        scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(tile, -1) if f.block else None
         reps = 20000
         best = math.inf
         for _ in range(rounds):
