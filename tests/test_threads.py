@@ -54,8 +54,12 @@ def test_threads_of_this_process_do_not_count_as_busy(two_threads):
     """kvcore's OpenMP workers spin a while after each parallel region; counted as busy
     CPUs, they made back-to-back 2-thread decode calls run on one thread about half the
     time. A thread of this process in a GIL-free numpy loop stands in for them: idle_cpus()
-    is the CPUs minus the runnable threads of other processes only (read before and after,
-    equal), so that thread never takes a CPU from the count."""
+    is the CPUs minus the runnable threads of other processes only, so that thread never
+    takes a CPU from the count. idle_cpus() reads the system's count and this process's at
+    two moments, so a thread that stops or starts between them (the spinning one waiting
+    for the GIL, another process waking) can shift one read: most reads taken while the
+    counts stood still (equal before and after) must match, where counting this process's
+    threads would miss every one."""
     import threading
     stop = threading.Event()
     big = np.ones(1 << 20)
@@ -65,22 +69,24 @@ def test_threads_of_this_process_do_not_count_as_busy(two_threads):
             np.sin(big, out=big)
     worker = threading.Thread(target=spin)
     worker.start()
-    cpus, checked = os.cpu_count(), 0
+    cpus, seen = os.cpu_count(), []
     try:
-        for _ in range(400):
+        for _ in range(800):
             own = _parallel.own_running_threads()
             others = _runnable() - own
             idle = _parallel.idle_cpus()
             own_after = _parallel.own_running_threads()
             if own >= 2 and own_after >= 2 and _runnable() - own_after == others:
-                assert idle == max(1, min(cpus, cpus - others)), (idle, others, own)
-                checked += 1
-                if checked == 20:
+                seen.append((idle, max(1, min(cpus, cpus - others)), others, own))
+                if len(seen) == 40:
                     break
     finally:
         stop.set()
         worker.join()
-    assert checked >= 5, f"the spinning thread was seen running at only {checked} reads"
+    assert len(seen) >= 10, f"the spinning thread was seen running at only {len(seen)} reads"
+    missed = [s for s in seen if s[0] != s[1]]
+    assert len(missed) * 4 <= len(seen), (
+        f"{len(missed)} of {len(seen)} reads (idle, expected, others, own): {missed[:8]}")
 
 
 @pytest.mark.parametrize("fmt", ["f16", "int8", "q8_0"])
