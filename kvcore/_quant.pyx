@@ -105,6 +105,10 @@ cdef extern from *:
         for (; j + 8 <= n; j += 8)
             _mm_storeu_si128((__m128i*)(out + j),
                              _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+        if (j + 4 <= n) {       /* a 4-bit row of 128 values has 4 or 8 scales */
+            _mm_storel_epi64((__m128i*)(out + j), _mm_cvtps_ph(_mm_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+            j += 4;
+        }
         for (; j < n; j++)
             out[j] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[j]), _MM_FROUND_TO_NEAREST_INT), 0);
     }
@@ -112,6 +116,10 @@ cdef extern from *:
         Py_ssize_t j = 0;
         for (; j + 8 <= n; j += 8)
             _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + j))));
+        if (j + 4 <= n) {
+            _mm_storeu_ps(out + j, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(h + j))));
+            j += 4;
+        }
         for (; j < n; j++)
             out[j] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h[j])));
     }
@@ -177,15 +185,11 @@ cdef extern from *:
         }
     #endif
     }
-    /* The scales of n <= KV_Q4G blocks of 32 floats (finite, below the format's limit)
-       and their reciprocals, as _encode_q4 takes them. q4_0 (q41 0): sc[b] = d = max / -8,
-       max the value of the first largest |x|; q4_1: sc[2b] = d = (max - min) / 15,
-       sc[2b + 1] = m = min, of equal zeros the last one's (numpy's reductions: only the
-       sign of a zero min or max can differ). inv[b] = 1 / d (0 when d == 0), block by
-       block: the eight blocks' min and max written one at a time and then read as one
-       vector for vector divisions stalled the loads (a store-to-load forward that fails;
-       q4_0 encoded 15% slower on a Zen 4 core). */
-    #define KV_Q4G 8
+    /* A 4-bit block's scales, over 32 floats (finite, below the format's limit). q4_0:
+       d = max / -8, max the value of the first largest |x|; q4_1: d = (max - min) / 15
+       and m = min, of equal zeros the last one's (numpy's reductions: only the sign of a
+       zero min or max can differ). Codes take id = 1 / d (0 when d == 0). */
+    #define KV_Q4G 4        /* blocks per group: one reduction tree */
     static inline float kv_last_zero(const float* xb) {
         int j = 31;
         while (xb[j] != 0.0f) j--;
@@ -198,27 +202,123 @@ cdef extern from *:
         while (xb[j] != mx && xb[j] != mn) j++;
         return xb[j];
     }
-    static inline void kv_q4_scales(const float* x, int n, int q41, float* sc, float* inv) {
-        float mn[KV_Q4G] = {0}, mx[KV_Q4G] = {0}, d[KV_Q4G];
-        for (int b = 0; b < n; b++) {
-            const float* xb = x + 32 * b;
-            kv_minmax(xb, 32, mn + b, mx + b);
-            if (q41) {                          /* rare: a zero min or max */
-                if (mn[b] == 0.0f) mn[b] = kv_last_zero(xb);
-                if (mx[b] == 0.0f) mx[b] = kv_last_zero(xb);
-            } else if (mx[b] == -mn[b]) {       /* rare: max |x| of both signs, or zeros */
-                mx[b] = mn[b] = kv_first_max_abs(xb, mn[b], mx[b]);
-            }
-            /* q4_0: max |x| is mx or -mn (equal: both hold the first one); its / -8 is
-               the product by -0.125, the same exact value rounded once */
-            d[b] = q41 ? (mx[b] - mn[b]) / 15.0f : (mx[b] > -mn[b] ? mx[b] : mn[b]) * -0.125f;
-            inv[b] = d[b] != 0.0f ? 1.0f / d[b] : 0.0f;
+    /* One block's scales (sc[0] = d, and sc[1] = m for q4_1) and id, by the rule above. */
+    static inline void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) {
+        float mn, mx, d;
+        kv_minmax(xb, 32, &mn, &mx);
+        if (q41) {                          /* rare: a zero min or max */
+            if (mn == 0.0f) mn = kv_last_zero(xb);
+            if (mx == 0.0f) mx = kv_last_zero(xb);
+        } else if (mx == -mn) {             /* rare: max |x| of both signs, or zeros */
+            mx = mn = kv_first_max_abs(xb, mn, mx);
         }
-        for (int b = 0; b < n; b++) {
-            if (q41) { sc[2 * b] = d[b]; sc[2 * b + 1] = mn[b]; }
-            else sc[b] = d[b];
-        }
+        /* q4_0: max |x| is mx or -mn (equal: both hold the first one); its / -8 is the
+           product by -0.125, the same exact value rounded once */
+        d = q41 ? (mx - mn) / 15.0f : (mx > -mn ? mx : mn) * -0.125f;
+        *id = d != 0.0f ? 1.0f / d : 0.0f;
+        sc[0] = d;
+        if (q41) sc[1] = mn;
     }
+    #if defined(__AVX2__)
+    /* The scales (sc: d per block, or (d, m) pairs) and codes of KV_Q4G blocks at once:
+       the min of each block and the min of its negation (-max) are 8 sources reduced by
+       one transpose tree (each step halves the lanes a source holds and pairs the
+       vectors: 7 + KV_Q4W / 8 - 1 min operations for all eight instead of eight
+       horizontal reductions); the divisions and the choices run on 4-lane vectors, and
+       the codes take id from the register (no store and reload on the way). Returns 0,
+       having written nothing, where a block needs the block rule: a second look (a zero
+       min of q4_1, a max |x| of both signs or zeros of q4_0; a zero max of q4_1 with a
+       min that is not zero needs none, (+-0 - m) / 15 being the same value), or an id
+       that overflows (tiny blocks: the conversions of inf and NaN). */
+    #define KV_Q4_TREE 1
+    typedef float kv_f4 __attribute__((vector_size(16)));
+    typedef int32_t kv_i4 __attribute__((vector_size(16)));
+    typedef float kv_f8 __attribute__((vector_size(32)));
+    #if KV_Q4W == 16
+    #define KV_Q4MIN(a, b) ((kv_q4f)_mm512_min_ps((__m512)(a), (__m512)(b)))
+    #define KV_Q4MAX(a, b) ((kv_q4f)_mm512_max_ps((__m512)(a), (__m512)(b)))
+    #else
+    #define KV_Q4MIN(a, b) ((kv_q4f)_mm256_min_ps((__m256)(a), (__m256)(b)))
+    #define KV_Q4MAX(a, b) ((kv_q4f)_mm256_max_ps((__m256)(a), (__m256)(b)))
+    #endif
+    /* The tree's three steps: from two vectors whose sources each fill chunks of c lanes,
+       the lower (LO) and upper (HI) halves of every chunk, a's into the chunk's first
+       half and b's into its second (lane indices of the pair a | b), c = KV_Q4W, / 2, / 4. */
+    #if KV_Q4W == 16
+    #define KV_T1LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+    #define KV_T1HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+    #define KV_T2LO 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+    #define KV_T2HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+    #define KV_T3LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+    #define KV_T3HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+    #else
+    #define KV_T1LO 0, 1, 2, 3, 8, 9, 10, 11
+    #define KV_T1HI 4, 5, 6, 7, 12, 13, 14, 15
+    #define KV_T2LO 0, 1, 8, 9, 4, 5, 12, 13
+    #define KV_T2HI 2, 3, 10, 11, 6, 7, 14, 15
+    #define KV_T3LO 0, 8, 2, 10, 4, 12, 6, 14
+    #define KV_T3HI 1, 9, 3, 11, 5, 13, 7, 15
+    #endif
+    #define KV_TREE(a, b, LO, HI) \
+        KV_Q4MIN(__builtin_shufflevector(a, b, LO), __builtin_shufflevector(a, b, HI))
+    static inline int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) {
+        kv_q4f v[8];
+        for (int b = 0; b < 4; b++) {
+            const float* xb = x + 32 * b;
+            kv_q4f lo, hi;
+            memcpy(&lo, xb, sizeof lo);
+            kv_q4f mn = lo, mx = lo;
+            for (int j = KV_Q4W; j < 32; j += KV_Q4W) {
+                memcpy(&hi, xb + j, sizeof hi);
+                mn = KV_Q4MIN(mn, hi);
+                mx = KV_Q4MAX(mx, hi);
+            }
+            /* bit-reversed order (min b is source b, -max b source 4 + b): the tree
+               leaves source s in lane s */
+            v[(b & 1) * 4 + (b & 2)] = mn;
+            v[(b & 1) * 4 + (b & 2) + 1] = -mx;
+        }
+        for (int i = 0; i < 4; i++)
+            v[i] = KV_TREE(v[2 * i], v[2 * i + 1], KV_T1LO, KV_T1HI);
+        for (int i = 0; i < 2; i++)
+            v[i] = KV_TREE(v[2 * i], v[2 * i + 1], KV_T2LO, KV_T2HI);
+        v[0] = KV_TREE(v[0], v[1], KV_T3LO, KV_T3HI);
+    #if KV_Q4W == 16    /* each source still holds 2 lanes: its even and odd one */
+        const kv_f8 r = (kv_f8)_mm256_min_ps(
+            (__m256)__builtin_shufflevector(v[0], v[0], 0, 2, 4, 6, 8, 10, 12, 14),
+            (__m256)__builtin_shufflevector(v[0], v[0], 1, 3, 5, 7, 9, 11, 13, 15));
+    #else
+        const kv_f8 r = v[0];
+    #endif
+        const kv_f4 mn = __builtin_shufflevector(r, r, 0, 1, 2, 3);
+        const kv_f4 mx = -__builtin_shufflevector(r, r, 4, 5, 6, 7);
+        const kv_i4 again = q41 ? mn == 0.0f : mx == -mn;
+        kv_f4 d;
+        if (q41) {
+            d = (mx - mn) / 15.0f;
+        } else {
+            const kv_i4 up = mx > -mn;
+            d = (kv_f4)((up & (kv_i4)mx) | (~up & (kv_i4)mn)) * -0.125f;
+        }
+        const kv_f4 id = (kv_f4)((d != 0.0f) & (kv_i4)(1.0f / d));
+        const kv_i4 overflow = ((kv_i4)id & 0x7fffffff) == 0x7f800000;
+        if (_mm_movemask_ps((__m128)(again | overflow)))
+            return 0;
+        if (q41) {
+            const kv_f8 dm = __builtin_shufflevector(d, mn, 0, 4, 1, 5, 2, 6, 3, 7);
+            memcpy(sc, &dm, sizeof dm);
+        } else {
+            memcpy(sc, &d, sizeof d);
+        }
+        const float add = q41 ? 0.5f : 8.5f;
+        for (int b = 0; b < 4; b++)
+            kv_round_pack_u4(x + 32 * b, q41 ? mn[b] : 0.0f, id[b], add, codes + 16 * b);
+        return 1;
+    }
+    #else
+    #define KV_Q4_TREE 0
+    static inline int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) { return 0; }
+    #endif
     /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):
        out = float(code - off) * s + m, two roundings (q4_0: off 8, m -0.0, which leaves
        every product as it is, -0.0 included; q4_1: off 0, m its min). */
@@ -249,8 +349,8 @@ cdef extern from *:
     int KV_HAVE_F16C
     void kv_unpack_u4(const uint8_t* codes, int off, float s, float m, float* out) noexcept nogil
     enum: KV_Q4G
-    void kv_q4_scales(const float* x, int n, int q41, float* sc, float* inv) noexcept nogil
-    void kv_minmax(const float* x, int n, float* mn, float* mx) noexcept nogil
+    int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) noexcept nogil
+    void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) noexcept nogil
     void kv_round_pack_u4(const float* x, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
     void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil
@@ -565,8 +665,11 @@ cdef inline bint _finite(float v) noexcept nogil:
 cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* codes,
                             uint16_t* scales) noexcept nogil:
     # gguf-py Q4_0.quantize_blocks / Q4_1.quantize_blocks (= ggml quantize_row_q4_0_ref /
-    # _q4_1_ref), KV_Q4G blocks at a time (kv_q4_scales): q4_0 q = trunc(x * id + 8.5),
-    # q4_1 q = trunc((x - m) * id + 0.5), clipped to [0, 15]; id = 1/d (0 when d == 0).
+    # _q4_1_ref): q4_0 q = trunc(x * id + 8.5), q4_1 q = trunc((x - m) * id + 0.5),
+    # clipped to [0, 15]; id = 1/d (0 when d == 0). KV_Q4G blocks at a time: by the
+    # reduction tree where the build has it (kv_q4_encode4), else (a shorter group, or
+    # one the tree declines) the scales block by block, then the codes; a group's
+    # float32 scales go to float16 together.
     cdef int S = 2 if q41 else 1
     cdef float add = <float>0.5 if q41 else <float>8.5
     cdef float sc[2 * KV_Q4G]
@@ -579,17 +682,19 @@ cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* cod
     for g in range((nb + KV_Q4G - 1) // KV_Q4G):
         b0 = g * KV_Q4G
         n = <int>min(<Py_ssize_t>KV_Q4G, nb - b0)
-        kv_q4_scales(x + b0 * QK, n, q41, sc, inv)
+        if n < KV_Q4G or not kv_q4_encode4(x + b0 * QK, q41, sc, codes + b0 * (QK // 2)):
+            for b in range(n):
+                kv_q4_block_scales(x + (b0 + b) * QK, q41, sc + b * S, inv + b)
+            for b in range(n):
+                xb = x + (b0 + b) * QK
+                sub = sc[2 * b + 1] if q41 else <float>0.0
+                if _finite(inv[b]):     # every value in [0, 16.5]: a plain truncating conversion
+                    kv_round_pack_u4(xb, sub, inv[b], add, codes + (b0 + b) * (QK // 2))
+                else:   # 1/d overflows: (x - m) * id is inf or NaN (0 * inf), numpy's conversions
+                    for j in range(QK):
+                        q[j] = _np_to_u4((xb[j] - sub) * inv[b] + add)
+                    _pack_q4_block(q, codes + (b0 + b) * (QK // 2))
         _f32_to_f16_row(sc, n * S, scales + b0 * S)
-        for b in range(n):
-            xb = x + (b0 + b) * QK
-            sub = sc[2 * b + 1] if q41 else <float>0.0
-            if _finite(inv[b]):     # every value in [0, 16.5]: a plain truncating conversion
-                kv_round_pack_u4(xb, sub, inv[b], add, codes + (b0 + b) * (QK // 2))
-            else:   # 1/d overflows: (x - m) * id is inf or NaN (0 * inf), numpy's conversions
-                for j in range(QK):
-                    q[j] = _np_to_u4((xb[j] - sub) * inv[b] + add)
-                _pack_q4_block(q, codes + (b0 + b) * (QK // 2))
 
 
 cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,

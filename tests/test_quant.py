@@ -540,7 +540,8 @@ def _q4_cases(rng):
         "gaussian": rng.standard_normal((n, 64)).astype(F32),
         "heavy": rng.standard_t(2, (n, 64)).astype(F32),
         "ties": ties, "ties_q4_1": ties_q41, "plus_minus_max": pm, "signed_zeros": zeros,
-        "zero_min": mixed_zero, "positive": one_sign, "negative": -one_sign,
+        "zero_min": mixed_zero, "zero_max": -mixed_zero, "positive": one_sign,
+        "negative": -one_sign,
         "one_value": np.full((n, 64), F32(0.3)) * rng.choice(np.array([1, -1], F32), (n, 1)),
         "subnormal": (rng.standard_normal((n, 64)) * 1e-39).astype(F32),
         "tiny": (rng.standard_normal((n, 64)) * 1e-44).astype(F32),
@@ -557,6 +558,10 @@ def _q4_cases(rng):
 
 @pytest.mark.parametrize("name", Q4)
 def test_q4_bit_identical_to_gguf(name, rng):
+    """Every case in rows of 64 (two blocks: scales block by block), 128 and 256 (groups of
+    four blocks: one reduction tree, the block rule for a group with a block that needs a
+    second look); "mixed" puts blocks of every case side by side in a row."""
+    cases = {}
     for case, x in _q4_cases(rng).items():
         if isinstance(x, dict):
             x = x[name]
@@ -564,14 +569,21 @@ def test_q4_bit_identical_to_gguf(name, rng):
             lim = input_limit(kvcore.FORMATS[name].id)
             x = np.clip(x, -lim / 2, lim / 2) * rng.choice(
                 np.array([1.0, 1e-30, 1e-38, 1e-44], F32), size=(x.shape[0], 1))
-        codes, scales = kvcore.quantize(x, name)
-        got, want = to_ggml(codes, scales, name), gguf_rows(x, name)
-        bad = np.nonzero((got != want).any(axis=1))[0]
-        assert not bad.size, f"{case}: rows {bad[:5]} differ from gguf-py: {got[bad[0]]} vs {want[bad[0]]}"
-        decoded = kvcore.dequantize(codes, scales, name)
-        np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),
-                                      err_msg=case)
-        assert np.isfinite(decoded).all()
+        cases[case] = x
+    blocks = np.concatenate([x.reshape(-1, 32) for x in cases.values()])
+    cases["mixed"] = rng.permutation(blocks)[: len(blocks) // 8 * 8].reshape(-1, 64)
+    for case, x in cases.items():
+        for width in (64, 128, 256):
+            rows = x.reshape(-1, width)
+            codes, scales = kvcore.quantize(rows, name)
+            got, want = to_ggml(codes, scales, name), gguf_rows(rows, name)
+            bad = np.nonzero((got != want).any(axis=1))[0]
+            assert not bad.size, (f"{case}, rows of {width}: rows {bad[:5]} differ from gguf-py: "
+                                  f"{got[bad[0]]} vs {want[bad[0]]}")
+            decoded = kvcore.dequantize(codes, scales, name)
+            np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),
+                                          err_msg=f"{case}, rows of {width}")
+            assert np.isfinite(decoded).all()
 
 
 def test_q4_layout_by_hand():
