@@ -1,6 +1,7 @@
 """Quantize / dequantize throughput against peers measured in the same run.
 
     python tools/bench_quant.py [--shape 4096 8 128] [--threads 1 2]
+    python tools/bench_quant.py --per-row [--head-dims 64 128 256]
 
 Input: a float32 array [4096, 8, 128] (16 MiB, Gaussian). Every figure is GB/s of
 float32 (bytes of the float side per second), so columns compare directly:
@@ -16,12 +17,18 @@ float32 (bytes of the float side per second), so columns compare directly:
   installed).
 kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
+
+--per-row: the block formats' encoders alone, one thread, on 32 KiB of input that stays in
+the L1/L2 cache: ns per row of head_dim values (the best of 40 rounds of 50 calls, less a
+one-row call's fixed cost), and each format's time over q8_0's. Its minimum is steady on a
+shared machine where the streaming figures above move by 2x.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 from typing import Sequence
 
 import numpy as np
@@ -166,14 +173,49 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
         kvcore.set_num_threads(0)       # back to OpenMP's default
 
 
+def _best_call(fn, calls: int = 50, rounds: int = 40) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
+def run_per_row(head_dims=(64, 128, 256)) -> None:
+    """Prints ns per row of the block formats' encoders, in cache, one thread."""
+    rng = np.random.default_rng(0)
+    names = ["q8_0", "q4_0", "q4_1"]
+    rows = []
+    kvcore.set_num_threads(1)
+    try:
+        for d in head_dims:
+            x = rng.standard_normal((8192 // d, 1, d)).astype(F32)     # 32 KiB
+            ns = {}
+            for name in names:
+                one = _best_call(lambda: kvcore.quantize(x[:1], name))
+                ns[name] = (_best_call(lambda: kvcore.quantize(x, name)) - one) / (len(x) - 1) * 1e9
+            rows += [[d, name, ns[name], f"{ns[name] / ns['q8_0']:.2f}"] for name in names]
+    finally:
+        kvcore.set_num_threads(0)
+    print_table("block encoders per row, in cache, 1 thread (ns per row; best of 40 x 50 calls)",
+                ["head_dim", "format", "ns / row", "time / q8_0's"], rows)
+
+
 def main(argv: Sequence[str] = ()) -> None:
     """Runs with command-line style arguments (none: the defaults; tools/bench_cpu.py
     calls it that way)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs="+", default=[4096, 8, 128])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--per-row", action="store_true", help="the block encoders per row, in cache")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     a = p.parse_args(list(argv))
-    run(tuple(a.shape), tuple(a.threads))
+    if a.per_row:
+        run_per_row(tuple(a.head_dims))
+    else:
+        run(tuple(a.shape), tuple(a.threads))
 
 
 if __name__ == "__main__":
