@@ -279,6 +279,38 @@ cdef extern from *:
         return x;
     }
 
+    #if KV_W == 16
+    /* AVX-512 q4_0 / q4_1: block b of a row at p (values [32 b, 32 b + 32)) as its low
+       and high halves, from the block's 16 values c d + m as a table (one multiply-add
+       of 0 .. 15 by its scale pair in bs: each value exactly the one its code's own
+       multiply-add gives) that the codes index (vpermps reads the low 4 bits of each
+       lane: the low nibble as it is, the high one shifted down): one widen, one
+       multiply-add, a shift and two permutes where two widens, a mask, a shift, two
+       conversions and two multiply-adds were. */
+    KV_INLINE void kv_q4_halves(const char* p, int b, const float* bs, kv_vf* lo, kv_vf* hi) {
+        const kv_vf iota = __builtin_convertvector((kv_vi)KV_LANES, kv_vf);
+        const __m512 table = (__m512)kv_fma(iota, kv_splat(bs[2 * b]), kv_splat(bs[2 * b + 1]));
+        const kv_vi c = kv_widen_u8_i32(p + (size_t)b * 16);
+        *lo = (kv_vf)_mm512_permutexvar_ps((__m512i)c, table);
+        *hi = (kv_vf)_mm512_permutexvar_ps((__m512i)(c >> 4), table);
+    }
+    #endif
+
+    /* Values [i, i + KV_W) of a row at p as their block makes them: kv_load, then
+       kv_block_scale (bs: the row's float32 block scales; NULL for other formats); AVX-512
+       4-bit: one half of kv_q4_halves. */
+    KV_INLINE kv_vf kv_decode(const int fmt, const int tail, const char* p, int i, int d, const float* bs) {
+    #if KV_W == 16
+        if (KV_Q4(fmt)) {
+            kv_vf lo, hi;
+            kv_q4_halves(p, i / 32, bs, &lo, &hi);
+            return i & 16 ? hi : lo;
+        }
+    #endif
+        const kv_vf x = kv_load(fmt, tail, p, i, d);
+        return KV_BLOCKED(fmt) ? kv_block_scale(fmt, x, bs, i) : x;
+    }
+
     /* dst[k] = the f16 values at src[k] as float32, k < n. */
     static void kv_halves(const char* src, int n, float* dst) {
         int k = 0;
@@ -599,16 +631,29 @@ cdef extern from *:
                                  const float* const* bs, int i, int d, const float* q, int dp,
                                  kv_vf acc[KV_RB][KV_PB]) {
         kv_vf k[KV_PB];
-        for (int p = 0; p < KV_PB; p++) {
-            k[p] = kv_load(fmt, tail, row[p], i, d);
-            if (KV_BLOCKED(fmt)) k[p] = kv_block_scale(fmt, k[p], bs[p], i);
-        }
+        for (int p = 0; p < KV_PB; p++) k[p] = kv_decode(fmt, tail, row[p], i, d, bs[p]);
         for (int r = 0; r < RB; r++) {
             kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
             KV_PIN(qv);   /* one load of q, not one per FMA (GCC folds it into each) */
             for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
         }
     }
+
+    #if KV_W == 16
+    /* kv_score_step over a whole 4-bit block (values [i, i + 32), i % 32 == 0): its two
+       halves from one kv_q4_halves. */
+    KV_INLINE void kv_score_step_q4(const int RB, const char* const* row, const float* const* bs,
+                                    int i, const float* q, int dp, kv_vf acc[KV_RB][KV_PB]) {
+        kv_vf lo[KV_PB], hi[KV_PB];
+        for (int p = 0; p < KV_PB; p++) kv_q4_halves(row[p], i / 32, bs[p], &lo[p], &hi[p]);
+        for (int r = 0; r < RB; r++) {
+            kv_vf q0 = kv_loadf(q + (size_t)r * dp + i), q1 = kv_loadf(q + (size_t)r * dp + i + 16);
+            KV_PIN(q0);
+            KV_PIN(q1);
+            for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(q1, hi[p], kv_fma(q0, lo[p], acc[r][p]));
+        }
+    }
+    #endif
 
     /* Int8 scores (J->qi, docs/attention.md "Int8 scores"): each scaled query row x is
        quantized per block of 32 values to int8 codes c and a float32 scale qd (q^ = qd c),
@@ -842,6 +887,10 @@ cdef extern from *:
             if (qi) {
                 for (; i + KV_QC <= k.d; i += KV_QC) kv_qscore_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
                 if (tail) kv_qscore_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
+    #if KV_W == 16
+            } else if (KV_Q4(fmt)) {
+                for (; i < k.d; i += 32) kv_score_step_q4(RB, row, bs, i, q, dp, acc);
+    #endif
             } else {
                 for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
                 if (tail) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
@@ -914,10 +963,13 @@ cdef extern from *:
         for (int j = j0; j < j1; j++) {
             const char* row = v.c + v.ph[j] * v.cs;
             kv_vf x[KV_CB];
-            for (int c = 0; c < CB; c++) {
-                x[c] = kv_load(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d);
-                if (KV_BLOCKED(fmt)) x[c] = kv_block_scale(fmt, x[c], v.bs + (size_t)j * v.bss, i0 + KV_W * c);
-            }
+            const float* bs = KV_BLOCKED(fmt) ? v.bs + (size_t)j * v.bss : NULL;
+    #if KV_W == 16
+            if (KV_Q4(fmt) && CB % 2 == 0)  /* i0 a multiple of 32: whole blocks */
+                for (int c = 0; c < CB; c += 2) kv_q4_halves(row, (i0 + KV_W * c) / 32, bs, &x[c], &x[c + 1]);
+            else
+    #endif
+            for (int c = 0; c < CB; c++) x[c] = kv_decode(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d, bs);
             for (int r = 0; r < RB; r++) {
                 kv_vf wr = kv_splat(w[(size_t)r * ws + (size_t)j * wp]);
                 for (int c = 0; c < CB; c++) a[r][c] = kv_fma(wr, x[c], a[r][c]);
@@ -1104,17 +1156,16 @@ cdef extern from *:
         return r;
     }
 
-    /* out [KV_P][dp] = the np rows of x as float32, as kv_load and the q8_0 block scale
-       make them (the values the score and value blocks compute from), zero past d. */
+    /* out [KV_P][dp] = the np rows of x as float32, as kv_decode makes them (the values
+       the score and value blocks compute from), zero past d. */
     KV_INLINE void kv_decode_rows(const int fmt, kv_rows x, int np, float* out, int dp) {
         for (int j = 0; j < np; j++) {
             const char* row = x.c + x.ph[j] * x.cs;
             float* o = out + (size_t)j * dp;
             for (int i = 0; i < dp; i += KV_W) {
-                kv_vf y = i + KV_W <= x.d ? kv_load(fmt, 0, row, i, x.d)
-                        : i < x.d ? kv_load(fmt, 1, row, i, x.d) : kv_splat(0.0f);
-                if (KV_BLOCKED(fmt) && i < x.d) y = kv_block_scale(fmt, y, x.bs + (size_t)j * x.bss, i);
-                kv_storef(o + i, y);
+                const float* bs = KV_BLOCKED(fmt) ? x.bs + (size_t)j * x.bss : NULL;
+                kv_storef(o + i, i + KV_W <= x.d ? kv_decode(fmt, 0, row, i, x.d, bs)
+                                 : i < x.d ? kv_decode(fmt, 1, row, i, x.d, bs) : kv_splat(0.0f));
             }
         }
     }
