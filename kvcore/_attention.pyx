@@ -37,7 +37,9 @@
    scores (K) or softmax weights (V), from a per-tile transposed copy; q8_0 block scales
    (converted to float32 once per tile) multiply the decoded vectors; q4_0's, made
    (d, -8 d) pairs per tile, give q d - 8 d and q4_1's (d, m) pairs q d + m, one
-   multiply-add each (exact products).
+   multiply-add each (exact products). With AVX-512 those multiply-adds run once per
+   block on the codes 0 .. 15, and the block's codes index that table of 16 values
+   (vpermps: both halves of a block from one widen; kv_q4_halves), the same values.
 5. Scores: a register block of 4 query rows x KV_PB K rows accumulates over D; the KV_W
    dot products of one row with KV_W K rows are reduced by one transpose-add tree into a
    vector of KV_W scores (K rows taken in the tree's leaf order, so lane L is position L);
