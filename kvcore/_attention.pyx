@@ -221,9 +221,6 @@ cdef extern from *:
     #endif
     }
 
-    /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
-       value / 2^8; q4_0, q4_1: the 4-bit code q). `tail` (a constant): i + KV_W passes d;
-       values past d read as 0. */
     /* The 4-bit codes (q4_0 / q4_1, 0..15) of values [i, i + KV_W) of a row at p, two per
        byte in ggml's order: value i is in byte (i % 16) of block i / 32 (16 bytes), its
        low nibble when i % 32 < 16, else its high one. i is a multiple of KV_W (8 or 16):
@@ -233,10 +230,12 @@ cdef extern from *:
         return i & 16 ? c >> 4 : c & 15;
     }
 
+    /* Values [i, i + KV_W) of a row of d codes at p as float32, unscaled (fp8_e4m3: the
+       value / 2^8), every format but the 4-bit ones (kv_q4_halves). `tail` (a constant):
+       i + KV_W passes d; values past d read as 0. */
     KV_INLINE kv_vf kv_load(const int fmt, const int tail, const char* p, int i, int d) {
         const int cb = fmt == KV_F32 ? 4 : fmt <= KV_BF16 ? 2 : 1;
         char tmp[4 * KV_W];
-        if (KV_Q4(fmt)) return __builtin_convertvector(kv_codes4(p, i), kv_vf);
         p += (size_t)i * cb;
     #if KV_W == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
         /* masked loads (lanes past d read as 0): the memcpy below is a call, which would
@@ -269,48 +268,41 @@ cdef extern from *:
         }
     }
 
-    /* x (values [i, i + KV_W) of a row from kv_load) as their block makes them: q8_0
-       x * d (d = bs[i / 32]); q4_0 (x - 8) d as x d + (-8 d) and q4_1 x d + m, one
-       multiply-add each ((d, -8 d) or (d, m) = bs[2 (i / 32)], bs[2 (i / 32) + 1]); the
-       other formats unchanged. x d and 8 d are exact in float32 (a 4-bit integer times a
-       float16 value), so the multiply-adds round once, exactly as kvcore.dequantize's
-       (q - 8) * d and q * d + m: the same values, fused or not. */
-    KV_INLINE kv_vf kv_block_scale(const int fmt, kv_vf x, const float* bs, int i) {
-        if (fmt == KV_Q8_0) return x * kv_splat(bs[i / 32]);
-        if (KV_Q4(fmt)) return kv_fma(x, kv_splat(bs[2 * (i / 32)]), kv_splat(bs[2 * (i / 32) + 1]));
-        return x;
-    }
-
-    #if KV_W == 16
-    /* AVX-512 q4_0 / q4_1: block b of a row at p (values [32 b, 32 b + 32)) as its low
-       and high halves, from the block's 16 values c d + m as a table (one multiply-add
-       of 0 .. 15 by its scale pair in bs: each value exactly the one its code's own
-       multiply-add gives) that the codes index (vpermps reads the low 4 bits of each
-       lane: the low nibble as it is, the high one shifted down): one widen, one
+    /* q4_0 / q4_1: values [32 b + h, + KV_W) (lo) and [32 b + 16 + h, + KV_W) (hi) of a
+       row at p, h < 16 a multiple of KV_W: the low and high nibbles of the same KV_W bytes
+       (ggml's order), widened once, under the block's scale pair ((d, -8 d) or (d, m) at
+       bs[2 b]): c d + (-8 d) and c d + m, one multiply-add each. c d and 8 d are exact in
+       float32 (a 4-bit integer times a float16 value), so they round once, exactly as
+       kvcore.dequantize's (c - 8) * d and c * d + m: the same values. AVX-512 (h 0): the block's 16 values
+       c d + m as a table (one multiply-add of 0 .. 15: each value exactly the one its
+       code's own multiply-add gives) that the codes index (vpermps reads the low 4 bits
+       of each lane: the low nibble as it is, the high one shifted down); one widen, one
        multiply-add, a shift and two permutes where two widens, a mask, a shift, two
        conversions and two multiply-adds were. */
-    KV_INLINE void kv_q4_halves(const char* p, int b, const float* bs, kv_vf* lo, kv_vf* hi) {
-        const kv_vf iota = __builtin_convertvector((kv_vi)KV_LANES, kv_vf);
-        const __m512 table = (__m512)kv_fma(iota, kv_splat(bs[2 * b]), kv_splat(bs[2 * b + 1]));
-        const kv_vi c = kv_widen_u8_i32(p + (size_t)b * 16);
+    KV_INLINE void kv_q4_halves(const char* p, int b, int h, const float* bs, kv_vf* lo, kv_vf* hi) {
+        const kv_vi c = kv_widen_u8_i32(p + (size_t)b * 16 + h);
+        const kv_vf d = kv_splat(bs[2 * b]), m = kv_splat(bs[2 * b + 1]);
+    #if KV_W == 16
+        const __m512 table = (__m512)kv_fma(__builtin_convertvector((kv_vi)KV_LANES, kv_vf), d, m);
         *lo = (kv_vf)_mm512_permutexvar_ps((__m512i)c, table);
         *hi = (kv_vf)_mm512_permutexvar_ps((__m512i)(c >> 4), table);
-    }
+    #else
+        *lo = kv_fma(__builtin_convertvector(c & 15, kv_vf), d, m);
+        *hi = kv_fma(__builtin_convertvector(c >> 4, kv_vf), d, m);
     #endif
+    }
 
-    /* Values [i, i + KV_W) of a row at p as their block makes them: kv_load, then
-       kv_block_scale (bs: the row's float32 block scales; NULL for other formats); AVX-512
+    /* Values [i, i + KV_W) of a row at p as their block makes them (bs: the row's float32
+       block scales; NULL for other formats): kv_load, times d for q8_0 (d = bs[i / 32]);
        4-bit: one half of kv_q4_halves. */
     KV_INLINE kv_vf kv_decode(const int fmt, const int tail, const char* p, int i, int d, const float* bs) {
-    #if KV_W == 16
         if (KV_Q4(fmt)) {
             kv_vf lo, hi;
-            kv_q4_halves(p, i / 32, bs, &lo, &hi);
+            kv_q4_halves(p, i / 32, i % 16, bs, &lo, &hi);
             return i & 16 ? hi : lo;
         }
-    #endif
         const kv_vf x = kv_load(fmt, tail, p, i, d);
-        return KV_BLOCKED(fmt) ? kv_block_scale(fmt, x, bs, i) : x;
+        return fmt == KV_Q8_0 ? x * kv_splat(bs[i / 32]) : x;
     }
 
     /* dst[k] = the f16 values at src[k] as float32, k < n. */
@@ -628,34 +620,38 @@ cdef extern from *:
         }
     }
 
+    /* acc[r][p] += q[r][0 .. KV_W) . k[p], RB rows (dp floats apart) x KV_PB K rows. */
+    KV_INLINE void kv_score_fmas(const int RB, const kv_vf k[KV_PB], const float* q, int dp,
+                                 kv_vf acc[KV_RB][KV_PB]) {
+        for (int r = 0; r < RB; r++) {
+            kv_vf qv = kv_loadf(q + (size_t)r * dp);
+            KV_PIN(qv);   /* one load of q, not one per FMA (GCC folds it into each) */
+            for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
+        }
+    }
+
     /* acc[r][p] += q[r][i .. i + KV_W) . K row p [i .. i + KV_W), RB rows x KV_PB K rows. */
     KV_INLINE void kv_score_step(const int fmt, const int tail, const int RB, const char* const* row,
                                  const float* const* bs, int i, int d, const float* q, int dp,
                                  kv_vf acc[KV_RB][KV_PB]) {
         kv_vf k[KV_PB];
         for (int p = 0; p < KV_PB; p++) k[p] = kv_decode(fmt, tail, row[p], i, d, bs[p]);
-        for (int r = 0; r < RB; r++) {
-            kv_vf qv = kv_loadf(q + (size_t)r * dp + i);
-            KV_PIN(qv);   /* one load of q, not one per FMA (GCC folds it into each) */
-            for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(qv, k[p], acc[r][p]);
-        }
+        kv_score_fmas(RB, k, q + i, dp, acc);
     }
 
-    #if KV_W == 16
-    /* kv_score_step over a whole 4-bit block (values [i, i + 32), i % 32 == 0): its two
-       halves from one kv_q4_halves. */
+    /* kv_score_step over a whole 4-bit block (values [i, i + 32), i % 32 == 0), each
+       pair of its halves from one kv_q4_halves, its vectors summed in kv_score_step's
+       order (the high halves after every low one: the f32 kernel's bits). */
     KV_INLINE void kv_score_step_q4(const int RB, const char* const* row, const float* const* bs,
                                     int i, const float* q, int dp, kv_vf acc[KV_RB][KV_PB]) {
-        kv_vf lo[KV_PB], hi[KV_PB];
-        for (int p = 0; p < KV_PB; p++) kv_q4_halves(row[p], i / 32, bs[p], &lo[p], &hi[p]);
-        for (int r = 0; r < RB; r++) {
-            kv_vf q0 = kv_loadf(q + (size_t)r * dp + i), q1 = kv_loadf(q + (size_t)r * dp + i + 16);
-            KV_PIN(q0);
-            KV_PIN(q1);
-            for (int p = 0; p < KV_PB; p++) acc[r][p] = kv_fma(q1, hi[p], kv_fma(q0, lo[p], acc[r][p]));
+        kv_vf hi[16 / KV_W][KV_PB];
+        for (int h = 0; h < 16 / KV_W; h++) {
+            kv_vf lo[KV_PB];
+            for (int p = 0; p < KV_PB; p++) kv_q4_halves(row[p], i / 32, KV_W * h, bs[p], &lo[p], &hi[h][p]);
+            kv_score_fmas(RB, lo, q + i + KV_W * h, dp, acc);
         }
+        for (int h = 0; h < 16 / KV_W; h++) kv_score_fmas(RB, hi[h], q + i + 16 + KV_W * h, dp, acc);
     }
-    #endif
 
     /* Int8 scores (J->qi, docs/attention.md "Int8 scores"): each scaled query row x is
        quantized per block of 32 values to int8 codes c and a float32 scale qd (q^ = qd c),
@@ -889,10 +885,8 @@ cdef extern from *:
             if (qi) {
                 for (; i + KV_QC <= k.d; i += KV_QC) kv_qscore_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
                 if (tail) kv_qscore_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
-    #if KV_W == 16
             } else if (KV_Q4(fmt)) {
                 for (; i < k.d; i += 32) kv_score_step_q4(RB, row, bs, i, q, dp, acc);
-    #endif
             } else {
                 for (; i + KV_W <= k.d; i += KV_W) kv_score_step(fmt, 0, RB, row, bs, i, k.d, q, dp, acc);
                 if (tail) kv_score_step(fmt, 1, RB, row, bs, i, k.d, q, dp, acc);
@@ -955,30 +949,31 @@ cdef extern from *:
         }
     }
 
-    /* acc[r][i0 .. i0 + KV_W CB) += sum_j w[r * ws + j * wp] V row j [...], RB rows, CB
-       column vectors (the last one passes d when `tail`). */
-    KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, kv_rows v,
-                                  int j0, int j1, const float* w, int ws, int wp, float* acc, int dp, int i0) {
+    /* acc[r][columns] += sum_j w[r * ws + j * wp] V row j [columns], RB rows, CB column
+       vectors [i0 + step c, + KV_W) (the last one passes d when `tail`); a 4-bit pair
+       16 apart is one block's two halves from one kv_q4_halves. */
+    KV_INLINE void kv_value_block(const int fmt, const int tail, const int RB, const int CB, const int step,
+                                  kv_rows v, int j0, int j1, const float* w, int ws, int wp, float* acc,
+                                  int dp, int i0) {
         kv_vf a[KV_VR][KV_CB];
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + KV_W * c);
+            for (int c = 0; c < CB; c++) a[r][c] = kv_loadf(acc + (size_t)r * dp + i0 + step * c);
         for (int j = j0; j < j1; j++) {
             const char* row = v.c + v.ph[j] * v.cs;
             kv_vf x[KV_CB];
             const float* bs = KV_BLOCKED(fmt) ? v.bs + (size_t)j * v.bss : NULL;
-    #if KV_W == 16
-            if (KV_Q4(fmt) && CB % 2 == 0)  /* i0 a multiple of 32: whole blocks */
-                for (int c = 0; c < CB; c += 2) kv_q4_halves(row, (i0 + KV_W * c) / 32, bs, &x[c], &x[c + 1]);
+            if (KV_Q4(fmt) && step == 16 && CB % 2 == 0)   /* column pairs: a block's two halves */
+                for (int c = 0; c < CB; c += 2)
+                    kv_q4_halves(row, (i0 + 16 * c) / 32, (i0 + 16 * c) % 16, bs, &x[c], &x[c + 1]);
             else
-    #endif
-            for (int c = 0; c < CB; c++) x[c] = kv_decode(fmt, tail && c == CB - 1, row, i0 + KV_W * c, v.d, bs);
+                for (int c = 0; c < CB; c++) x[c] = kv_decode(fmt, tail && c == CB - 1, row, i0 + step * c, v.d, bs);
             for (int r = 0; r < RB; r++) {
                 kv_vf wr = kv_splat(w[(size_t)r * ws + (size_t)j * wp]);
                 for (int c = 0; c < CB; c++) a[r][c] = kv_fma(wr, x[c], a[r][c]);
             }
         }
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + KV_W * c, a[r][c]);
+            for (int c = 0; c < CB; c++) kv_storef(acc + (size_t)r * dp + i0 + step * c, a[r][c]);
     }
 
     KV_INLINE void kv_value_rows(const int fmt, const int RB, kv_rows v, int np, const float* w, int ws,
@@ -987,9 +982,16 @@ cdef extern from *:
         for (int j0 = 0; j0 < np; j0 += vj) {
             const int j1 = j0 + vj < np ? j0 + vj : np;
             int i0 = 0;
-            for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB) kv_value_block(fmt, 0, RB, KV_CB, v, j0, j1, w, ws, wp, acc, dp, i0);
-            for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
-            if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, v, j0, j1, w, ws, wp, acc, dp, i0);
+            if (KV_Q4(fmt) && KV_W == 8) {  /* column pairs 16 apart: a block's halves (kv_q4_halves) */
+                for (; i0 < v.d; i0 += 32)
+                    for (int h = 0; h < 16; h += KV_W)
+                        kv_value_block(fmt, 0, RB, 2, 16, v, j0, j1, w, ws, wp, acc, dp, i0 + h);
+                continue;
+            }
+            for (; i0 + KV_W * KV_CB <= v.d; i0 += KV_W * KV_CB)
+                kv_value_block(fmt, 0, RB, KV_CB, KV_W, v, j0, j1, w, ws, wp, acc, dp, i0);
+            for (; i0 + KV_W <= v.d; i0 += KV_W) kv_value_block(fmt, 0, RB, 1, KV_W, v, j0, j1, w, ws, wp, acc, dp, i0);
+            if (i0 < v.d) kv_value_block(fmt, 1, RB, 1, KV_W, v, j0, j1, w, ws, wp, acc, dp, i0);
         }
     }
 
