@@ -28,9 +28,9 @@
 3. Vectors are KV_W float32 lanes (GCC vector extensions): 16 (zmm) with AVX-512, 8 (ymm)
    otherwise, since GCC 12 keeps a vector wider than any register on the stack. Codes are
    dequantized in registers, KV_W at a time: int8/q8_0 widen and convert; q4_0/q4_1 widen
-   one half-block of bytes and take its low or high nibbles (ggml's order); bf16 widens and
-   shifts; f16 through F16C; fp8_e5m2 `c << 8` is an f16; fp8_e4m3 `(c << 7) & 0xbf80`
-   (c sign-extended) is an f16 of value / 2^8. Widening loads, F16C and FMA are
+   KV_W bytes of a block once for both its halves, their low and high nibbles (ggml's
+   order; kv_q4_halves); bf16 widens and shifts; f16 through F16C; fp8_e5m2 `c << 8` is
+   an f16; fp8_e4m3 `(c << 7) & 0xbf80` (c sign-extended) is an f16 of value / 2^8. Widening loads, F16C and FMA are
    intrinsics under #if, with plain vector code where the ISA lacks them. No float copy
    of the cache is made.
 4. Scales: int8/FP8 row scales (times 2^8 for e4m3) multiply a whole vector of KV_W
@@ -273,12 +273,12 @@ cdef extern from *:
        (ggml's order), widened once, under the block's scale pair ((d, -8 d) or (d, m) at
        bs[2 b]): c d + (-8 d) and c d + m, one multiply-add each. c d and 8 d are exact in
        float32 (a 4-bit integer times a float16 value), so they round once, exactly as
-       kvcore.dequantize's (c - 8) * d and c * d + m: the same values. AVX-512 (h 0): the block's 16 values
-       c d + m as a table (one multiply-add of 0 .. 15: each value exactly the one its
-       code's own multiply-add gives) that the codes index (vpermps reads the low 4 bits
-       of each lane: the low nibble as it is, the high one shifted down); one widen, one
-       multiply-add, a shift and two permutes where two widens, a mask, a shift, two
-       conversions and two multiply-adds were. */
+       kvcore.dequantize's (c - 8) * d and c * d + m: the same values. AVX-512 (h 0): the
+       block's 16 values c d + m as a table (one multiply-add of 0 .. 15: each value
+       exactly the one its code's own multiply-add gives) that the codes index (vpermps
+       reads the low 4 bits of each lane: the low nibble as it is, the high one shifted
+       down); one widen, one multiply-add, a shift and two permutes where two widens, a
+       mask, a shift, two conversions and two multiply-adds were. */
     KV_INLINE void kv_q4_halves(const char* p, int b, int h, const float* bs, kv_vf* lo, kv_vf* hi) {
         const kv_vi c = kv_widen_u8_i32(p + (size_t)b * 16 + h);
         const kv_vf d = kv_splat(bs[2 * b]), m = kv_splat(bs[2 * b + 1]);
@@ -964,7 +964,7 @@ cdef extern from *:
             const float* bs = KV_BLOCKED(fmt) ? v.bs + (size_t)j * v.bss : NULL;
             if (KV_Q4(fmt) && step == 16 && CB % 2 == 0)   /* column pairs: a block's two halves */
                 for (int c = 0; c < CB; c += 2)
-                    kv_q4_halves(row, (i0 + 16 * c) / 32, (i0 + 16 * c) % 16, bs, &x[c], &x[c + 1]);
+                    kv_q4_halves(row, (i0 + step * c) / 32, (i0 + step * c) % 16, bs, &x[c], &x[c + 1]);
             else
                 for (int c = 0; c < CB; c++) x[c] = kv_decode(fmt, tail && c == CB - 1, row, i0 + step * c, v.d, bs);
             for (int r = 0; r < RB; r++) {
