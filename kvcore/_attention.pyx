@@ -1166,8 +1166,8 @@ cdef extern from *:
         for (int j = 0; j < np; j++) {
             const char* row = x.c + x.ph[j] * x.cs;
             float* o = out + (size_t)j * dp;
+            const float* bs = KV_BLOCKED(fmt) ? x.bs + (size_t)j * x.bss : NULL;
             for (int i = 0; i < dp; i += KV_W) {
-                const float* bs = KV_BLOCKED(fmt) ? x.bs + (size_t)j * x.bss : NULL;
                 kv_storef(o + i, i + KV_W <= x.d ? kv_decode(fmt, 0, row, i, x.d, bs)
                                  : i < x.d ? kv_decode(fmt, 1, row, i, x.d, bs) : kv_splat(0.0f));
             }

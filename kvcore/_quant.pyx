@@ -230,7 +230,6 @@ cdef extern from *:
        min of q4_1, a max |x| of both signs or zeros of q4_0; a zero max of q4_1 with a
        min that is not zero needs none, (+-0 - m) / 15 being the same value), or an id
        that overflows (tiny blocks: the conversions of inf and NaN). */
-    #define KV_Q4_TREE 1
     typedef float kv_f4 __attribute__((vector_size(16)));
     typedef int32_t kv_i4 __attribute__((vector_size(16)));
     typedef float kv_f8 __attribute__((vector_size(32)));
@@ -316,7 +315,6 @@ cdef extern from *:
         return 1;
     }
     #else
-    #define KV_Q4_TREE 0
     static inline int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) { return 0; }
     #endif
     /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):

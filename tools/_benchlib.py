@@ -12,9 +12,8 @@ import numpy as np
 PAIRS = ("q8_0/q4_0", "f16/q4_0", "q4_1ch/q4_1", "q4_1ch/q4_0")
 
 
-def median_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
-                number: int = 1) -> float:
-    """Median seconds of one call of fn over `repeat` timed batches of `number` calls."""
+def _batch_times(fn: Callable[[], object], repeat: int, warmup: int, number: int) -> list[float]:
+    """Seconds of one call of fn in each of `repeat` timed batches of `number` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -23,7 +22,20 @@ def median_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
         for _ in range(number):
             fn()
         times.append((time.perf_counter() - t0) / number)
-    return float(np.median(times))
+    return times
+
+
+def median_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
+                number: int = 1) -> float:
+    """Median seconds of one call of fn over `repeat` timed batches of `number` calls."""
+    return float(np.median(_batch_times(fn, repeat, warmup, number)))
+
+
+def best_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
+              number: int = 1) -> float:
+    """Least seconds of one call of fn over `repeat` timed batches of `number` calls (steady
+    where other load on a shared machine only ever adds time)."""
+    return min(_batch_times(fn, repeat, warmup, number))
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

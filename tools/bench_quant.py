@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Sequence
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import median_time, print_table  # noqa: E402
+from _benchlib import best_time, median_time, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 
@@ -173,16 +172,6 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
         kvcore.set_num_threads(0)       # back to OpenMP's default
 
 
-def _best_call(fn, calls: int = 50, rounds: int = 40) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best
-
-
 def run_per_row(head_dims=(64, 128, 256)) -> None:
     """Prints ns per row of the block formats' encoders, in cache, one thread."""
     rng = np.random.default_rng(0)
@@ -194,8 +183,9 @@ def run_per_row(head_dims=(64, 128, 256)) -> None:
             x = rng.standard_normal((8192 // d, 1, d)).astype(F32)     # 32 KiB
             ns = {}
             for name in names:
-                one = _best_call(lambda: kvcore.quantize(x[:1], name))
-                ns[name] = (_best_call(lambda: kvcore.quantize(x, name)) - one) / (len(x) - 1) * 1e9
+                one = best_time(lambda: kvcore.quantize(x[:1], name), repeat=40, number=50)
+                whole = best_time(lambda: kvcore.quantize(x, name), repeat=40, number=50)
+                ns[name] = (whole - one) / (len(x) - 1) * 1e9
             rows += [[d, name, ns[name], f"{ns[name] / ns['q8_0']:.2f}"] for name in names]
     finally:
         kvcore.set_num_threads(0)
