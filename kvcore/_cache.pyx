@@ -23,7 +23,8 @@
    byte codes (f32, f16, bf16) bound for positions never written before go out with
    non-temporal stores (`kv_stream_copy`): none of those lines is cached, and a normal
    store would first read each line from memory. Everything else is encoded straight
-   into the storage.
+   into the storage; a position's Hkv rows of a block format, float32 and adjacent in
+   the input, as one row (`_set_runs`).
 4. Rows are spread over OpenMP threads (without the GIL) only when a call holds at least
    `_parallel.PARALLEL_MIN_VALUES` values; a smaller call, such as a decode step (T = 1),
    runs on the calling thread with the GIL held and the writer's own row buffer, so one
@@ -122,6 +123,7 @@ cdef enum:
     IN_F32 = 0
     IN_F16 = 1
     IN_BF16 = 2
+    Q8_0 = 6              # format id: from here on the block formats (q8_0, q4_0, q4_1, ...)
     WORK_PER_VALUE = 12   # bytes of row buffers per value of a row (_encode_one)
 
 cdef int _bf16_num = -1
@@ -152,6 +154,7 @@ cdef struct Job:
     bint stream[2]           # codes go to storage with non-temporal stores (_encode_one)
     Py_ssize_t first         # rows before it are checked, not encoded: the K rows of a
                              #   grouped format (q4_1ch), which its caller encodes by group
+    Py_ssize_t run[2]        # rows encoded as one (1, or H: _set_runs)
 
 
 cdef int _kind(object x):
@@ -226,9 +229,10 @@ cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
     return bad
 
 
-cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept nogil:
-    """Row r of the job into storage. work: D * 12 bytes (D raw input values, D floats,
-    the row's codes before they are streamed to the storage)."""
+cdef inline void _encode_one(const Job* j, Py_ssize_t r, Py_ssize_t n, char* work) noexcept nogil:
+    """Row r of the job into storage, or rows r .. r + n - 1 (n > 1: a run, _set_runs).
+    work: D * 12 bytes (D raw input values, D floats, the row's codes before they are
+    streamed to the storage)."""
     cdef int w = 1 if r >= j.T * j.H else 0
     cdef const char* p = _row_src(j, r, w)
     cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
@@ -249,7 +253,7 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
         decode_row(j.kind[w], p, NULL, d, buf)
         p = <const char*>buf
     if not j.stream[w]:
-        encode_row(j.fmt[w], <const float*>p, d, dst, scales)
+        encode_row(j.fmt[w], <const float*>p, d * n, dst, scales)
     elif j.fmt[w] == IN_F32:   # f32 storage: the floats themselves
         kv_stream_copy(dst, p, j.code_row[w])
     else:
@@ -257,20 +261,43 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, char* work) noexcept no
         kv_stream_copy(dst, codes, j.code_row[w])
 
 
+cdef inline void _encode_unit(const Job* j, Py_ssize_t u, Py_ssize_t nk, char* work) noexcept nogil:
+    """Unit u of the job: K's units (nk, of j.run[0] rows each, from j.first) come first,
+    then V's (of j.run[1] rows)."""
+    if u < nk:
+        _encode_one(j, j.first + u * j.run[0], j.run[0], work)
+    else:
+        _encode_one(j, j.T * j.H + (u - nk) * j.run[1], j.run[1], work)
+
+
 cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
     """work: nt blocks of WORK_PER_VALUE * D bytes, one per thread (_encode_one)."""
-    cdef Py_ssize_t r, n = 2 * j.T * j.H, block = j.D * WORK_PER_VALUE
+    cdef Py_ssize_t u, block = j.D * WORK_PER_VALUE
+    cdef Py_ssize_t nk = (j.T * j.H - j.first) // j.run[0]
+    cdef Py_ssize_t n = nk + j.T * j.H // j.run[1]
     cdef char* mine
     if nt > 1:
         with parallel(num_threads=nt):
             mine = work + threadid() * block
-            for r in prange(j.first, n, schedule="static"):
-                _encode_one(j, r, mine)
+            for u in prange(n, schedule="static"):
+                _encode_unit(j, u, nk, mine)
             kv_stream_fence()
     else:
-        for r in range(j.first, n):
-            _encode_one(j, r, work)
+        for u in range(n):
+            _encode_unit(j, u, nk, work)
         kv_stream_fence()
+
+
+cdef void _set_runs(Job* j) noexcept nogil:
+    """A position's H rows of a block format (q8_0, q4_0, q4_1) that lie one after
+    another in the input, float32 and read in place, are one run, encoded as one row of
+    H * D values: their blocks are independent, and their codes and scales are adjacent
+    in storage, so the 4-bit encoder fills its groups of four blocks at head_dim 64 too
+    and a run costs one call."""
+    cdef int w
+    for w in range(2):
+        j.run[w] = j.H if (j.fmt[w] >= Q8_0 and j.direct[w] and j.kind[w] == IN_F32
+                           and j.s1[w] == 4 * j.D and not j.stream[w]) else 1
 
 
 cdef void _set_input(Job* j, int i, cnp.ndarray x, int kind) noexcept:
@@ -412,6 +439,7 @@ cdef class RowWriter:
             j.stream[i] = self._fmt[i] <= IN_BF16 and lo >= self._fresh[layer]
             j.codes[i] = self._codes[i] + first * self._code_row[i]
             j.scales[i] = self._scales[i] + first * self._scale_row[i] if self._scale_row[i] else NULL
+        _set_runs(&j)
 
         cdef int nt = threads_for(2 * T * self._H * self._D)
         cdef Py_ssize_t bad

@@ -14,7 +14,8 @@ kvcore.quantize / kvcore.dequantize.
    single float32 operations, exactly the documented rule.
 4. Bulk kernels hand out chunks of 64 rows dynamically over an OpenMP prange
    (threads_for(values) from _parallel: one thread for a small call); input rows are addressed by byte offsets so that any
-   input strides work without a copy of the input.
+   input strides work without a copy of the input. Rows of a block format that follow
+   each other in memory are encoded as one row (`_encode_run`).
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport copysignf, ldexpf, nextafterf, rintf, truncf
@@ -796,6 +797,14 @@ cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_ki
     return buf
 
 
+cdef inline void _encode_run(int fmt, const float* x, Py_ssize_t d, Py_ssize_t n, char* dst,
+                             char* sdst, Py_ssize_t r0, Py_ssize_t code_row,
+                             Py_ssize_t scale_row) noexcept nogil:
+    # Rows r0 .. r0 + n - 1 of a block format, contiguous at x (n * d floats), as one row
+    # (a row's runs of codes and scales end where the next row's begin).
+    _encode_scaled(fmt, x, n * d, 0, dst + r0 * code_row, sdst + r0 * scale_row)
+
+
 def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                   Py_ssize_t inner_stride, Py_ssize_t stride, int in_kind, int fmt,
                   cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work,
@@ -819,9 +828,14 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef uint32_t limit = input_limit_bits(fmt)
     cdef uint32_t amax
     cdef const float* row
-    cdef Py_ssize_t c, r, o, i, bad = 0
+    cdef const float* run
+    cdef Py_ssize_t c, r, o, i, r0, n, bad = 0
     cdef Py_ssize_t nchunks = (nrows + ROW_CHUNK - 1) // ROW_CHUNK
     cdef int nt = threads_for(nrows * d)
+    # Block formats read in place: rows that follow each other in memory are encoded as
+    # one row (their blocks are independent, and the output rows are adjacent too), so
+    # that short rows (head_dim 64: two blocks) still fill the 4-bit encoder's groups.
+    cdef bint runs = fmt >= Q8_0 and in_kind == F32 and stride == 4
     if work.shape[0] < nt:
         raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
     with nogil, parallel(num_threads=nt):
@@ -830,12 +844,22 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
         for c in prange(nchunks, schedule="dynamic"):
             o = c * ROW_CHUNK // n_inner
             i = c * ROW_CHUNK - o * n_inner
+            run = NULL
+            r0 = n = 0
             for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
                 row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
                                 &work[threadid(), 0])
                 amax = _amax_bits(row, d)
                 if amax >= limit:
                     bad += 1
+                elif encode and runs:
+                    if n and row != run + n * d:    # not the next row of the run
+                        _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
+                        n = 0
+                    if n == 0:
+                        run = row
+                        r0 = r
+                    n = n + 1
                 elif encode:
                     _encode_scaled(fmt, row, d, amax, dst + r * code_row,
                                    sdst + r * scale_row if sdst != NULL else NULL)
@@ -843,6 +867,8 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                 if i == n_inner:
                     i = 0
                     o = o + 1
+            if n:
+                _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
     return bad
 
 

@@ -558,9 +558,11 @@ def _q4_cases(rng):
 
 @pytest.mark.parametrize("name", Q4)
 def test_q4_bit_identical_to_gguf(name, rng):
-    """Every case in rows of 64 (two blocks: scales block by block), 128 and 256 (groups of
-    four blocks: one reduction tree, the block rule for a group with a block that needs a
-    second look); "mixed" puts blocks of every case side by side in a row."""
+    """Every case in rows of 64, 128 and 256: rows that follow each other in memory are
+    encoded as one run, in groups of four blocks (one reduction tree; the block rule for a
+    group with a block that needs a second look, and for a run's last one to three
+    blocks); the same rows in reverse order (rows apart: each row alone, so a row of 64
+    is two blocks by the block rule). "mixed" puts blocks of every case side by side."""
     cases = {}
     for case, x in _q4_cases(rng).items():
         if isinstance(x, dict):
@@ -575,11 +577,13 @@ def test_q4_bit_identical_to_gguf(name, rng):
     for case, x in cases.items():
         for width in (64, 128, 256):
             rows = x.reshape(-1, width)
-            codes, scales = kvcore.quantize(rows, name)
-            got, want = to_ggml(codes, scales, name), gguf_rows(rows, name)
-            bad = np.nonzero((got != want).any(axis=1))[0]
-            assert not bad.size, (f"{case}, rows of {width}: rows {bad[:5]} differ from gguf-py: "
-                                  f"{got[bad[0]]} vs {want[bad[0]]}")
+            want = gguf_rows(rows, name)
+            for order in (1, -1):
+                codes, scales = kvcore.quantize(rows[::order], name)
+                got = to_ggml(codes, scales, name)[::order]
+                bad = np.nonzero((got != want).any(axis=1))[0]
+                assert not bad.size, (f"{case}, rows of {width}, order {order}: rows {bad[:5]} "
+                                      f"differ from gguf-py: {got[bad[0]]} vs {want[bad[0]]}")
             decoded = kvcore.dequantize(codes, scales, name)
             np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),
                                           err_msg=f"{case}, rows of {width}")

@@ -18,7 +18,7 @@ float32 (bytes of the float side per second), so columns compare directly:
 kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
 
---per-row: the block formats' encoders alone, one thread, on 32 KiB of input that stays in
+--per-row: the block formats' encoders alone, one thread, on 128 KiB of input that stays in
 the L1/L2 cache: ns per row of head_dim values (the best of 40 rounds of 50 calls, less a
 one-row call's fixed cost), and each format's time over q8_0's. Its minimum is steady on a
 shared machine where the streaming figures above move by 2x.
@@ -180,7 +180,7 @@ def run_per_row(head_dims=(64, 128, 256)) -> None:
     kvcore.set_num_threads(1)
     try:
         for d in head_dims:
-            x = rng.standard_normal((8192 // d, 1, d)).astype(F32)     # 32 KiB
+            x = rng.standard_normal((32768 // d, 1, d)).astype(F32)    # 128 KiB
             ns = {}
             for name in names:
                 one = best_time(lambda: kvcore.quantize(x[:1], name), repeat=40, number=50)
