@@ -23,8 +23,8 @@
    byte codes (f32, f16, bf16) bound for positions never written before go out with
    non-temporal stores (`kv_stream_copy`): none of those lines is cached, and a normal
    store would first read each line from memory. Everything else is encoded straight
-   into the storage; a position's Hkv rows of a block format, float32 and adjacent in
-   the input, as one row (`_set_runs`).
+   into the storage; a position's Hkv rows of a block format, adjacent in the input,
+   as one row (`_set_runs`).
 4. Rows are spread over OpenMP threads (without the GIL) only when a call holds at least
    `_parallel.PARALLEL_MIN_VALUES` values; a smaller call, such as a decode step (T = 1),
    runs on the calling thread with the GIL held and the writer's own row buffer, so one
@@ -230,16 +230,16 @@ cdef Py_ssize_t _count_bad_rows(const Job* j, int nt) noexcept nogil:
 
 
 cdef inline void _encode_one(const Job* j, Py_ssize_t r, Py_ssize_t n, char* work) noexcept nogil:
-    """Row r of the job into storage, or rows r .. r + n - 1 (n > 1: a run, _set_runs).
-    work: D * 12 bytes (D raw input values, D floats, the row's codes before they are
-    streamed to the storage)."""
+    """Row r of the job into storage, or rows r .. r + n - 1 (n > 1: a run, _set_runs),
+    m = n * D values. work: m * 12 bytes (m raw input values, m floats, the row's codes
+    before they are streamed to the storage)."""
     cdef int w = 1 if r >= j.T * j.H else 0
     cdef const char* p = _row_src(j, r, w)
-    cdef Py_ssize_t i, d = j.D, s = j.s2[w], q = r - w * j.T * j.H
+    cdef Py_ssize_t i, d = j.D, m = n * j.D, s = j.s2[w], q = r - w * j.T * j.H
     cdef Py_ssize_t o = q if j.rows == NULL else j.rows[q // j.H] * j.H + q % j.H
     cdef char* scales = j.scales[w] + o * j.scale_row[w] if j.scales[w] != NULL else NULL
-    cdef float* buf = <float*>(work + 4 * d)
-    cdef char* codes = work + 8 * d
+    cdef float* buf = <float*>(work + 4 * m)
+    cdef char* codes = work + 8 * m
     if not j.direct[w]:
         if j.kind[w] == IN_F32:
             for i in range(d):
@@ -250,10 +250,10 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, Py_ssize_t n, char* wor
         p = work
     cdef char* dst = j.codes[w] + o * j.code_row[w]
     if j.kind[w] != IN_F32:
-        decode_row(j.kind[w], p, NULL, d, buf)
+        decode_row(j.kind[w], p, NULL, m, buf)
         p = <const char*>buf
     if not j.stream[w]:
-        encode_row(j.fmt[w], <const float*>p, d * n, dst, scales)
+        encode_row(j.fmt[w], <const float*>p, m, dst, scales)
     elif j.fmt[w] == IN_F32:   # f32 storage: the floats themselves
         kv_stream_copy(dst, p, j.code_row[w])
     else:
@@ -271,8 +271,8 @@ cdef inline void _encode_unit(const Job* j, Py_ssize_t u, Py_ssize_t nk, char* w
 
 
 cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
-    """work: nt blocks of WORK_PER_VALUE * D bytes, one per thread (_encode_one)."""
-    cdef Py_ssize_t u, block = j.D * WORK_PER_VALUE
+    """work: nt blocks of WORK_PER_VALUE * H * D bytes, one per thread (_encode_one)."""
+    cdef Py_ssize_t u, block = j.H * j.D * WORK_PER_VALUE
     cdef Py_ssize_t nk = (j.T * j.H - j.first) // j.run[0]
     cdef Py_ssize_t n = nk + j.T * j.H // j.run[1]
     cdef char* mine
@@ -290,14 +290,14 @@ cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
 
 cdef void _set_runs(Job* j) noexcept nogil:
     """A position's H rows of a block format (q8_0, q4_0, q4_1) that lie one after
-    another in the input, float32 and read in place, are one run, encoded as one row of
-    H * D values: their blocks are independent, and their codes and scales are adjacent
-    in storage, so the 4-bit encoder fills its groups of four blocks at head_dim 64 too
+    another in the input, read in place, are one run, encoded as one row of H * D
+    values: their blocks are independent, and their codes and scales are adjacent in
+    storage, so the 4-bit encoder fills its groups of eight blocks at head_dim 64 too
     and a run costs one call."""
     cdef int w
     for w in range(2):
-        j.run[w] = j.H if (j.fmt[w] >= Q8_0 and j.direct[w] and j.kind[w] == IN_F32
-                           and j.s1[w] == 4 * j.D and not j.stream[w]) else 1
+        j.run[w] = j.H if (j.fmt[w] >= Q8_0 and j.direct[w] and not j.stream[w] and
+                           j.s1[w] == (4 if j.kind[w] == IN_F32 else 2) * j.D) else 1
 
 
 cdef void _set_input(Job* j, int i, cnp.ndarray x, int kind) noexcept:
@@ -333,7 +333,7 @@ cdef class RowWriter:
     cdef int _fmt[2]
     cdef uint32_t _limit[2]
     cdef bint _grouped_k       # K's format encodes groups of positions (q4_1ch): see Job.first
-    cdef char* _work           # D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
+    cdef char* _work           # H * D * WORK_PER_VALUE bytes: row buffers of a single-threaded write
     cdef Py_ssize_t* _fresh    # [L]: positions from here on were never written (see write)
     cdef Py_ssize_t _L, _N, _H, _D
     cdef Py_ssize_t _code_row[2]
@@ -349,10 +349,10 @@ cdef class RowWriter:
         self._formats = (k_fmt, v_fmt)
         self._grouped_k = k_fmt.group != 0
         cdef Py_ssize_t D = k_codes.shape[3] * k_fmt.pack
-        self._work = <char*>PyMem_Malloc(D * WORK_PER_VALUE)
+        self._work = <char*>PyMem_Malloc(k_codes.shape[2] * D * WORK_PER_VALUE)
         self._fresh = <Py_ssize_t*>PyMem_Calloc(k_codes.shape[0], sizeof(Py_ssize_t))
         if self._work == NULL or self._fresh == NULL:
-            raise MemoryError(f"a row buffer of {D * WORK_PER_VALUE} bytes")
+            raise MemoryError(f"a row buffer of {k_codes.shape[2] * D * WORK_PER_VALUE} bytes")
         self._L, self._N = k_codes.shape[0], k_codes.shape[1]
         self._H, self._D = k_codes.shape[2], D
         cdef int w
@@ -453,9 +453,9 @@ cdef class RowWriter:
                     self._copy(copies, copy_rows)
                 _encode_rows(&j, 1, self._work)
         else:
-            work = <char*>PyMem_Malloc(nt * self._D * WORK_PER_VALUE)
+            work = <char*>PyMem_Malloc(nt * self._H * self._D * WORK_PER_VALUE)
             if work == NULL:
-                raise MemoryError(f"row buffers of {nt} x {self._D * WORK_PER_VALUE} bytes")
+                raise MemoryError(f"row buffers of {nt} x {self._H * self._D * WORK_PER_VALUE} bytes")
             with nogil:
                 bad = _count_bad_rows(&j, nt)
             if bad == 0:

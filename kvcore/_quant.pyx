@@ -142,8 +142,9 @@ cdef extern from *:
         *mx = b;
     }
     /* The 16 bytes of a 4-bit block (ggml's order: byte j = value j | value 16 + j << 4)
-       of q = min(trunc((x - sub) * id + add), 15) over 32 floats that all give a value
-       in [0, 16.5]: vectors of the widest registers (16 lanes with AVX-512, else 8: GCC
+       of q = min(trunc((x - sub) * id + add), 15) (q4_1, sub_min set) or
+       min(trunc(x * id + add), 15) (q4_0) over 32 floats that all give a value in
+       [0, 16.5]: vectors of the widest registers (16 lanes with AVX-512, else 8: GCC
        keeps a vector wider than any register on the stack, 5x slower), one truncating
        conversion each (the arithmetic of the scalar rule, one rounding per operation). */
     #if defined(__AVX512F__)
@@ -157,18 +158,38 @@ cdef extern from *:
     #if defined(__AVX2__)
     #include <immintrin.h>
     #endif
-    static inline void kv_round_pack_u4(const float* x, float sub, float id, float add,
-                                        uint8_t* codes) {
+    /* min and max of two vectors, one instruction each (no NaN reaches them) */
+    #if KV_Q4W == 16
+    #define KV_Q4MIN(a, b) ((kv_q4f)_mm512_min_ps((__m512)(a), (__m512)(b)))
+    #define KV_Q4MAX(a, b) ((kv_q4f)_mm512_max_ps((__m512)(a), (__m512)(b)))
+    #elif defined(__AVX2__)
+    #define KV_Q4MIN(a, b) ((kv_q4f)_mm256_min_ps((__m256)(a), (__m256)(b)))
+    #define KV_Q4MAX(a, b) ((kv_q4f)_mm256_max_ps((__m256)(a), (__m256)(b)))
+    #else
+    static inline kv_q4f kv_q4_pick(kv_q4i m, kv_q4f a, kv_q4f b) {
+        return (kv_q4f)((m & (kv_q4i)a) | (~m & (kv_q4i)b));
+    }
+    #define KV_Q4MIN(a, b) kv_q4_pick((a) < (b), a, b)
+    #define KV_Q4MAX(a, b) kv_q4_pick((a) > (b), a, b)
+    #endif
+    static inline void kv_round_pack_u4(const float* x, int sub_min, float sub, float id,
+                                        float add, uint8_t* codes) {
         kv_q4i v[16 / KV_Q4W];      /* the bytes, one per int32 lane */
+        const kv_q4f fifteen = (kv_q4f){} + 15.0f;
         for (int j = 0; j < 16; j += KV_Q4W) {
             kv_q4f lo, hi;
             memcpy(&lo, x + j, sizeof lo);
             memcpy(&hi, x + 16 + j, sizeof hi);
-            kv_q4i a = __builtin_convertvector((lo - sub) * id + add, kv_q4i);
-            kv_q4i b = __builtin_convertvector((hi - sub) * id + add, kv_q4i);
-            kv_q4i ma = a < 15, mb = b < 15;
-            a = (a & ma) | (15 & ~ma);
-            b = (b & mb) | (15 & ~mb);
+            /* min(v, 15) before the truncation: the same code for v in [0, 16.5] */
+            if (sub_min) {              /* q4_1: (x - m) * id; q4_0: x * id */
+                lo -= sub;
+                hi -= sub;
+            }
+            kv_q4f fa = lo * id + add, fb = hi * id + add;
+            fa = KV_Q4MIN(fa, fifteen);
+            fb = KV_Q4MIN(fb, fifteen);
+            const kv_q4i a = __builtin_convertvector(fa, kv_q4i);
+            const kv_q4i b = __builtin_convertvector(fb, kv_q4i);
             v[j / KV_Q4W] = a | (b << 4);
         }
     #if KV_Q4W == 8 && defined(__AVX2__)
@@ -190,7 +211,7 @@ cdef extern from *:
        d = max / -8, max the value of the first largest |x|; q4_1: d = (max - min) / 15
        and m = min, of equal zeros the last one's (numpy's reductions: only the sign of a
        zero min or max can differ). Codes take id = 1 / d (0 when d == 0). */
-    #define KV_Q4G 4        /* blocks per group: one reduction tree */
+    #define KV_Q4G 8        /* blocks in the largest group of one reduction tree */
     static inline float kv_last_zero(const float* xb) {
         int j = 31;
         while (xb[j] != 0.0f) j--;
@@ -221,29 +242,24 @@ cdef extern from *:
         if (q41) sc[1] = mn;
     }
     #if defined(__AVX2__)
-    /* The scales (sc: d per block, or (d, m) pairs) and codes of KV_Q4G blocks at once:
-       the min of each block and the min of its negation (-max) are 8 sources reduced by
-       one transpose tree (each step halves the lanes a source holds and pairs the
-       vectors: 7 + KV_Q4W / 8 - 1 min operations for all eight instead of eight
-       horizontal reductions); the divisions and the choices run on 4-lane vectors, and
-       the codes take id from the register (no store and reload on the way). Returns 0,
-       having written nothing, where a block needs the block rule: a second look (a zero
-       min of q4_1, a max |x| of both signs or zeros of q4_0; a zero max of q4_1 with a
-       min that is not zero needs none, (+-0 - m) / 15 being the same value), or an id
-       that overflows (tiny blocks: the conversions of inf and NaN). */
-    typedef float kv_f4 __attribute__((vector_size(16)));
-    typedef int32_t kv_i4 __attribute__((vector_size(16)));
+    /* The scales (sc: d per block, or (d, m) pairs) and codes of a group of nb = 4 or 8
+       blocks at once: the min of each block and the min of its negation (-max) are 2 nb
+       sources reduced by one transpose tree (each step halves the lanes a source holds
+       and pairs the vectors: about 2 nb - 1 min operations for all of them instead of
+       2 nb horizontal reductions); the divisions and the choices run on 8-lane vectors
+       (a group of 4 fills them twice), and the codes take id from the register (no store
+       and reload on the way). Returns 0, having written nothing, where a block needs the
+       block rule: a second look (a zero min of q4_1, a max |x| of both signs or zeros of
+       q4_0; a zero max of q4_1 with a min that is not zero needs none, (+-0 - m) / 15
+       being the same value), or an id that overflows (tiny blocks: the conversions of
+       inf and NaN). */
     typedef float kv_f8 __attribute__((vector_size(32)));
-    #if KV_Q4W == 16
-    #define KV_Q4MIN(a, b) ((kv_q4f)_mm512_min_ps((__m512)(a), (__m512)(b)))
-    #define KV_Q4MAX(a, b) ((kv_q4f)_mm512_max_ps((__m512)(a), (__m512)(b)))
-    #else
-    #define KV_Q4MIN(a, b) ((kv_q4f)_mm256_min_ps((__m256)(a), (__m256)(b)))
-    #define KV_Q4MAX(a, b) ((kv_q4f)_mm256_max_ps((__m256)(a), (__m256)(b)))
-    #endif
-    /* The tree's three steps: from two vectors whose sources each fill chunks of c lanes,
-       the lower (LO) and upper (HI) halves of every chunk, a's into the chunk's first
-       half and b's into its second (lane indices of the pair a | b), c = KV_Q4W, / 2, / 4. */
+    typedef int32_t kv_i8 __attribute__((vector_size(32)));
+    typedef float kv_dm8 __attribute__((vector_size(64)));   /* (d, m) of 8 blocks */
+    /* The tree's steps: from two vectors whose sources each fill chunks of c lanes, the
+       lower (LO) and upper (HI) halves of every chunk, a's into the chunk's first half
+       and b's into its second (lane indices of the pair a | b), c = KV_Q4W, / 2, / 4
+       (, / 8). */
     #if KV_Q4W == 16
     #define KV_T1LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
     #define KV_T1HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
@@ -251,6 +267,8 @@ cdef extern from *:
     #define KV_T2HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
     #define KV_T3LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
     #define KV_T3HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+    #define KV_T4LO 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+    #define KV_T4HI 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
     #else
     #define KV_T1LO 0, 1, 2, 3, 8, 9, 10, 11
     #define KV_T1HI 4, 5, 6, 7, 12, 13, 14, 15
@@ -259,11 +277,26 @@ cdef extern from *:
     #define KV_T3LO 0, 8, 2, 10, 4, 12, 6, 14
     #define KV_T3HI 1, 9, 3, 11, 5, 13, 7, 15
     #endif
-    #define KV_TREE(a, b, LO, HI) \
-        KV_Q4MIN(__builtin_shufflevector(a, b, LO), __builtin_shufflevector(a, b, HI))
-    static inline int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) {
-        kv_q4f v[8];
-        for (int b = 0; b < 4; b++) {
+    #define KV_TREE(n, LO, HI) \
+        for (int i = 0; i < (n); i++) \
+            v[i] = KV_Q4MIN(__builtin_shufflevector(v[2 * i], v[2 * i + 1], LO), \
+                            __builtin_shufflevector(v[2 * i], v[2 * i + 1], HI))
+    /* Where source s (block b's min: s = b, its -max: s = nb + b) enters the tree so
+       that it leaves it in lane s (step k moves bit k - 1 of a vector's index into a
+       lane bit, from the top one down; with 8 lanes, index bit 3 of a group of 8 picks
+       the last vector). */
+    static inline int kv_q4_slot(int s, int nb) {
+        const int r3 = (s & 1) << 2 | (s & 2) | (s >> 2 & 1);
+    #if KV_Q4W == 16
+        return nb == 8 ? (r3 << 1 | s >> 3) : r3;
+    #else
+        return r3 | (s & 8);
+    #endif
+    }
+    static inline __attribute__((always_inline))
+    int kv_q4_group(const float* x, int q41, const int nb, float* sc, uint8_t* codes) {
+        kv_q4f v[16];
+        for (int b = 0; b < nb; b++) {
             const float* xb = x + 32 * b;
             kv_q4f lo, hi;
             memcpy(&lo, xb, sizeof lo);
@@ -273,50 +306,63 @@ cdef extern from *:
                 mn = KV_Q4MIN(mn, hi);
                 mx = KV_Q4MAX(mx, hi);
             }
-            /* bit-reversed order (min b is source b, -max b source 4 + b): the tree
-               leaves source s in lane s */
-            v[(b & 1) * 4 + (b & 2)] = mn;
-            v[(b & 1) * 4 + (b & 2) + 1] = -mx;
+            v[kv_q4_slot(b, nb)] = mn;
+            v[kv_q4_slot(nb + b, nb)] = -mx;
         }
-        for (int i = 0; i < 4; i++)
-            v[i] = KV_TREE(v[2 * i], v[2 * i + 1], KV_T1LO, KV_T1HI);
-        for (int i = 0; i < 2; i++)
-            v[i] = KV_TREE(v[2 * i], v[2 * i + 1], KV_T2LO, KV_T2HI);
-        v[0] = KV_TREE(v[0], v[1], KV_T3LO, KV_T3HI);
-    #if KV_Q4W == 16    /* each source still holds 2 lanes: its even and odd one */
-        const kv_f8 r = (kv_f8)_mm256_min_ps(
-            (__m256)__builtin_shufflevector(v[0], v[0], 0, 2, 4, 6, 8, 10, 12, 14),
-            (__m256)__builtin_shufflevector(v[0], v[0], 1, 3, 5, 7, 9, 11, 13, 15));
+        KV_TREE(nb, KV_T1LO, KV_T1HI);
+        KV_TREE(nb / 2, KV_T2LO, KV_T2HI);
+        KV_TREE(nb / 4, KV_T3LO, KV_T3HI);
+        kv_f8 mn, mx;       /* block b in lane b (a group of 4: lanes 4-7 again) */
+    #if KV_Q4W == 16
+        if (nb == 8) {
+            KV_TREE(1, KV_T4LO, KV_T4HI);
+            mn = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3, 4, 5, 6, 7);
+            mx = -__builtin_shufflevector(v[0], v[0], 8, 9, 10, 11, 12, 13, 14, 15);
+        } else {            /* each source still holds 2 lanes: its even and odd one */
+            const kv_f8 r = (kv_f8)_mm256_min_ps(
+                (__m256)__builtin_shufflevector(v[0], v[0], 0, 2, 4, 6, 8, 10, 12, 14),
+                (__m256)__builtin_shufflevector(v[0], v[0], 1, 3, 5, 7, 9, 11, 13, 15));
+            mn = __builtin_shufflevector(r, r, 0, 1, 2, 3, 0, 1, 2, 3);
+            mx = -__builtin_shufflevector(r, r, 4, 5, 6, 7, 4, 5, 6, 7);
+        }
     #else
-        const kv_f8 r = v[0];
+        if (nb == 8) {
+            mn = v[0];
+            mx = -v[1];
+        } else {
+            mn = __builtin_shufflevector(v[0], v[0], 0, 1, 2, 3, 0, 1, 2, 3);
+            mx = -__builtin_shufflevector(v[0], v[0], 4, 5, 6, 7, 4, 5, 6, 7);
+        }
     #endif
-        const kv_f4 mn = __builtin_shufflevector(r, r, 0, 1, 2, 3);
-        const kv_f4 mx = -__builtin_shufflevector(r, r, 4, 5, 6, 7);
-        const kv_i4 again = q41 ? mn == 0.0f : mx == -mn;
-        kv_f4 d;
+        const kv_i8 again = q41 ? mn == 0.0f : mx == -mn;
+        kv_f8 d;
         if (q41) {
             d = (mx - mn) / 15.0f;
         } else {
-            const kv_i4 up = mx > -mn;
-            d = (kv_f4)((up & (kv_i4)mx) | (~up & (kv_i4)mn)) * -0.125f;
+            const kv_i8 up = mx > -mn;
+            d = (kv_f8)((up & (kv_i8)mx) | (~up & (kv_i8)mn)) * -0.125f;
         }
-        const kv_f4 id = (kv_f4)((d != 0.0f) & (kv_i4)(1.0f / d));
-        const kv_i4 overflow = ((kv_i4)id & 0x7fffffff) == 0x7f800000;
-        if (_mm_movemask_ps((__m128)(again | overflow)))
+        const kv_f8 id = (kv_f8)((d != 0.0f) & (kv_i8)(1.0f / d));
+        const kv_i8 overflow = ((kv_i8)id & 0x7fffffff) == 0x7f800000;
+        if (_mm256_movemask_ps((__m256)(again | overflow)))
             return 0;
         if (q41) {
-            const kv_f8 dm = __builtin_shufflevector(d, mn, 0, 4, 1, 5, 2, 6, 3, 7);
-            memcpy(sc, &dm, sizeof dm);
+            const kv_dm8 dm = __builtin_shufflevector(d, mn, 0, 8, 1, 9, 2, 10, 3, 11,
+                                                      4, 12, 5, 13, 6, 14, 7, 15);
+            memcpy(sc, &dm, 2 * nb * sizeof(float));
         } else {
-            memcpy(sc, &d, sizeof d);
+            memcpy(sc, &d, nb * sizeof(float));
         }
         const float add = q41 ? 0.5f : 8.5f;
-        for (int b = 0; b < 4; b++)
-            kv_round_pack_u4(x + 32 * b, q41 ? mn[b] : 0.0f, id[b], add, codes + 16 * b);
+        for (int b = 0; b < nb; b++)
+            kv_round_pack_u4(x + 32 * b, q41, mn[b], id[b], add, codes + 16 * b);
         return 1;
     }
+    static inline int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) {
+        return nb == 8 ? kv_q4_group(x, q41, 8, sc, codes) : kv_q4_group(x, q41, 4, sc, codes);
+    }
     #else
-    static inline int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) { return 0; }
+    static inline int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) { return 0; }
     #endif
     /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):
        out = float(code - off) * s + m, two roundings (q4_0: off 8, m -0.0, which leaves
@@ -348,9 +394,9 @@ cdef extern from *:
     int KV_HAVE_F16C
     void kv_unpack_u4(const uint8_t* codes, int off, float s, float m, float* out) noexcept nogil
     enum: KV_Q4G
-    int kv_q4_encode4(const float* x, int q41, float* sc, uint8_t* codes) noexcept nogil
+    int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) noexcept nogil
     void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) noexcept nogil
-    void kv_round_pack_u4(const float* x, float sub, float id, float add, uint8_t* codes) noexcept nogil
+    void kv_round_pack_u4(const float* x, int sub_min, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
     void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil
 
@@ -665,35 +711,35 @@ cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* cod
                             uint16_t* scales) noexcept nogil:
     # gguf-py Q4_0.quantize_blocks / Q4_1.quantize_blocks (= ggml quantize_row_q4_0_ref /
     # _q4_1_ref): q4_0 q = trunc(x * id + 8.5), q4_1 q = trunc((x - m) * id + 0.5),
-    # clipped to [0, 15]; id = 1/d (0 when d == 0). KV_Q4G blocks at a time: by the
-    # reduction tree where the build has it (kv_q4_encode4), else (a shorter group, or
-    # one the tree declines) the scales block by block, then the codes; a group's
-    # float32 scales go to float16 together.
+    # clipped to [0, 15]; id = 1/d (0 when d == 0). Groups of 8 blocks, then one of 4:
+    # by the reduction tree where the build has it (kv_q4_encode_group), else (the last
+    # 1-3 blocks, or a group the tree declines) the scales block by block, then the
+    # codes; a group's float32 scales go to float16 together.
     cdef int S = 2 if q41 else 1
     cdef float add = <float>0.5 if q41 else <float>8.5
     cdef float sc[2 * KV_Q4G]
     cdef float inv[KV_Q4G]
     cdef float sub
-    cdef Py_ssize_t g, b0, nb = d // QK
+    cdef Py_ssize_t b0 = 0, nb = d // QK
     cdef int b, n, j
     cdef const float* xb
     cdef uint8_t q[QK]
-    for g in range((nb + KV_Q4G - 1) // KV_Q4G):
-        b0 = g * KV_Q4G
-        n = <int>min(<Py_ssize_t>KV_Q4G, nb - b0)
-        if n < KV_Q4G or not kv_q4_encode4(x + b0 * QK, q41, sc, codes + b0 * (QK // 2)):
+    while b0 < nb:
+        n = 8 if nb - b0 >= 8 else (4 if nb - b0 >= 4 else <int>(nb - b0))
+        if n < 4 or not kv_q4_encode_group(x + b0 * QK, q41, n, sc, codes + b0 * (QK // 2)):
             for b in range(n):
                 kv_q4_block_scales(x + (b0 + b) * QK, q41, sc + b * S, inv + b)
             for b in range(n):
                 xb = x + (b0 + b) * QK
                 sub = sc[2 * b + 1] if q41 else <float>0.0
                 if _finite(inv[b]):     # every value in [0, 16.5]: a plain truncating conversion
-                    kv_round_pack_u4(xb, sub, inv[b], add, codes + (b0 + b) * (QK // 2))
+                    kv_round_pack_u4(xb, q41, sub, inv[b], add, codes + (b0 + b) * (QK // 2))
                 else:   # 1/d overflows: (x - m) * id is inf or NaN (0 * inf), numpy's conversions
                     for j in range(QK):
                         q[j] = _np_to_u4((xb[j] - sub) * inv[b] + add)
                     _pack_q4_block(q, codes + (b0 + b) * (QK // 2))
         _f32_to_f16_row(sc, n * S, scales + b0 * S)
+        b0 += n
 
 
 cdef inline void _encode_scaled(int fmt, const float* x, Py_ssize_t d, uint32_t amax_bits,

@@ -38,6 +38,17 @@ def best_time(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
     return min(_batch_times(fn, repeat, warmup, number))
 
 
+def best_times(fns: Sequence[Callable[[], object]], *, repeat: int = 15, warmup: int = 3,
+               number: int = 1) -> list[float]:
+    """best_time of each of fns, their batches taken in turn (round r times every fn
+    before round r + 1), so that a slow spell of the machine reaches all of them alike."""
+    rounds = [_batch_times(fn, 1, warmup, number) for fn in fns]
+    for _ in range(repeat - 1):
+        for fn, times in zip(fns, rounds):
+            times += _batch_times(fn, 1, 0, number)
+    return [min(times) for times in rounds]
+
+
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A markdown table, so it pastes into the README as printed."""
     def cell(v):

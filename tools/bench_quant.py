@@ -19,8 +19,9 @@ kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
 
 --per-row: the block formats' encoders alone, one thread, on 128 KiB of input that stays in
-the L1/L2 cache: ns per row of head_dim values (the best of 40 rounds of 50 calls, less a
-one-row call's fixed cost), and each format's time over q8_0's. Its minimum is steady on a
+the L1/L2 cache: ns per row of head_dim values (the best of 40 rounds of 50 calls of all
+the rows and of a quarter of them, taken in turn: the slope between them, so a call's
+fixed cost cancels), and each format's time over q8_0's. Its minimum is steady on a
 shared machine where the streaming figures above move by 2x.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import best_time, median_time, print_table  # noqa: E402
+from _benchlib import best_times, median_time, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 
@@ -181,11 +182,13 @@ def run_per_row(head_dims=(64, 128, 256)) -> None:
     try:
         for d in head_dims:
             x = rng.standard_normal((32768 // d, 1, d)).astype(F32)    # 128 KiB
+            part = x[: len(x) // 4]
             ns = {}
             for name in names:
-                one = best_time(lambda: kvcore.quantize(x[:1], name), repeat=40, number=50)
-                whole = best_time(lambda: kvcore.quantize(x, name), repeat=40, number=50)
-                ns[name] = (whole - one) / (len(x) - 1) * 1e9
+                small, whole = best_times([lambda: kvcore.quantize(part, name),
+                                           lambda: kvcore.quantize(x, name)],
+                                          repeat=40, number=50)
+                ns[name] = (whole - small) / (len(x) - len(part)) * 1e9
             rows += [[d, name, ns[name], f"{ns[name] / ns['q8_0']:.2f}"] for name in names]
     finally:
         kvcore.set_num_threads(0)
