@@ -14,13 +14,15 @@ kvcore.quantize / kvcore.dequantize.
    single float32 operations, exactly the documented rule.
 4. Bulk kernels hand out chunks of 64 rows dynamically over an OpenMP prange
    (threads_for(values) from _parallel: one thread for a small call); input rows are addressed by byte offsets so that any
-   input strides work without a copy of the input. Rows of a block format that follow
-   each other in memory are encoded as one row (`_encode_run`).
+   input strides work without a copy of the input. Rows of a block format are encoded in
+   runs, as one row (`_encode_run`): rows adjacent in the input, read in place, or any
+   other rows once gathered into a chunk's buffer.
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport copysignf, ldexpf, nextafterf, rintf, truncf
 from libc.stdint cimport INT32_MIN, int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy, memset
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 cimport numpy as cnp
 
@@ -853,19 +855,19 @@ cdef inline void _encode_run(int fmt, const float* x, Py_ssize_t d, Py_ssize_t n
 
 def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                   Py_ssize_t inner_stride, Py_ssize_t stride, int in_kind, int fmt,
-                  cnp.ndarray codes, cnp.ndarray scales, float[:, ::1] work,
+                  cnp.ndarray codes, cnp.ndarray scales, Py_ssize_t d,
                   bint encode=True) -> int:
-    """Encodes R = len(outer) * n_inner rows of D values into codes [R, W] (W =
+    """Encodes R = len(outer) * n_inner rows of D = d values into codes [R, W] (W =
     Format.code_width(D)) and scales [R, S] (both C-contiguous).
 
     IN x: the input array. Row r = o * n_inner + i starts outer[o] + i * inner_stride
     bytes after x's data pointer, its D values `stride` bytes apart, of kind F32 / F16 /
-    BF16 (format ids). OUT codes, scales (None for float formats). work: float32
-    [threads, D] scratch (its width is D). Returns the number of rows refused (a non-finite value, or one
-    at or past input_limit(fmt)); those rows are left unwritten and the caller raises.
-    encode=False only counts them (codes and scales untouched).
+    BF16 (format ids). OUT codes, scales (None for float formats). Returns the number of
+    rows refused (a non-finite value, or one at or past input_limit(fmt)); those rows
+    are left unwritten and the caller raises. encode=False only counts them (codes and
+    scales untouched).
     """
-    cdef Py_ssize_t nrows = outer.shape[0] * n_inner, d = work.shape[1]
+    cdef Py_ssize_t nrows = outer.shape[0] * n_inner
     cdef Py_ssize_t code_row = codes.shape[codes.ndim - 1] * codes.itemsize
     cdef Py_ssize_t scale_row = 0 if scales is None else scales.shape[scales.ndim - 1] * scales.itemsize
     cdef const char* src = <const char*>cnp.PyArray_DATA(x)
@@ -875,46 +877,56 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef uint32_t amax
     cdef const float* row
     cdef const float* run
+    cdef float* mine
     cdef Py_ssize_t c, r, o, i, r0, n, bad = 0
     cdef Py_ssize_t nchunks = (nrows + ROW_CHUNK - 1) // ROW_CHUNK
     cdef int nt = threads_for(nrows * d)
-    # Block formats read in place: rows that follow each other in memory are encoded as
-    # one row (their blocks are independent, and the output rows are adjacent too), so
-    # that short rows (head_dim 64: two blocks) still fill the 4-bit encoder's groups.
-    cdef bint runs = fmt >= Q8_0 and in_kind == F32 and stride == 4
-    if work.shape[0] < nt:
-        raise ValueError(f"work has {work.shape[0]} rows, need {nt}")
-    with nogil, parallel(num_threads=nt):
-        # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it steps.
-        # Dynamic: a thread that the OS pauses does not hold the others up.
-        for c in prange(nchunks, schedule="dynamic"):
-            o = c * ROW_CHUNK // n_inner
-            i = c * ROW_CHUNK - o * n_inner
-            run = NULL
-            r0 = n = 0
-            for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
-                row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
-                                &work[threadid(), 0])
-                amax = _amax_bits(row, d)
-                if amax >= limit:
-                    bad += 1
-                elif encode and runs:
-                    if n and row != run + n * d:    # not the next row of the run
-                        _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
-                        n = 0
-                    if n == 0:
-                        run = row
-                        r0 = r
-                    n = n + 1
-                elif encode:
-                    _encode_scaled(fmt, row, d, amax, dst + r * code_row,
-                                   sdst + r * scale_row if sdst != NULL else NULL)
-                i = i + 1
-                if i == n_inner:
-                    i = 0
-                    o = o + 1
-            if n:
-                _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
+    # Block formats encode rows that follow each other in memory as one row (their
+    # blocks are independent, and the output rows are adjacent too), so that short rows
+    # (head_dim 64: two blocks; q4_1ch's channels: one) still fill the 4-bit encoder's
+    # groups: rows read in place when they are adjacent, any other rows (strided,
+    # float16, bfloat16) once gathered into a thread's buffer of a chunk's rows, each in
+    # its slot.
+    cdef bint runs = fmt >= Q8_0
+    cdef Py_ssize_t slots = min(nrows, <Py_ssize_t>ROW_CHUNK) if runs else 1
+    cdef float* work = <float*>PyMem_Malloc(max(nt * slots * d, 1) * sizeof(float))
+    if work == NULL:
+        raise MemoryError(f"row buffers of {nt} x {slots * d} floats")
+    try:
+        with nogil, parallel(num_threads=nt):
+            mine = work + threadid() * slots * d
+            # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it
+            # steps. Dynamic: a thread that the OS pauses does not hold the others up.
+            for c in prange(nchunks, schedule="dynamic"):
+                o = c * ROW_CHUNK // n_inner
+                i = c * ROW_CHUNK - o * n_inner
+                run = NULL
+                r0 = n = 0
+                for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
+                    row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
+                                    mine + (r - c * ROW_CHUNK) % slots * d)
+                    amax = _amax_bits(row, d)
+                    if amax >= limit:
+                        bad += 1
+                    elif encode and runs:
+                        if n and row != run + n * d:    # not the next row of the run
+                            _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
+                            n = 0
+                        if n == 0:
+                            run = row
+                            r0 = r
+                        n = n + 1
+                    elif encode:
+                        _encode_scaled(fmt, row, d, amax, dst + r * code_row,
+                                       sdst + r * scale_row if sdst != NULL else NULL)
+                    i = i + 1
+                    if i == n_inner:
+                        i = 0
+                        o = o + 1
+                if n:
+                    _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
+    finally:
+        PyMem_Free(work)
     return bad
 
 

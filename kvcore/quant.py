@@ -10,7 +10,6 @@ from typing import TypeVar, cast
 import numpy as np
 
 from . import _quant
-from ._parallel import max_threads
 from ._validate import (AnyArray, OutArray, check_dtype, check_ndarray, check_out, check_shape,
                         check_values, float_input_dtypes)
 from .errors import DTypeError, FormatError, ShapeError
@@ -110,8 +109,8 @@ def quantize(x: AnyArray, fmt: "str | Format", *, out: _QuantOut | None = None,
     if f.group:   # the kernel's rows are the channels of each group: [..., D, group]
         rows = np.swapaxes(x, -1, -2)
         codes, scales = _channel_major(codes, d), _channel_major(cast(np.ndarray, scales), d)
-    work = np.empty((max_threads(), rows.shape[-1]), dtype=np.float32)
-    walk = (rows, *_row_walk(rows), rows.strides[-1], _input_kind(x), f.id, codes, scales, work)
+    walk = (rows, *_row_walk(rows), rows.strides[-1], _input_kind(x), f.id, codes, scales,
+            rows.shape[-1])
     bad = _quant.quantize_rows(*walk, encode=out is None)
     if not bad and out is not None:
         bad = _quant.quantize_rows(*walk)

@@ -558,11 +558,12 @@ def _q4_cases(rng):
 
 @pytest.mark.parametrize("name", Q4)
 def test_q4_bit_identical_to_gguf(name, rng):
-    """Every case in rows of 64, 128 and 256: rows that follow each other in memory are
-    encoded as one run, in groups of four blocks (one reduction tree; the block rule for a
-    group with a block that needs a second look, and for a run's last one to three
-    blocks); the same rows in reverse order (rows apart: each row alone, so a row of 64
-    is two blocks by the block rule). "mixed" puts blocks of every case side by side."""
+    """Every case in rows of 64, 128 and 256, read three ways: in place (rows that follow
+    each other in memory are one run, encoded in groups of eight and four blocks: one
+    reduction tree each; the block rule for a group with a block that needs a second
+    look, and for a run's last one to three blocks), in reverse order (rows apart: each
+    row alone, so a row of 64 is two blocks by the block rule), and strided (gathered
+    into a buffer, one run again). "mixed" puts blocks of every case side by side."""
     cases = {}
     for case, x in _q4_cases(rng).items():
         if isinstance(x, dict):
@@ -578,11 +579,12 @@ def test_q4_bit_identical_to_gguf(name, rng):
         for width in (64, 128, 256):
             rows = x.reshape(-1, width)
             want = gguf_rows(rows, name)
-            for order in (1, -1):
-                codes, scales = kvcore.quantize(rows[::order], name)
-                got = to_ggml(codes, scales, name)[::order]
+            spread = np.repeat(rows, 2, axis=1)[:, ::2]      # values 8 bytes apart
+            for how, view in (("in place", rows), ("reversed", rows[::-1]), ("strided", spread)):
+                codes, scales = kvcore.quantize(view, name)
+                got = to_ggml(codes, scales, name)[::-1 if how == "reversed" else 1]
                 bad = np.nonzero((got != want).any(axis=1))[0]
-                assert not bad.size, (f"{case}, rows of {width}, order {order}: rows {bad[:5]} "
+                assert not bad.size, (f"{case}, rows of {width} read {how}: rows {bad[:5]} "
                                       f"differ from gguf-py: {got[bad[0]]} vs {want[bad[0]]}")
             decoded = kvcore.dequantize(codes, scales, name)
             np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),

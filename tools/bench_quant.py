@@ -19,10 +19,11 @@ kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
 
 --per-row: the block formats' encoders alone, one thread, on 128 KiB of input that stays in
-the L1/L2 cache: ns per row of head_dim values (the best of 40 rounds of 50 calls of all
-the rows and of a quarter of them, taken in turn: the slope between them, so a call's
-fixed cost cancels), and each format's time over q8_0's. Its minimum is steady on a
-shared machine where the streaming figures above move by 2x.
+the L1/L2 cache: `kvcore.quantize` of float32 rows, and `KVCache.append` (K and V, 8 kv
+heads) of float32 and float16 input, ns per row of head_dim values (the best of 40
+rounds of 50 calls of all the rows and of a quarter of them, taken in turn: the slope
+between them, so a call's fixed cost cancels), and each format's time over q8_0's. Its
+minimum is steady on a shared machine where the streaming figures above move by 2x.
 """
 from __future__ import annotations
 
@@ -173,8 +174,30 @@ def run(shape=(4096, 8, 128), threads=(1, 2), repeat: int = 9) -> None:
         kvcore.set_num_threads(0)       # back to OpenMP's default
 
 
+def _slope_ns(run, n: int) -> float:
+    """ns per row of run(m) (a call over its first m of n rows): the slope between a
+    quarter and all of them, the two timed in turn (best of 40 x 50 calls)."""
+    small, whole = best_times([lambda: run(n // 4), lambda: run(n)], repeat=40, number=50)
+    return (whole - small) / (n - n // 4) * 1e9
+
+
+def _append(name: str, k: np.ndarray, v: np.ndarray):
+    """run(m) for _slope_ns: KVCache.append of the first m positions of k, v [T, Hkv, D]
+    into an emptied cache of format `name`."""
+    T, H, D = k.shape
+    cache = kvcore.KVCache(kvcore.KVSpec(num_layers=1, num_kv_heads=H, head_dim=D,
+                                         capacity=T, format=name))
+
+    def run(m: int) -> None:
+        cache.truncate(0)
+        cache.append(0, k[:m], v[:m])
+    return run
+
+
 def run_per_row(head_dims=(64, 128, 256)) -> None:
-    """Prints ns per row of the block formats' encoders, in cache, one thread."""
+    """Prints ns per row of the block formats' encoders, in cache, one thread:
+    kvcore.quantize of float32 rows, and KVCache.append (K and V, Hkv 8) of float32 and
+    float16 input."""
     rng = np.random.default_rng(0)
     names = ["q8_0", "q4_0", "q4_1"]
     rows = []
@@ -182,18 +205,24 @@ def run_per_row(head_dims=(64, 128, 256)) -> None:
     try:
         for d in head_dims:
             x = rng.standard_normal((32768 // d, 1, d)).astype(F32)    # 128 KiB
-            part = x[: len(x) // 4]
+            kv = rng.standard_normal((2, 2048 // d, 8, d)).astype(F32)   # 128 KiB
             ns = {}
             for name in names:
-                small, whole = best_times([lambda: kvcore.quantize(part, name),
-                                           lambda: kvcore.quantize(x, name)],
-                                          repeat=40, number=50)
-                ns[name] = (whole - small) / (len(x) - len(part)) * 1e9
-            rows += [[d, name, ns[name], f"{ns[name] / ns['q8_0']:.2f}"] for name in names]
+                ns[name, "quantize"] = _slope_ns(lambda m: kvcore.quantize(x[:m], name), len(x))
+                for dt in (np.float32, np.float16):
+                    k, v = kv.astype(dt)
+                    # a position's K and V: 16 rows
+                    ns[name, dt] = _slope_ns(_append(name, k, v), len(k)) / 16
+            for name in names:
+                rows.append([d, name] + [
+                    f"{ns[name, w]:.3g} ({ns[name, w] / ns['q8_0', w]:.2f})"
+                    for w in ("quantize", np.float32, np.float16)])
     finally:
         kvcore.set_num_threads(0)
-    print_table("block encoders per row, in cache, 1 thread (ns per row; best of 40 x 50 calls)",
-                ["head_dim", "format", "ns / row", "time / q8_0's"], rows)
+    print_table("block encoders per row, in cache, 1 thread (ns per row of head_dim values, "
+                "and the time over q8_0's; best of 40 x 50 calls)",
+                ["head_dim", "format", "quantize float32", "KVCache.append float32",
+                 "KVCache.append float16"], rows)
 
 
 def main(argv: Sequence[str] = ()) -> None:
