@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import PAIRS, copy_bandwidth, print_table  # noqa: E402
+from _benchlib import PAIRS, best_time, best_times, copy_bandwidth, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 from kvcore import _attention  # noqa: E402
@@ -175,15 +175,9 @@ def _in_cache_ns(label: str, q: np.ndarray, rng: np.random.Generator,
     caches = {n: _cache(fmt, *rng.standard_normal((2, n, HKV, D), dtype=np.float32))
               for n in sizes}
     out = np.empty_like(q)
-    best = dict.fromkeys(sizes, math.inf)
-    for _ in range(rounds):
-        for n, c in caches.items():
-            kvcore.decode_attention(q, c, 0, out=out, scores=scores)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                kvcore.decode_attention(q, c, 0, out=out, scores=scores)
-            best[n] = min(best[n], (time.perf_counter() - t0) / calls)
-    return (best[sizes[1]] - best[sizes[0]]) / ((sizes[1] - sizes[0]) * HKV) * 1e9
+    small, large = best_times([lambda c=c: kvcore.decode_attention(q, c, 0, out=out, scores=scores)
+                               for c in caches.values()], repeat=rounds, warmup=1, number=calls)
+    return (large - small) / ((sizes[1] - sizes[0]) * HKV) * 1e9
 
 
 def _blocks_ns(label: str, rng: np.random.Generator, rounds: int = 5) -> tuple[float, float] | None:
@@ -202,11 +196,9 @@ def _blocks_ns(label: str, rng: np.random.Generator, rounds: int = 5) -> tuple[f
         codes = np.ascontiguousarray(codes).view(np.uint8).reshape(tile, -1)
         scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(tile, -1) if f.block else None
         reps = 20000
-        best = math.inf
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            _attention.tile_blocks(f.id, codes, scales, D, part, reps, scores == "int8" and part == 0)
-            best = min(best, time.perf_counter() - t0)
+        best = best_time(lambda: _attention.tile_blocks(f.id, codes, scales, D, part, reps,
+                                                        scores == "int8" and part == 0),
+                         repeat=rounds, warmup=0)
         times.append(best / (reps * tile) * 1e9)
     return times[0], times[1]
 
