@@ -251,11 +251,11 @@ cdef extern from *:
        and pairs the vectors: about 2 nb - 1 min operations for all of them instead of
        2 nb horizontal reductions); the divisions and the choices run on 8-lane vectors
        (a group of 4 fills them twice), and the codes take id from the register (no store
-       and reload on the way). Returns 0, having written nothing, where a block needs the
-       block rule: a second look (a zero min of q4_1, a max |x| of both signs or zeros of
-       q4_0; a zero max of q4_1 with a min that is not zero needs none, (+-0 - m) / 15
-       being the same value), or an id that overflows (tiny blocks: the conversions of
-       inf and NaN). */
+       and reload on the way). A group takes the block rule instead (kv_q4_scales returns
+       0, kv_q4_encode_group too, having written no code or scale) where a block needs a
+       second look (a zero min of q4_1, a max |x| of both signs or zeros of q4_0; a zero
+       max of q4_1 with a min that is not zero needs none, (+-0 - m) / 15 being the same
+       value), or where an id overflows (tiny blocks: the conversions of inf and NaN). */
     typedef float kv_f8 __attribute__((vector_size(32)));
     typedef int32_t kv_i8 __attribute__((vector_size(32)));
     typedef float kv_dm8 __attribute__((vector_size(64)));   /* (d, m) of 8 blocks */
@@ -391,9 +391,9 @@ cdef extern from *:
         if (n == 0 || !kv_q4_scales(x, q41, 8, &cur))
             return 0;
         for (int g = 0; g < n; g++) {
-            const int more = g + 1 < n && kv_q4_scales(x + 256 * (g + 1), q41, 8, &next);
-            kv_q4_codes(x + 256 * g, q41, 8, &cur, sc, codes + 128 * g);
-            kv_f32_to_f16_f16c(sc, 8 * S, h + 8 * S * g);
+            const int more = g + 1 < n && kv_q4_scales(x + (ptrdiff_t)256 * (g + 1), q41, 8, &next);
+            kv_q4_codes(x + (ptrdiff_t)256 * g, q41, 8, &cur, sc, codes + (ptrdiff_t)128 * g);
+            kv_f32_to_f16_f16c(sc, 8 * S, h + (ptrdiff_t)8 * S * g);
             if (!more)
                 return 8 * (g + 1);
             cur = next;
@@ -936,22 +936,24 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef Py_ssize_t c, r, o, i, r0, n, bad = 0
     cdef Py_ssize_t nchunks = (nrows + ROW_CHUNK - 1) // ROW_CHUNK
     cdef int nt = threads_for(nrows * d)
-    # The 4-bit formats encode rows that follow each other in memory as one row (their
-    # blocks are independent, and the output rows are adjacent too), so that short rows
-    # (head_dim 64: two blocks; q4_1ch's channels: one) still fill the encoder's groups:
-    # rows read in place when they are adjacent, any other rows (strided, float16,
-    # bfloat16) once gathered into a thread's buffer of a chunk's rows, each in its
-    # slot. (q8_0's encoder goes block by block: runs gain it nothing, and cost the
-    # AVX2 build 5-10%.)
+    # The 4-bit formats encode rows that follow each other as one row (their blocks are
+    # independent, and the output rows are adjacent too), so that short rows (head_dim
+    # 64: two blocks; q4_1ch's channels: one) still fill the encoder's groups: rows read
+    # in place when they are adjacent in x, any other rows (strided, float16, bfloat16)
+    # once gathered into a thread's buffer, each in its run's next slot. A run ends at
+    # RUN_VALUES values, at a refused row and at the end of a chunk. (q8_0's encoder goes
+    # block by block: runs gain it nothing here, and cost the AVX2 build 5-10%.)
     cdef bint runs = fmt >= Q4_0
-    cdef Py_ssize_t slots = min(nrows, <Py_ssize_t>ROW_CHUNK) if runs else 1
-    cdef Py_ssize_t step = d if runs else 0     # from one row's slot to the next's
-    cdef float* work = <float*>PyMem_Malloc(max(nt * slots * d, 1) * sizeof(float))
+    cdef bint gather = not (in_kind == F32 and stride == 4)    # else read in place
+    # a gathered row goes to slot n of its run (at most RUN_VALUES values: see below)
+    cdef Py_ssize_t slots = (RUN_VALUES + d - 1) // d if runs else 1
+    cdef Py_ssize_t step = d if runs else 0     # from one slot to the next
+    cdef float* work = <float*>PyMem_Malloc((nt * slots * d if gather else 1) * sizeof(float))
     if work == NULL:
         raise MemoryError(f"row buffers of {nt} x {slots * d} floats")
     try:
         with nogil, parallel(num_threads=nt):
-            mine = work + threadid() * slots * d
+            mine = work + threadid() * slots * d if gather else work
             # chunks of ROW_CHUNK rows: one division per chunk finds (o, i), then it
             # steps. Dynamic: a thread that the OS pauses does not hold the others up.
             for c in prange(nchunks, schedule="dynamic"):
@@ -961,12 +963,17 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                 r0 = n = 0
                 for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
                     row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
-                                    mine + (r - c * ROW_CHUNK) * step)
+                                    mine + n * step)
                     amax = _amax_bits(row, d)
                     if amax >= limit:
                         bad += 1
+                        if n:       # a refused row ends the run (it stays unwritten)
+                            _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
+                            n = 0
                     elif encode and runs:
-                        if n and row != run + n * d:    # not the next row of the run
+                        # not the next row of the run (in place only: a gathered row
+                        # lies in the run's next slot)
+                        if n and row != run + n * d:
                             _encode_run(fmt, run, d, n, dst, sdst, r0, code_row, scale_row)
                             n = 0
                         if n == 0:

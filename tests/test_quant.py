@@ -558,12 +558,13 @@ def _q4_cases(rng):
 
 @pytest.mark.parametrize("name", Q4)
 def test_q4_bit_identical_to_gguf(name, rng):
-    """Every case in rows of 64, 128 and 256, read three ways: in place (rows that follow
-    each other in memory are one run, encoded in groups of eight and four blocks: one
-    reduction tree each; the block rule for a group with a block that needs a second
-    look, and for a run's last one to three blocks), in reverse order (rows apart: each
-    row alone, so a row of 64 is two blocks by the block rule), and strided (gathered
-    into a buffer, one run again). "mixed" puts blocks of every case side by side."""
+    """Every case in rows of 32 to 256 values, read three ways: in place (rows that follow
+    each other in memory are one run of up to 512 values, encoded in groups of eight and
+    four blocks: one reduction tree each; the block rule for a group with a block that
+    needs a second look, and for a run's last one to three blocks), in reverse order
+    (rows apart: each row alone, so a row of 32, 64 or 96 is one to three blocks by the
+    block rule), and strided (gathered into a buffer, one run again). "mixed" puts
+    blocks of every case side by side."""
     cases = {}
     for case, x in _q4_cases(rng).items():
         if isinstance(x, dict):
@@ -576,8 +577,8 @@ def test_q4_bit_identical_to_gguf(name, rng):
     blocks = np.concatenate([x.reshape(-1, 32) for x in cases.values()])
     cases["mixed"] = rng.permutation(blocks)[: len(blocks) // 8 * 8].reshape(-1, 64)
     for case, x in cases.items():
-        for width in (64, 128, 256):
-            rows = x.reshape(-1, width)
+        for width in (32, 64, 96, 128, 256):
+            rows = x.reshape(-1)[: x.size // width * width].reshape(-1, width)
             want = gguf_rows(rows, name)
             spread = np.repeat(rows, 2, axis=1)[:, ::2]      # values 8 bytes apart
             for how, view in (("in place", rows), ("reversed", rows[::-1]), ("strided", spread)):
@@ -590,6 +591,26 @@ def test_q4_bit_identical_to_gguf(name, rng):
             np.testing.assert_array_equal(raw(decoded), raw(gguf_decode(codes, scales, name)),
                                           err_msg=f"{case}, rows of {width}")
             assert np.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize("name", Q4)
+def test_q4_refused_row_ends_a_run(name, rng):
+    # rows at 0, 25d, 50d, 26d, 51d, 76d floats: row 4 follows row 2 in memory, with the
+    # refused row 3 between them in the row order. Refused rows stay unwritten, the
+    # others are each gguf-py's (the kernel's contract, which kvcore.quantize builds on).
+    d = 64
+    buf = rng.standard_normal(80 * d).astype(F32)
+    x = np.lib.stride_tricks.as_strided(buf, (2, 3, d), (104 * d, 100 * d, 4))
+    buf[26 * d + 5] = np.inf                                   # row 3
+    f = kvcore.FORMATS[name]
+    codes = np.full((6, f.code_width(d)), 0xAA, np.uint8)
+    scales = np.full((6, f.scales_per_row(d)), 7, np.float16)
+    walk = (x, *kvcore.quant._row_walk(x), 4, kvcore.quant._input_kind(x), f.id, codes, scales, d)
+    assert _quant.quantize_rows(*walk) == 1
+    assert (codes[3] == 0xAA).all() and (scales[3] == 7).all()
+    rows = x.reshape(6, d)[[0, 1, 2, 4, 5]]
+    got = to_ggml(codes[[0, 1, 2, 4, 5]], scales[[0, 1, 2, 4, 5]], name)
+    np.testing.assert_array_equal(got, gguf_rows(rows, name))
 
 
 def test_q4_layout_by_hand():
