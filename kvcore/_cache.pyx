@@ -289,17 +289,19 @@ cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
         kv_stream_fence()
 
 
-cdef void _set_runs(Job* j) noexcept nogil:
+cdef void _set_runs(Job* j, int nt) noexcept nogil:
     """A position's H rows of a block format (q8_0, q4_0, q4_1) that lie one after
     another in the input, read in place, are one run, encoded as one row of H * D
     values: their blocks are independent, and their codes and scales are adjacent in
     storage, so the 4-bit encoder fills its groups of eight blocks at head_dim 64 too,
     and a run costs one call and one widening of float16 / bfloat16 input (q8_0's
-    float16 appends measured 1.1-1.4x faster)."""
+    float16 appends measured 1.1-1.4x faster). Not where nt threads would get fewer
+    than 4 runs each (few positions of many heads): rows then spread better."""
     cdef int w
+    cdef bint enough = nt == 1 or 2 * j.T >= 4 * nt
     for w in range(2):
-        j.run[w] = j.H if (j.fmt[w] >= Q8_0 and j.direct[w] and not j.stream[w] and
-                           j.s1[w] == (4 if j.kind[w] == IN_F32 else 2) * j.D) else 1
+        j.run[w] = j.H if (enough and j.fmt[w] >= Q8_0 and j.direct[w] and not j.stream[w]
+                           and j.s1[w] == (4 if j.kind[w] == IN_F32 else 2) * j.D) else 1
 
 
 cdef void _set_input(Job* j, int i, cnp.ndarray x, int kind) noexcept:
@@ -441,9 +443,9 @@ cdef class RowWriter:
             j.stream[i] = self._fmt[i] <= IN_BF16 and lo >= self._fresh[layer]
             j.codes[i] = self._codes[i] + first * self._code_row[i]
             j.scales[i] = self._scales[i] + first * self._scale_row[i] if self._scale_row[i] else NULL
-        _set_runs(&j)
 
         cdef int nt = threads_for(2 * T * self._H * self._D)
+        _set_runs(&j, nt)
         cdef Py_ssize_t bad
         cdef char* work
         if nt == 1:
