@@ -1,7 +1,7 @@
 """Quantize / dequantize throughput against peers measured in the same run.
 
-    python tools/bench_quant.py [--shape 4096 8 128] [--threads 1 2]
-    python tools/bench_quant.py --per-row [--head-dims 64 128 256]
+    python tools/bench_quant.py [--shape 4096 8 128] [--threads 1 2] [--head-dims 64 128 256]
+    python tools/bench_quant.py --per-row [--head-dims 64 128 256]     # the second table alone
 
 Input: a float32 array [4096, 8, 128] (16 MiB, Gaussian). Every figure is GB/s of
 float32 (bytes of the float side per second), so columns compare directly:
@@ -18,12 +18,13 @@ float32 (bytes of the float side per second), so columns compare directly:
 kvcore's figures are the public calls (`kvcore.quantize` / `kvcore.dequantize`),
 allocation of their outputs included.
 
---per-row: the block formats' encoders alone, one thread, on 128 KiB of input that stays in
-the L1/L2 cache: `kvcore.quantize` of float32 rows, and `KVCache.append` (K and V, 8 kv
-heads) of float32 and float16 input, ns per row of head_dim values (the best of 40
-rounds of 50 calls of all the rows and of a quarter of them, taken in turn: the slope
-between them, so a call's fixed cost cancels), and each format's time over q8_0's. Its
-minimum is steady on a shared machine where the streaming figures above move by 2x.
+Then (alone with --per-row) the block formats' encoders, one thread, on 128 KiB of input
+that stays in the L1/L2 cache: `kvcore.quantize` of float32 rows, and `KVCache.append`
+(K and V, 8 kv heads) of float32 and float16 input, ns per row of head_dim values (the
+best of 40 rounds of 50 calls of all the rows and of a quarter of them, taken in turn:
+the slope between them, so a call's fixed cost cancels), and each format's time over
+q8_0's. Its minimum is steady on a shared machine where the streaming figures above move
+by 2x.
 """
 from __future__ import annotations
 
@@ -231,13 +232,12 @@ def main(argv: Sequence[str] = ()) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs="+", default=[4096, 8, 128])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--per-row", action="store_true", help="the block encoders per row, in cache")
+    p.add_argument("--per-row", action="store_true", help="only the block encoders per row, in cache")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     a = p.parse_args(list(argv))
-    if a.per_row:
-        run_per_row(tuple(a.head_dims))
-    else:
+    if not a.per_row:
         run(tuple(a.shape), tuple(a.threads))
+    run_per_row(tuple(a.head_dims))
 
 
 if __name__ == "__main__":
