@@ -377,13 +377,15 @@ cdef extern from *:
         else kv_q4_codes(x, q41, 4, &s, sc, codes);
         return 1;
     }
-    #if KV_Q4W == 16 && KV_HAVE_F16C
+    #if KV_HAVE_F16C
     /* Groups of 8 blocks, up to n of them, while the tree takes them: the scales of
        group g + 1 before the codes of group g (its divisions then run beside those
-       codes); their float16 scales to h (S per block). Returns the blocks done. AVX-512
-       only: with 16 vector registers, the AVX2 build's q4_1 measured 10% slower this
-       way (and q4_0 8% faster), so it takes its groups one at a time. */
+       codes); their float16 scales to h (S per block). Returns the blocks done. Both
+       formats with AVX-512; q4_0 only with AVX2, whose 16 vector registers made q4_1
+       10% slower this way (q4_0 5-17% faster): there q4_1 takes its groups one at a
+       time (KV_Q4_AHEAD_Q41). */
     #define KV_Q4_AHEAD 1
+    #define KV_Q4_AHEAD_Q41 (KV_Q4W == 16)
     static inline int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) {
         const int S = q41 ? 2 : 1;
         kv_q4s cur, next;
@@ -406,6 +408,7 @@ cdef extern from *:
     #endif
     #ifndef KV_Q4_AHEAD
     #define KV_Q4_AHEAD 0
+    #define KV_Q4_AHEAD_Q41 0
     static inline int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) { return 0; }
     #endif
     /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):
@@ -441,6 +444,7 @@ cdef extern from *:
     int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) noexcept nogil
     int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) noexcept nogil
     enum: KV_Q4_AHEAD
+    enum: KV_Q4_AHEAD_Q41
     void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) noexcept nogil
     void kv_round_pack_u4(const float* x, int sub_min, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
@@ -758,10 +762,10 @@ cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* cod
     # gguf-py Q4_0.quantize_blocks / Q4_1.quantize_blocks (= ggml quantize_row_q4_0_ref /
     # _q4_1_ref): q4_0 q = trunc(x * id + 8.5), q4_1 q = trunc((x - m) * id + 0.5),
     # clipped to [0, 15]; id = 1/d (0 when d == 0). Groups of 8 blocks, then one of 4:
-    # by the reduction tree where the build has it (kv_q4_groups8 runs of them with
-    # AVX-512, kv_q4_encode_group one at a time with AVX2), else (the last 1-3 blocks,
-    # or a group the tree declines) the scales block by block, then the codes; a
-    # group's float32 scales go to float16 together.
+    # by the reduction tree where the build has it (kv_q4_groups8 runs of them; AVX2's
+    # q4_1 kv_q4_encode_group one at a time), else (the last 1-3 blocks, or a group
+    # the tree declines) the scales block by block, then the codes; a group's float32
+    # scales go to float16 together.
     cdef int S = 2 if q41 else 1
     cdef float add = <float>0.5 if q41 else <float>8.5
     cdef float sc[2 * KV_Q4G]
@@ -772,7 +776,7 @@ cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* cod
     cdef const float* xb
     cdef uint8_t q[QK]
     while b0 < nb:
-        if KV_Q4_AHEAD and nb - b0 >= 8:
+        if KV_Q4_AHEAD and (KV_Q4_AHEAD_Q41 or not q41) and nb - b0 >= 8:
             b0 += kv_q4_groups8(x + b0 * QK, q41, <int>((nb - b0) // 8), scales + b0 * S,
                                 codes + b0 * (QK // 2))
             if nb - b0 < 8:
