@@ -23,8 +23,8 @@
    byte codes (f32, f16, bf16) bound for positions never written before go out with
    non-temporal stores (`kv_stream_copy`): none of those lines is cached, and a normal
    store would first read each line from memory. Everything else is encoded straight
-   into the storage; a position's Hkv rows of a 4-bit format (q8_0: of float32 input),
-   adjacent in the input, as one row (`_set_runs`).
+   into the storage; a position's Hkv rows of a block format, adjacent in the input,
+   as one row (`_set_runs`).
 4. Rows are spread over OpenMP threads (without the GIL) only when a call holds at least
    `_parallel.PARALLEL_MIN_VALUES` values; a smaller call, such as a decode step (T = 1),
    runs on the calling thread with the GIL held and the writer's own row buffer, so one
@@ -123,8 +123,7 @@ cdef enum:
     IN_F32 = 0
     IN_F16 = 1
     IN_BF16 = 2
-    Q8_0 = 6              # format ids (formats.py): q8_0, then the 4-bit formats
-    Q4_0 = 7
+    Q8_0 = 6              # format id: from here on the block formats (q8_0, q4_0, q4_1, ...)
     WORK_PER_VALUE = 12   # bytes of row buffers per value of a row (_encode_one)
 
 cdef int _bf16_num = -1
@@ -291,20 +290,19 @@ cdef void _encode_rows(const Job* j, int nt, char* work) noexcept nogil:
 
 
 cdef void _set_runs(Job* j, int nt) noexcept nogil:
-    """A position's H rows of a 4-bit format that lie one after another in the input,
-    read in place, are one run, encoded as one row of H * D values: their blocks are
-    independent, and their codes and scales are adjacent in storage, so the encoder
-    fills its groups of eight blocks at head_dim 64 too, and a run costs one call and
-    one widening of float16 / bfloat16 input. q8_0 (whose encoder goes block by block)
-    takes runs of float32 rows only: they saved it 3-15% a row on both builds, where
-    runs of float16 rows cost its AVX2 build up to 10% at head_dim 128 and 256. No runs
-    where nt threads would get fewer than 4 each (few positions of many heads): rows
-    then spread better."""
+    """A position's H rows of a block format (q8_0, q4_0, q4_1) that lie one after
+    another in the input, read in place, are one run, encoded as one row of H * D
+    values: their blocks are independent, and their codes and scales are adjacent in
+    storage, so the 4-bit encoder fills its groups of eight blocks at head_dim 64 too,
+    and a run costs one call and one widening of float16 / bfloat16 input (which,
+    one row at a time through the row buffer, ran at two speeds from process to
+    process on a Zen 4: q8_0 24.7 or 35.8 ns a row at head_dim 64; runs: 21.0). No
+    runs where nt threads would get fewer than 4 each (few positions of many heads):
+    rows then spread better."""
     cdef int w
     cdef bint enough = nt == 1 or 2 * j.T >= 4 * nt
     for w in range(2):
-        j.run[w] = j.H if (enough and j.direct[w] and not j.stream[w]
-                           and (j.fmt[w] >= Q4_0 or (j.fmt[w] == Q8_0 and j.kind[w] == IN_F32))
+        j.run[w] = j.H if (enough and j.fmt[w] >= Q8_0 and j.direct[w] and not j.stream[w]
                            and j.s1[w] == (4 if j.kind[w] == IN_F32 else 2) * j.D) else 1
 
 
