@@ -369,13 +369,16 @@ cdef extern from *:
         for (int b = 0; b < nb; b++)
             kv_round_pack_u4(x + 32 * b, q41, mn[b], id[b], add, codes + 16 * b);
     }
-    static inline int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) {
+    static inline __attribute__((always_inline))
+    int kv_q4_group(const float* x, int q41, const int nb, float* sc, uint8_t* codes) {
         kv_q4s s;
-        if (nb == 8 ? !kv_q4_scales(x, q41, 8, &s) : !kv_q4_scales(x, q41, 4, &s))
+        if (!kv_q4_scales(x, q41, nb, &s))
             return 0;
-        if (nb == 8) kv_q4_codes(x, q41, 8, &s, sc, codes);
-        else kv_q4_codes(x, q41, 4, &s, sc, codes);
+        kv_q4_codes(x, q41, nb, &s, sc, codes);
         return 1;
+    }
+    static inline int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) {
+        return nb == 8 ? kv_q4_group(x, q41, 8, sc, codes) : kv_q4_group(x, q41, 4, sc, codes);
     }
     #if KV_HAVE_F16C
     /* Groups of 8 blocks, up to n of them, while the tree takes them: the scales of
