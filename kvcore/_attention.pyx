@@ -599,6 +599,18 @@ cdef extern from *:
         }
     }
 
+    /* Part `part` of `parts` of head h's K and V codes in tile T (its rows
+       [np * part / parts, np * (part + 1) / parts)), into L2: a row-wise block decodes a
+       head's rows of a tile at once, and would otherwise wait for each of them. */
+    KV_INLINE void kv_prefetch_head(const kv_job* J, const kv_tile* T, int h, int part, int parts) {
+        const char* k = J->k.c + h * J->k.ch;
+        const char* v = J->v.c + h * J->v.ch;
+        for (int j = T->np * part / parts; j < T->np * (part + 1) / parts; j++) {
+            for (ptrdiff_t o = 0; o < J->k.ch; o += 64) __builtin_prefetch(k + T->ph[j] * J->k.cs + o, 0, 1);
+            for (ptrdiff_t o = 0; o < J->v.ch; o += 64) __builtin_prefetch(v + T->ph[j] * J->v.cs + o, 0, 1);
+        }
+    }
+
     typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs, vcs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
@@ -1463,7 +1475,8 @@ cdef extern from *:
         int64_t lastb[KV_ROWS];
         for (int r = 0; r < KV_ROWS; r++) lastb[r] = r < nr ? J->last[r0 + r] : -1;
         int64_t rowf[KV_P];
-        kv_tile tile;
+        kv_tile tiles[2];
+        kv_tile *tile = &tiles[0], *nxt = &tiles[1];
         /* the first position past the sink positions that some row of the block sees
            (first[] grows with r): tiles wholly before it and past the sink positions are
            hidden from every row and not read (a windowed prefill costs T x W) */
@@ -1471,9 +1484,16 @@ cdef extern from *:
         for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             if (j0 + np <= first && j0 >= J->sink_n) continue;
-            kv_tile_rows(J, j0, np, &tile);
-            kv_tile_scales(kfmt, &J->k, H, &tile, ksc);
-            kv_tile_scales(vfmt, &J->v, H, &tile, vsc);
+            kv_tile_rows(J, j0, np, tile);
+            /* the next tile's rows, whose head 0 the last head prefetches */
+            const int more = j0 + KV_P < end;
+            if (more) {
+                kv_tile_rows(J, j0 + KV_P, (int)(p1 - j0 - KV_P < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
+                kv_prefetch_scales(&J->k, nxt);
+                kv_prefetch_scales(&J->v, nxt);
+            }
+            kv_tile_scales(kfmt, &J->k, H, tile, ksc);
+            kv_tile_scales(vfmt, &J->v, H, tile, vsc);
             kv_vi lastrel[KV_BV];
             for (int v = 0; v < KV_BV; v++)
                 for (int k = 0; k < KV_W; k++) {
@@ -1482,7 +1502,7 @@ cdef extern from *:
                 }
             for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
             for (int h = 0; h < H; h++) {
-                kv_rows k = kv_head_rows(&J->k, J, ksc, &tile, h), v = kv_head_rows(&J->v, J, vsc, &tile, h);
+                kv_rows k = kv_head_rows(&J->k, J, ksc, tile, h), v = kv_head_rows(&J->v, J, vsc, tile, h);
                 const float* kp[KV_P];
                 if (kfmt == KV_F32) {
                     for (int j = 0; j < KV_P; j++) kp[j] = (const float*)(k.c + k.ph[j] * k.cs);
@@ -1499,11 +1519,19 @@ cdef extern from *:
                 const kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, d};
                 const float* q = qt + (size_t)h * d * KV_ROWS;
                 const float* rs = KV_ROW_SCALED(kfmt) ? ksc + (size_t)h * KV_P : NULL;
+                /* the next head's codes (after the last head: the next tile's first),
+                   a share per full score block, so the requests overlap the arithmetic */
+                const kv_tile* pt = h + 1 < H ? tile : more ? nxt : NULL;
+                const int hn = h + 1 < H ? h + 1 : 0, nj = np / KV_BP, parts = KV_BV / KV_SV * (nj ? nj : 1);
+                if (pt && !nj) kv_prefetch_head(J, pt, hn, 0, 1);
                 for (int b = 0; b < KV_BV; b += KV_SV) {
                     const float* qb = q + b * KV_W;
                     float* sb = sT + b * KV_W;
                     int j = 0;
-                    for (; j + KV_BP <= np; j += KV_BP) kv_block_scores_full(kp + j, d, qb, rs, lastrel + b, j, sb);
+                    for (; j + KV_BP <= np; j += KV_BP) {
+                        if (pt) kv_prefetch_head(J, pt, hn, b / KV_SV * nj + j / KV_BP, parts);
+                        kv_block_scores_full(kp + j, d, qb, rs, lastrel + b, j, sb);
+                    }
                     for (; j + 4 <= np; j += 4) kv_block_scores_four(kp + j, d, qb, rs, lastrel + b, j, sb);
                     for (; j < np; j++) kv_block_scores_one(kp + j, d, qb, rs, lastrel + b, j, sb);
                 }
