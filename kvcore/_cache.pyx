@@ -38,7 +38,7 @@ from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cython.parallel cimport parallel, prange, threadid
 cimport numpy as cnp
 
-from kvcore._quant cimport decode_row, encode_row, input_limit_bits
+from kvcore._quant cimport BF16, F16, F32, Q8_0, decode_row, encode_row, input_limit_bits
 from kvcore._parallel cimport threads_for
 
 import numpy as np
@@ -117,13 +117,12 @@ cdef extern from *:
     void kv_stream_copy(char* dst, const char* src, size_t n) noexcept nogil
     void kv_stream_fence() noexcept nogil
 
-# Input kinds; equal to the format ids of the same float types (formats.py), so that
-# `decode_row(kind, ...)` widens a raw input row to float32.
+# Input kinds: the format ids of the same float types, so that `decode_row(kind, ...)`
+# widens a raw input row to float32.
 cdef enum:
-    IN_F32 = 0
-    IN_F16 = 1
-    IN_BF16 = 2
-    Q8_0 = 6              # format id: from here on the block formats (q8_0, q4_0, q4_1, ...)
+    IN_F32 = F32
+    IN_F16 = F16
+    IN_BF16 = BF16
     WORK_PER_VALUE = 12   # bytes of row buffers per value of a row (_encode_one)
 
 cdef int _bf16_num = -1
@@ -255,7 +254,7 @@ cdef inline void _encode_one(const Job* j, Py_ssize_t r, Py_ssize_t n, char* wor
         p = <const char*>buf
     if not j.stream[w]:
         encode_row(j.fmt[w], <const float*>p, m, dst, scales)
-    elif j.fmt[w] == IN_F32:   # f32 storage: the floats themselves
+    elif j.fmt[w] == F32:   # f32 storage: the floats themselves
         kv_stream_copy(dst, p, j.code_row[w])
     else:
         encode_row(j.fmt[w], <const float*>p, d, codes, scales)
@@ -442,7 +441,7 @@ cdef class RowWriter:
             # line first: a decode step writes half the memory traffic. Lines written
             # before (a rewrite after truncate, as in speculative decoding) may be cached:
             # normal stores.
-            j.stream[i] = self._fmt[i] <= IN_BF16 and lo >= self._fresh[layer]
+            j.stream[i] = self._fmt[i] <= BF16 and lo >= self._fresh[layer]
             j.codes[i] = self._codes[i] + first * self._code_row[i]
             j.scales[i] = self._scales[i] + first * self._scale_row[i] if self._scale_row[i] else NULL
 

@@ -9,6 +9,20 @@
 # channel of a group (quant.py: the 32 positions of a channel, one block).
 from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
+cdef enum:
+    # format ids (kvcore/formats.py)
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    INT8 = 3
+    FP8_E4M3 = 4
+    FP8_E5M2 = 5
+    Q8_0 = 6                # from here on the block formats
+    Q4_0 = 7
+    Q4_1 = 8
+    Q4_1CH = 9              # q4_1's rule over a channel of a group: the caller hands its
+                            # channels in as rows (quant.py), so rows of it are q4_1 rows
+
 cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* scales) noexcept nogil
 # The smallest |x| (float32 bits) a format refuses: past it the value, or q8_0's float16
 # block scale, would round to infinity (f16 65520, bf16 0x1.ffp127, q8_0 Q8_0_LIMIT,

@@ -31,18 +31,6 @@ from ._parallel cimport threads_for
 cnp.import_array()
 
 cdef enum:
-    # format ids (kvcore/formats.py)
-    F32 = 0
-    F16 = 1
-    BF16 = 2
-    INT8 = 3
-    FP8_E4M3 = 4
-    FP8_E5M2 = 5
-    Q8_0 = 6
-    Q4_0 = 7
-    Q4_1 = 8
-    Q4_1CH = 9              # q4_1's rule over a channel of a group: the caller hands its
-                            # channels in as rows (quant.py), so rows of it are q4_1 rows
     QK = 32                 # q8_0 / q4_0 / q4_1 block
     ROW_CHUNK = 64          # rows per unit of work in the bulk kernels
     RUN_VALUES = 512        # a run of rows ends once it holds this many values (_encode_run)
