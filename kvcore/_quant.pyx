@@ -374,9 +374,8 @@ cdef extern from *:
        codes); their float16 scales to h (S per block). Returns the blocks done. Both
        formats with AVX-512; q4_0 only with AVX2, whose 16 vector registers made q4_1
        10% slower this way (q4_0 5-17% faster): there q4_1 takes its groups one at a
-       time (KV_Q4_AHEAD_Q41). */
-    #define KV_Q4_AHEAD 1
-    #define KV_Q4_AHEAD_Q41 (KV_Q4W == 16)
+       time. KV_Q4_AHEAD(q41): whether a run of that format takes this loop. */
+    #define KV_Q4_AHEAD(q41) (!(q41) || KV_Q4W == 16)
     static inline int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) {
         const int S = q41 ? 2 : 1;
         kv_q4s cur, next;
@@ -398,8 +397,7 @@ cdef extern from *:
     static inline int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) { return 0; }
     #endif
     #ifndef KV_Q4_AHEAD
-    #define KV_Q4_AHEAD 0
-    #define KV_Q4_AHEAD_Q41 0
+    #define KV_Q4_AHEAD(q41) 0
     static inline int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) { return 0; }
     #endif
     /* The 32 floats of a 4-bit block's 16 code bytes (ggml's order):
@@ -434,8 +432,7 @@ cdef extern from *:
     enum: KV_Q4G
     int kv_q4_encode_group(const float* x, int q41, int nb, float* sc, uint8_t* codes) noexcept nogil
     int kv_q4_groups8(const float* x, int q41, int n, uint16_t* h, uint8_t* codes) noexcept nogil
-    enum: KV_Q4_AHEAD
-    enum: KV_Q4_AHEAD_Q41
+    bint KV_Q4_AHEAD(bint q41) noexcept nogil
     void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) noexcept nogil
     void kv_round_pack_u4(const float* x, int sub_min, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
@@ -767,7 +764,7 @@ cdef inline void _encode_q4(const float* x, Py_ssize_t d, bint q41, uint8_t* cod
     cdef const float* xb
     cdef uint8_t q[QK]
     while b0 < nb:
-        if KV_Q4_AHEAD and (KV_Q4_AHEAD_Q41 or not q41) and nb - b0 >= 8:
+        if KV_Q4_AHEAD(q41) and nb - b0 >= 8:
             b0 += kv_q4_groups8(x + b0 * QK, q41, <int>((nb - b0) // 8), scales + b0 * S,
                                 codes + b0 * (QK // 2))
             if nb - b0 < 8:
