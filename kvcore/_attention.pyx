@@ -17,7 +17,7 @@
    weighted sum of the tile's V rows into R float32 accumulators. Each K/V row is read
    once per group. Tiles are 64 logical positions whatever the pages (a tile looks up
    the row of each position, `kv_tile`), so the result never depends on where a row is
-   stored. The next tile's codes (its runs of consecutive rows) are prefetched a few
+   stored. Split-wise, the next tile's codes (its runs of consecutive rows) are prefetched a few
    lines at a time between the current tile's score blocks, so the prefetches overlap
    the arithmetic; a split's first tile is prefetched in one burst, the next tile's
    scales in one burst as soon as its rows are known. The (job, split)
@@ -54,7 +54,9 @@
    q^T rows with broadcast K values (KV_BP positions x KV_SV row vectors), each K/V tile
    decoded once per block; a block walks every split in turn, skips the tiles after its
    last visible position (the causal mask hides them from all its rows) and merges its
-   rows itself; the threads take the blocks as they come free (kv_block_fmt).
+   rows itself; the threads take the blocks as they come free (kv_block_fmt). While a
+   head's scores run, the next head's K and V rows (after the last head, the next tile's
+   first head's) are prefetched, a share per score block (kv_prefetch_head).
    K and V may be stored in different formats (a K/V pair): the scores decode K's codes,
    the weighted sums V's, each through its own format's copy of the code (one copy per
    format, switched per tile and head); K and V in one format keep one kernel with the
@@ -602,12 +604,16 @@ cdef extern from *:
     /* Part `part` of `parts` of head h's K and V codes in tile T (its rows
        [np * part / parts, np * (part + 1) / parts)), into L2: a row-wise block decodes a
        head's rows of a tile at once, and would otherwise wait for each of them. */
+    KV_INLINE void kv_prefetch_lines(const char* p, ptrdiff_t n) {
+        for (const char* a = (const char*)((uintptr_t)p & ~(uintptr_t)63); a < p + n; a += 64)
+            __builtin_prefetch(a, 0, 1);
+    }
     KV_INLINE void kv_prefetch_head(const kv_job* J, const kv_tile* T, int h, int part, int parts) {
         const char* k = J->k.c + h * J->k.ch;
         const char* v = J->v.c + h * J->v.ch;
         for (int j = T->np * part / parts; j < T->np * (part + 1) / parts; j++) {
-            for (ptrdiff_t o = 0; o < J->k.ch; o += 64) __builtin_prefetch(k + T->ph[j] * J->k.cs + o, 0, 1);
-            for (ptrdiff_t o = 0; o < J->v.ch; o += 64) __builtin_prefetch(v + T->ph[j] * J->v.cs + o, 0, 1);
+            kv_prefetch_lines(k + T->ph[j] * J->k.cs, J->k.ch);
+            kv_prefetch_lines(v + T->ph[j] * J->v.cs, J->v.ch);
         }
     }
 
@@ -1477,6 +1483,7 @@ cdef extern from *:
         int64_t rowf[KV_P];
         kv_tile tiles[2];
         kv_tile *tile = &tiles[0], *nxt = &tiles[1];
+        int64_t nj = -1;   /* the tile whose rows nxt holds */
         /* the first position past the sink positions that some row of the block sees
            (first[] grows with r): tiles wholly before it and past the sink positions are
            hidden from every row and not read (a windowed prefill costs T x W) */
@@ -1484,11 +1491,15 @@ cdef extern from *:
         for (int64_t j0 = p0; j0 < end; j0 += KV_P) {
             const int np = (int)(p1 - j0 < KV_P ? p1 - j0 : KV_P);
             if (j0 + np <= first && j0 >= J->sink_n) continue;
-            kv_tile_rows(J, j0, np, tile);
-            /* the next tile's rows, whose head 0 the last head prefetches */
-            const int more = j0 + KV_P < end;
+            if (nj == j0) { kv_tile* t = tile; tile = nxt; nxt = t; }
+            else kv_tile_rows(J, j0, np, tile);
+            /* the next tile read (past the hidden ones), whose head 0 the last head
+               prefetches */
+            nj = j0 + KV_P;
+            if (nj >= J->sink_n && nj + KV_P <= first) nj = p0 + (first - p0) / KV_P * KV_P;
+            const int more = nj < end;
             if (more) {
-                kv_tile_rows(J, j0 + KV_P, (int)(p1 - j0 - KV_P < KV_P ? p1 - j0 - KV_P : KV_P), nxt);
+                kv_tile_rows(J, nj, (int)(p1 - nj < KV_P ? p1 - nj : KV_P), nxt);
                 kv_prefetch_scales(&J->k, nxt);
                 kv_prefetch_scales(&J->v, nxt);
             }
@@ -1954,7 +1965,7 @@ cdef int _layer_job(kv_job* J, cnp.ndarray k_codes, cnp.ndarray v_codes, k_scale
     """The fields of J that every sequence of one layer shares."""
     _side(&J.k, k_codes, k_scales, k_fmt, "k")
     _side(&J.v, v_codes, v_scales, v_fmt, "v")
-    J.d = <int>k_codes.shape[2] * (2 if k_fmt == 7 or k_fmt == 8 else 1)   # q4_0, q4_1: 2 per byte
+    J.d = <int>k_codes.shape[2] * (2 if k_fmt == KV_Q4_0 or k_fmt == KV_Q4_1 else 1)   # 2 codes per byte
     J.dp = (J.d + 15) // 16 * 16
     J.hkv = <int>k_codes.shape[1]
     J.g = hq // J.hkv

@@ -44,7 +44,7 @@ cimport numpy as cnp
 import numpy as np
 
 from kvcore._attention cimport exp_sum
-from kvcore._quant cimport decode_row
+from kvcore._quant cimport F16, decode_row
 from kvcore._parallel cimport num_threads
 
 cnp.import_array()
@@ -53,7 +53,6 @@ cdef enum:
     GROUP = 32      # positions per group of q4_1ch
     GROUP_BYTES = 16    # code bytes of one channel's group (two 4-bit codes per byte)
     V_TILE = 16         # V rows decoded, then weighed, at a time
-    F16 = 1         # format id of float16 rows (kvcore/formats.py)
 
 
 cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
