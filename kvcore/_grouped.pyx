@@ -22,7 +22,8 @@
    code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
    open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
-   slots, and the next tile's V rows and their scales, are prefetched by hand. With a window, groups and
+   slots (one per slot of the current group, while it decodes), and the next tile's V
+   rows and their scales, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
 3. A softmax per row (max subtracted, the attention kernel's vector exp), then the
    weighted sum of V in tiles of V_TILE positions: the tile's V rows are decoded once per
@@ -58,12 +59,14 @@ cdef enum:
 cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
                                const uint8_t* codes, Py_ssize_t code_stride,
                                const uint16_t* scales, Py_ssize_t scale_stride,
-                               float* s, Py_ssize_t s_stride, float* lanes) noexcept nogil:
+                               float* s, Py_ssize_t s_stride, float* lanes,
+                               const uint8_t* next_codes, const uint16_t* next_scales) noexcept nogil:
     """OUT s[r * s_stride + t] (t < 32): the scores of the R rows of q [R][D] over one
     complete group. codes / scales: the group's first row slot of this head; slot j is
     code_stride / scale_stride elements further and holds channels [j D/32, (j+1) D/32),
     16 code bytes and a (d, m) pair each. lanes: D * 32 floats of scratch: the group's
-    values [D][32], then D / 16 floats for a slot's scales."""
+    values [D][32], then D / 16 floats for a slot's scales. next_codes / next_scales: the
+    next group's first slot, prefetched slot by slot (NULL: none)."""
     cdef Py_ssize_t per_slot = D // GROUP, j, i, c, r, t
     cdef const uint8_t* b
     cdef float* lane
@@ -72,6 +75,12 @@ cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
     cdef uint8_t by[GROUP_BYTES]
     cdef float* dm = lanes + D * GROUP      # a slot's (d, m) pairs as float32
     for j in range(GROUP):          # decode the group once: channel c -> lanes[c]
+        if next_codes != NULL:      # the next group's slot j: spread over the slots, the
+                                    # requests overlap the decode (a burst of the group's
+                                    # 64 lines at its start left a third of the scores
+                                    # waiting past the LLC)
+            _prefetch(next_codes + j * code_stride, 16 * per_slot)
+            _prefetch(next_scales + j * scale_stride, 4 * per_slot)
         decode_row(F16, scales + j * scale_stride, NULL, 2 * per_slot, dm)
         for i in range(per_slot):
             c = j * per_slot + i
@@ -233,6 +242,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
     cdef float* lanes = <float*>malloc((D * GROUP + D // 16) * sizeof(float))
     cdef const char* vsp
+    cdef const uint8_t* nc
+    cdef const uint16_t* nsc
     for r in range(R):
         t, g = r // G, r % G
         for c in range(D):
@@ -246,13 +257,14 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         if sink_end <= p and p + GROUP <= lo:
             continue
         first = _row(table, ps, p)      # a group's rows follow each other (ps % 32 == 0)
-        if p + GROUP < full and p + GROUP >= lo:   # the next group's rows: this head's
-            nxt = _row(table, ps, p + GROUP)       # slots lie H rows apart
-            for t in range(GROUP):
-                _prefetch(kc + ((nxt + t) * H + h) * W, W)
-                _prefetch(ks + ((nxt + t) * H + h) * S, 2 * S)
+        nc = NULL
+        nsc = NULL
+        if p + GROUP < full and p + GROUP >= lo:   # the next group's rows, prefetched a
+            nxt = _row(table, ps, p + GROUP)       # slot at a time by _group_scores
+            nc = kc + (nxt * H + h) * W
+            nsc = ks + (nxt * H + h) * S
         _group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
-                      H * S, s + p, n, lanes)
+                      H * S, s + p, n, lanes, nc, nsc)
     for p in range(full, n):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):
