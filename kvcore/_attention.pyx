@@ -583,31 +583,22 @@ cdef extern from *:
 
     static int kv_all_finite(const float* x, size_t n);
 
-    /* A stream of prefetches over the next tile's K and V codes (its runs of rows),
-       issued a few lines at a time between the score blocks of the current tile, into
-       L2 (prefetcht2), not L1: a tile's K and V (256 KiB in f16 at Hkv = 8, D = 128)
-       are far larger than L1, and prefetching them into L1 (prefetcht0) made f16/bf16
-       decode 3-4x slower on a Zen 4 core (docs/attention.md). */
-    /* The stream counts K's bytes (cs: K's code bytes per row); V's rows (vcs bytes each)
-       are prefetched in step, the same share of each run. */
+    /* The cache lines of the n bytes at p, into L2. */
+    KV_INLINE void kv_prefetch_lines(const char* p, ptrdiff_t n) {
+        for (const char* a = (const char*)((uintptr_t)p & ~(uintptr_t)63); a < p + n; a += 64)
+            __builtin_prefetch(a, 0, 1);
+    }
     /* The scales of a tile's rows (its runs of consecutive rows), into L2: a tile's scales
        are one contiguous run per run of rows, read whole by kv_tile_scales when the tile
        starts. Nothing for a side without scales. */
     KV_INLINE void kv_prefetch_scales(const kv_side* x, const kv_tile* T) {
         if (!x->sc) return;
-        for (int i = 0; i < T->nr; i++) {
-            const char* p = x->sc + T->rs[i] * x->ss;
-            for (ptrdiff_t o = 0; o < T->rl[i] * x->ss; o += 64) __builtin_prefetch(p + o, 0, 1);
-        }
+        for (int i = 0; i < T->nr; i++) kv_prefetch_lines(x->sc + T->rs[i] * x->ss, T->rl[i] * x->ss);
     }
 
     /* Part `part` of `parts` of head h's K and V codes in tile T (its rows
        [np * part / parts, np * (part + 1) / parts)), into L2: a row-wise block decodes a
        head's rows of a tile at once, and would otherwise wait for each of them. */
-    KV_INLINE void kv_prefetch_lines(const char* p, ptrdiff_t n) {
-        for (const char* a = (const char*)((uintptr_t)p & ~(uintptr_t)63); a < p + n; a += 64)
-            __builtin_prefetch(a, 0, 1);
-    }
     KV_INLINE void kv_prefetch_head(const kv_job* J, const kv_tile* T, int h, int part, int parts) {
         const char* k = J->k.c + h * J->k.ch;
         const char* v = J->v.c + h * J->v.ch;
@@ -617,6 +608,13 @@ cdef extern from *:
         }
     }
 
+    /* A stream of prefetches over the next tile's K and V codes (its runs of rows),
+       issued a few lines at a time between the score blocks of the current tile, into
+       L2 (prefetcht2), not L1: a tile's K and V (256 KiB in f16 at Hkv = 8, D = 128)
+       are far larger than L1, and prefetching them into L1 (prefetcht0) made f16/bf16
+       decode 3-4x slower on a Zen 4 core (docs/attention.md). */
+    /* The stream counts K's bytes (cs: K's code bytes per row); V's rows (vcs bytes each)
+       are prefetched in step, the same share of each run. */
     typedef struct { const char *k, *v; const kv_tile* t; ptrdiff_t cs, vcs; int run; size_t off, left, step; } kv_pf;
     KV_INLINE void kv_prefetch(kv_pf* f) {
         size_t b = f->step < f->left ? f->step : f->left;
@@ -1533,14 +1531,15 @@ cdef extern from *:
                 /* the next head's codes (after the last head: the next tile's first),
                    a share per full score block, so the requests overlap the arithmetic */
                 const kv_tile* pt = h + 1 < H ? tile : more ? nxt : NULL;
-                const int hn = h + 1 < H ? h + 1 : 0, nj = np / KV_BP, parts = KV_BV / KV_SV * (nj ? nj : 1);
-                if (pt && !nj) kv_prefetch_head(J, pt, hn, 0, 1);
+                const int hn = h + 1 < H ? h + 1 : 0, nfull = np / KV_BP;
+                const int parts = KV_BV / KV_SV * (nfull ? nfull : 1);
+                if (pt && !nfull) kv_prefetch_head(J, pt, hn, 0, 1);
                 for (int b = 0; b < KV_BV; b += KV_SV) {
                     const float* qb = q + b * KV_W;
                     float* sb = sT + b * KV_W;
                     int j = 0;
                     for (; j + KV_BP <= np; j += KV_BP) {
-                        if (pt) kv_prefetch_head(J, pt, hn, b / KV_SV * nj + j / KV_BP, parts);
+                        if (pt) kv_prefetch_head(J, pt, hn, b / KV_SV * nfull + j / KV_BP, parts);
                         kv_block_scores_full(kp + j, d, qb, rs, lastrel + b, j, sb);
                     }
                     for (; j + 4 <= np; j += 4) kv_block_scores_four(kp + j, d, qb, rs, lastrel + b, j, sb);

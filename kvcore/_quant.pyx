@@ -939,7 +939,6 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
     cdef bint gather = not (in_kind == F32 and stride == 4)    # else read in place
     # a gathered row goes to slot n of its run (at most RUN_VALUES values: see below)
     cdef Py_ssize_t slots = (RUN_VALUES + d - 1) // d if runs else 1
-    cdef Py_ssize_t step = d if runs else 0     # from one slot to the next
     cdef float* work = <float*>PyMem_Malloc((nt * slots * d if gather else 1) * sizeof(float))
     if work == NULL:
         raise MemoryError(f"row buffers of {nt} x {slots * d} floats")
@@ -955,7 +954,7 @@ def quantize_rows(cnp.ndarray x, const int64_t[::1] outer, Py_ssize_t n_inner,
                 r0 = n = 0
                 for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, nrows)):
                     row = _load_row(src + outer[o] + i * inner_stride, stride, in_kind, d,
-                                    mine + n * step)
+                                    mine + n * d)     # n: 0 without runs
                     amax = _amax_bits(row, d)
                     if amax >= limit:
                         bad += 1
