@@ -11,27 +11,30 @@
    head i reads kv head i // G (G = Hq / Hkv).
 2. Threads take the (sequence, kv head) items. Per item, its R = T * G query rows are
    scaled first.
-   Scores of a complete group, for its 32 positions at once: the group's values decode
-   once into floats [D][32] (per channel its 16 code bytes, low nibbles positions 0-15,
-   high 16-31, each code * d + m: the stored values exactly, two float32 roundings as
-   `dequantize`; the slot's scales converted together), then each row adds one broadcast
-   q_c times channel c's 32 values per channel (a fused multiply-add over 32 lanes the
-   compiler vectorises: two zmm or four ymm registers) into one of 4 sets of 32
-   accumulators (c % 4: independent chains, sums of D/4 terms), summed pairwise at the
-   end. (Splitting the score into sum_c (q_c d_c)
-   code + sum_c q_c m_c saves nothing here and cancels: m is the group's minimum.) The
-   open group's scores are dot products with its float16 rows.
+   Scores of a complete group, for its 32 positions at once, rows 4 at a time
+   (kvg_group_scores): the slots' scales are converted to float32 (d, m) per channel,
+   then per channel its 16 code bytes are widened once into vector lanes, low nibbles
+   positions 0-15 and high 16-31 (AVX-512: one vector each; AVX2: two passes of 8
+   bytes), each code * d + m in registers (the stored values exactly: code * d is exact,
+   so one rounding as `dequantize`'s two), and each row adds q_c times them (fused
+   multiply-adds into 2 vectors per row: per row and position one chain over the
+   channels in order, whatever the row count). Nothing is decoded into memory. (Splitting
+   the score into sum_c (q_c d_c) code + sum_c q_c m_c would cancel: m is the group's
+   minimum.) The open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
    slots (one per slot of the current group, while it decodes), and the next tile's V
    rows and their scales, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
 3. A softmax per row (max subtracted, the attention kernel's vector exp), then the
-   weighted sum of V in tiles of V_TILE positions: the tile's V rows are decoded once per
-   head (`_quant.decode_row`), then each row adds them, weighed (fused multiply-adds), to
-   its accumulators, 64 columns at a time held in registers across the tile (position by
-   position: the order of a plain loop; four independent vector chains). No float copy of K or V is made; per
-   head: scores [R][n], accumulators [R][D], one tile of V rows [V_TILE][D] and one
-   group's values [D][32] as floats.
+   weighted sum of V in tiles of V_TILE positions (kvg_weighted_sum): rows 4 at a time,
+   columns in register blocks (AVX-512: 64, AVX2: 16) held across the tile, position by
+   position (the order of a plain loop), one broadcast weight per row and position.
+   q4_0 / q4_1 V decode in registers as K does (a tile's scales as float32 (d, m) pairs
+   first, q4_0's as (d, -8 d)), a block's low and high nibbles from one widen, once per 4
+   rows; other V formats decode once per tile and head into floats (`_quant.decode_row`)
+   that the block loads. No float copy of K or V is made; per head: scores [R][n],
+   accumulators [R][D], one tile of decoded V rows [V_TILE][D] (non-4-bit V) and its
+   scales, one group's scales [D][2] as floats.
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
@@ -45,7 +48,7 @@ cimport numpy as cnp
 import numpy as np
 
 from kvcore._attention cimport exp_sum
-from kvcore._quant cimport F16, decode_row
+from kvcore._quant cimport F16, Q4_0, Q4_1, decode_row
 from kvcore._parallel cimport num_threads
 
 cnp.import_array()
@@ -54,63 +57,6 @@ cdef enum:
     GROUP = 32      # positions per group of q4_1ch
     GROUP_BYTES = 16    # code bytes of one channel's group (two 4-bit codes per byte)
     V_TILE = 16         # V rows decoded, then weighed, at a time
-
-
-cdef inline void _group_scores(const float* q, Py_ssize_t R, Py_ssize_t D,
-                               const uint8_t* codes, Py_ssize_t code_stride,
-                               const uint16_t* scales, Py_ssize_t scale_stride,
-                               float* s, Py_ssize_t s_stride, float* lanes,
-                               const uint8_t* next_codes, const uint16_t* next_scales) noexcept nogil:
-    """OUT s[r * s_stride + t] (t < 32): the scores of the R rows of q [R][D] over one
-    complete group. codes / scales: the group's first row slot of this head; slot j is
-    code_stride / scale_stride elements further and holds channels [j D/32, (j+1) D/32),
-    16 code bytes and a (d, m) pair each. lanes: D * 32 floats of scratch: the group's
-    values [D][32], then D / 16 floats for a slot's scales. next_codes / next_scales: the
-    next group's first slot, prefetched slot by slot (NULL: none)."""
-    cdef Py_ssize_t per_slot = D // GROUP, j, i, c, r, t
-    cdef const uint8_t* b
-    cdef float* lane
-    cdef float d, m
-    cdef float acc[4][GROUP]
-    cdef uint8_t by[GROUP_BYTES]
-    cdef float* dm = lanes + D * GROUP      # a slot's (d, m) pairs as float32
-    for j in range(GROUP):          # decode the group once: channel c -> lanes[c]
-        if next_codes != NULL:      # the next group's slot j: spread over the slots, the
-                                    # requests overlap the decode (a burst of the group's
-                                    # 64 lines at its start left a third of the scores
-                                    # waiting past the LLC)
-            _prefetch(next_codes + j * code_stride, 16 * per_slot)
-            _prefetch(next_scales + j * scale_stride, 4 * per_slot)
-        decode_row(F16, scales + j * scale_stride, NULL, 2 * per_slot, dm)
-        for i in range(per_slot):
-            c = j * per_slot + i
-            b = codes + j * code_stride + 16 * i
-            d = dm[2 * i]
-            m = dm[2 * i + 1]
-            lane = lanes + c * GROUP
-            memcpy(by, b, GROUP_BYTES)      # a local copy: no store to lane may alias it,
-            for t in range(GROUP // 2):     # and loops of one store each: both vectorise
-                lane[t] = <float>(by[t] & 15) * d + m
-            for t in range(GROUP // 2):
-                lane[t + GROUP // 2] = <float>(by[t] >> 4) * d + m
-    for r in range(R):
-        # per row: 4 x 32 accumulators (channel c into acc[c % 4]: four independent
-        # chains, and sums of D/4 terms), one broadcast q_c per channel
-        for i in range(4):
-            for t in range(GROUP):
-                acc[i][t] = 0
-        for c in range(0, D, 4):
-            for i in range(4):
-                _axpy(q[r * D + c + i], lanes + (c + i) * GROUP, acc[i])
-        for t in range(GROUP):
-            s[r * s_stride + t] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t])
-
-
-cdef inline void _axpy(float a, const float* x, float* y) noexcept nogil:
-    """y[t] += a * x[t] (one rounding) for the 32 positions of a group."""
-    cdef Py_ssize_t t
-    for t in range(GROUP):
-        y[t] = fmaf(a, x[t], y[t])
 
 
 cdef struct Variants:
@@ -146,52 +92,250 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
 
 cdef extern from *:
     """
-    /* acc[c] += w[t] * vt[t][c] (one rounding) for t < m, position by position, over D (a
-       multiple of 32) in blocks of 4 vectors held in registers across the m rows (four
-       independent chains; the last block of D % 64 == 32 columns: 2 AVX-512 vectors). */
+    #include <math.h>
     #if defined(__AVX512F__)
     #include <immintrin.h>
     typedef __m512 kvg_v;
     #define KVG_W 16
+    #define KVG_CV 4            /* column vectors per register block of the weighted sum */
     #define kvg_load _mm512_loadu_ps
     #define kvg_store _mm512_storeu_ps
     #define kvg_fma _mm512_fmadd_ps
     #define kvg_splat _mm512_set1_ps
+    #define kvg_zero _mm512_setzero_ps
+    /* 16 bytes at p as 16 int32 lanes */
+    #define kvg_widen(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))
+    #define kvg_low4(x) _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)))
+    #define kvg_high4(x) _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4))
     #elif defined(__AVX2__) && defined(__FMA__)
     #include <immintrin.h>
     typedef __m256 kvg_v;
     #define KVG_W 8
+    #define KVG_CV 2
     #define kvg_load _mm256_loadu_ps
     #define kvg_store _mm256_storeu_ps
     #define kvg_fma _mm256_fmadd_ps
     #define kvg_splat _mm256_set1_ps
+    #define kvg_zero _mm256_setzero_ps
+    #define kvg_widen(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p)))
+    #define kvg_low4(x) _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)))
+    #define kvg_high4(x) _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4))
     #endif
-    #ifdef KVG_W
-    static inline __attribute__((always_inline)) void kvg_block(
-            float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D, const int nv) {
-        kvg_v a[4];
-        for (int k = 0; k < nv; k++) a[k] = kvg_load(acc + k * KVG_W);
-        for (Py_ssize_t t = 0; t < m; t++) {
-            const kvg_v x = kvg_splat(w[t]);
-            for (int k = 0; k < nv; k++) a[k] = kvg_fma(x, kvg_load(vt + t * D + k * KVG_W), a[k]);
-        }
-        for (int k = 0; k < nv; k++) kvg_store(acc + k * KVG_W, a[k]);
-    }
-    static void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D) {
-        Py_ssize_t c = 0;
-        for (; c + 4 * KVG_W <= D; c += 4 * KVG_W) kvg_block(acc + c, w, vt + c, m, D, 4);
-        if (c < D) kvg_block(acc + c, w, vt + c, m, D, (int)((D - c) / KVG_W));   /* 32 columns */
-    }
+    #define KVG_AI static inline __attribute__((always_inline))
+    /* f(1), ..., f(4) for nr = 1 .. 4: the row count a constant of each copy */
+    #define KVG_BY_ROWS(nr, f) switch (nr) { case 4: f(4); break; case 3: f(3); break; \\
+                                             case 2: f(2); break; default: f(1); }
+
+    /* dst[k] = the float16 bit patterns src[k] as float32, k < n (finite values: exact). */
+    KVG_AI void kvg_halves(const uint16_t* src, Py_ssize_t n, float* dst) {
+        Py_ssize_t k = 0;
+    #if defined(__F16C__)
+        for (; k + 8 <= n; k += 8)
+            _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + k))));
+        for (; k < n; k++) dst[k] = _cvtsh_ss(src[k]);
     #else
-    #include <math.h>
-    static void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m, Py_ssize_t D) {
-        for (Py_ssize_t c = 0; c < D; c++)
-            for (Py_ssize_t t = 0; t < m; t++) acc[c] = fmaf(w[t], vt[t * D + c], acc[c]);
+        for (; k < n; k++) {   /* sign | exponent and mantissa moved to float32's, times 2^112 */
+            uint32_t u = ((uint32_t)(src[k] & 0x7FFF) << 13) | ((uint32_t)(src[k] & 0x8000) << 16);
+            float f;
+            memcpy(&f, &u, 4);
+            dst[k] = f * 0x1p112f;
+        }
+    #endif
+    }
+
+    /* The (d, m) pairs of a q4_0 / q4_1 row's nb blocks as float32 dst [nb][2] from its
+       float16 scales: q4_1's pairs as stored, q4_0's d as (d, -8 d) (exact: code * d - 8 d
+       is (code - 8) * d). */
+    static inline void kvg_q4_scales(const uint16_t* src, Py_ssize_t nb, int q41, float* dst) {
+        if (q41) {
+            kvg_halves(src, 2 * nb, dst);
+            return;
+        }
+        kvg_halves(src, nb, dst + nb);
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            dst[2 * b] = dst[nb + b];
+            dst[2 * b + 1] = -8 * dst[nb + b];
+        }
+    }
+
+    #ifdef KVG_W
+    /* The 4-bit codes of KVG_W bytes at p, low nibbles and high nibbles, as code * d + m
+       (one rounding; code * d is exact): OUT lo, hi. */
+    KVG_AI void kvg_q4_pair(const uint8_t* p, float d, float m, kvg_v* lo, kvg_v* hi) {
+        const __typeof__(kvg_widen(p)) x = kvg_widen(p);
+        *lo = kvg_fma(kvg_low4(x), kvg_splat(d), kvg_splat(m));
+        *hi = kvg_fma(kvg_high4(x), kvg_splat(d), kvg_splat(m));
     }
     #endif
+
+    /* The scores of NR (a constant, 1 .. 4) rows of q [NR][D] over one complete q4_1ch
+       group: s[r * ss + t], t < 32. codes: the group's slot 0 of this head, slot j at
+       codes + j * cs holding channels [j D/32, (j+1) D/32) of 16 bytes each (byte b:
+       position b in its low nibble, 16 + b in its high one); dm: the group's (d, m) per
+       channel as float32 [D][2]. Each channel's values decode in registers, code * d + m
+       (one rounding: code * d is exact), KVG_W positions of the low and of the high
+       nibbles at a time, and every row adds q_c times them (fused multiply-adds; per row
+       and position one chain over c in order, whatever NR). pf / pfs: the next group's
+       slot 0 codes / scales (scale slots pss apart), whose slot j is prefetched while
+       slot j decodes (NULL: none). */
+    KVG_AI void kvg_scores_rows(const float* q, Py_ssize_t D, const int NR, const uint8_t* codes,
+                                Py_ssize_t cs, const float* dm, float* s, Py_ssize_t ss,
+                                const uint8_t* pf, const uint16_t* pfs, Py_ssize_t pss) {
+        const Py_ssize_t per = D / 32;
+    #ifdef KVG_W
+        for (int h = 0; h < 16; h += KVG_W) {   /* bytes [h, h + KVG_W) of each channel */
+            kvg_v lo[4], hi[4];
+            for (int r = 0; r < NR; r++) lo[r] = hi[r] = kvg_zero();
+            for (Py_ssize_t j = 0; j < 32; j++) {
+                const uint8_t* b = codes + j * cs + h;
+                if (pf != NULL && h == 0) {
+                    for (Py_ssize_t o = 0; o < 16 * per; o += 64) __builtin_prefetch(pf + j * cs + o);
+                    __builtin_prefetch(pfs + j * pss);
+                }
+                for (Py_ssize_t i = 0; i < per; i++, b += 16) {
+                    const Py_ssize_t c = j * per + i;
+                    kvg_v vl, vh;
+                    kvg_q4_pair(b, dm[2 * c], dm[2 * c + 1], &vl, &vh);
+                    for (int r = 0; r < NR; r++) {
+                        const kvg_v qc = kvg_splat(q[r * D + c]);
+                        lo[r] = kvg_fma(qc, vl, lo[r]);
+                        hi[r] = kvg_fma(qc, vh, hi[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < NR; r++) {
+                kvg_store(s + r * ss + h, lo[r]);
+                kvg_store(s + r * ss + 16 + h, hi[r]);
+            }
+        }
+    #else
+        (void)pf; (void)pfs; (void)pss;
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < 32; t++) {
+                float a = 0;
+                for (Py_ssize_t c = 0; c < D; c++) {
+                    const uint8_t byte = codes[(c / per) * cs + (c % per) * 16 + t % 16];
+                    const float code = (float)(t < 16 ? byte & 15 : byte >> 4);
+                    a = fmaf(q[r * D + c], code * dm[2 * c] + dm[2 * c + 1], a);
+                }
+                s[r * ss + t] = a;
+            }
+    #endif
+    }
+
+    /* s[r * ss + t] (t < 32): the scores of the R rows of q [R][D] over one complete
+       group (kvg_scores_rows, rows 4 at a time); dm: scratch of 2 D floats. */
+    static void kvg_group_scores(const float* q, Py_ssize_t R, Py_ssize_t D, const uint8_t* codes,
+                                 Py_ssize_t cs, const uint16_t* scales, Py_ssize_t scs, float* dm,
+                                 float* s, Py_ssize_t ss, const uint8_t* pf, const uint16_t* pfs) {
+        const Py_ssize_t per = D / 32;
+        for (Py_ssize_t j = 0; j < 32; j++) kvg_halves(scales + j * scs, 2 * per, dm + 2 * per * j);
+        for (Py_ssize_t r = 0; r < R; r += 4) {
+            const int nr = R - r < 4 ? (int)(R - r) : 4;
+            const uint8_t* p = r == 0 ? pf : NULL;
+            #define KVG_SCORES(NR) kvg_scores_rows(q + r * D, D, NR, codes, cs, dm, s + r * ss, ss, p, pfs, scs)
+            KVG_BY_ROWS(nr, KVG_SCORES)
+            #undef KVG_SCORES
+        }
+    }
+
+    #ifdef KVG_W
+    /* V's values in pairs of vectors: pair i of a row is its values [32 b + o, + KVG_W)
+       ("low") and [32 b + 16 + o, + KVG_W) ("high"), b = i / KVG_PH, o = KVG_W (i % KVG_PH):
+       for q4_0 / q4_1 the low and high nibbles of the same KVG_W code bytes. */
+    #define KVG_PH (16 / KVG_W)      /* pairs per block of 32 values */
+
+    /* acc[r * D + c] += w[r * ws + t] * v_t[c] (one rounding) for the NR (a constant, 1 .. 4)
+       rows, t < m position by position, over the np (1 or KVG_CV / 2) pairs from pair i0:
+       NR x 2 np accumulators held in registers across the m positions. Q4 (a constant):
+       v_t decoded from rows[t] (q4_0 / q4_1 codes) with the (d, m) pairs dm [m][D / 16]
+       (q4_0: (d, -8 d)), code * d + m (kvg_q4_pair); else v_t = vt + t * D, floats. */
+    KVG_AI void kvg_value_block(float* acc, const float* w, Py_ssize_t ws, const float* vt,
+                                const uint8_t* const* rows, const float* dm, Py_ssize_t m,
+                                Py_ssize_t D, Py_ssize_t i0, const int NR, const int np,
+                                const int Q4) {
+        kvg_v a[4][KVG_CV], x[KVG_CV];
+        Py_ssize_t col[KVG_CV];
+        for (int k = 0; k < 2 * np; k++) {
+            const Py_ssize_t i = i0 + k / 2;
+            col[k] = 32 * (i / KVG_PH) + KVG_W * (i % KVG_PH) + 16 * (k % 2);
+        }
+        for (int r = 0; r < NR; r++)
+            for (int k = 0; k < 2 * np; k++) a[r][k] = kvg_load(acc + r * D + col[k]);
+        for (Py_ssize_t t = 0; t < m; t++) {
+            for (int k = 0; k < 2 * np; k += 2) {
+                if (Q4) {
+                    const Py_ssize_t b = col[k] / 32;
+                    kvg_q4_pair(rows[t] + 16 * b + col[k] % 16, dm[t * (D / 16) + 2 * b],
+                                dm[t * (D / 16) + 2 * b + 1], &x[k], &x[k + 1]);
+                } else {   /* loaded once for the NR rows (the empty asm keeps GCC from
+                              folding the load into each row's FMA) */
+                    x[k] = kvg_load(vt + t * D + col[k]);
+                    x[k + 1] = kvg_load(vt + t * D + col[k + 1]);
+                    __asm__("" : "+v"(x[k]), "+v"(x[k + 1]));
+                }
+            }
+            for (int r = 0; r < NR; r++) {
+                const kvg_v wr = kvg_splat(w[r * ws + t]);
+                for (int k = 0; k < 2 * np; k++) a[r][k] = kvg_fma(wr, x[k], a[r][k]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int k = 0; k < 2 * np; k++) kvg_store(acc + r * D + col[k], a[r][k]);
+    }
+
+    /* The register blocks of the R rows (4 at a time) and of the D / 32 * KVG_PH pairs
+       (KVG_CV / 2 at a time, the last block of one pair where they do not divide). */
+    KVG_AI void kvg_value_blocks(float* acc, const float* w, Py_ssize_t ws, Py_ssize_t R,
+                                 const float* vt, const uint8_t* const* rows, const float* dm,
+                                 Py_ssize_t m, Py_ssize_t D, const int Q4) {
+        const Py_ssize_t npairs = D / 32 * KVG_PH;
+        for (Py_ssize_t r = 0; r < R; r += 4) {
+            const int nr = R - r < 4 ? (int)(R - r) : 4;
+            for (Py_ssize_t i = 0; i < npairs; i += KVG_CV / 2) {
+                #define KVG_VALUES(NR) kvg_value_block(acc + r * D, w + r * ws, ws, vt, rows, dm, m, D, i, NR, KVG_CV / 2, Q4)
+                #define KVG_VALUES1(NR) kvg_value_block(acc + r * D, w + r * ws, ws, vt, rows, dm, m, D, i, NR, 1, Q4)
+                if (npairs - i >= KVG_CV / 2) { KVG_BY_ROWS(nr, KVG_VALUES) }
+                else { KVG_BY_ROWS(nr, KVG_VALUES1) }
+                #undef KVG_VALUES
+                #undef KVG_VALUES1
+            }
+        }
+    }
+    #endif
+
+    /* The weighted sum of one tile of V for R rows: acc[r * D + c] += w[r * ws + t] * v_t[c]
+       for t < m, position by position (one rounding each: the order of a plain loop), D a
+       multiple of 32. rows != NULL: V in q4_0 / q4_1, v_t decoded in registers from
+       rows[t] with its (d, m) pairs dm [m][D / 16] as float32 (q4_0: (d, -8 d)); else
+       v_t = vt + t * D, decoded floats [m][D]. */
+    static void kvg_weighted_sum(float* acc, const float* w, Py_ssize_t ws, Py_ssize_t R,
+                                 const float* vt, const uint8_t* const* rows, const float* dm,
+                                 Py_ssize_t m, Py_ssize_t D) {
+    #ifdef KVG_W
+        if (rows != NULL) kvg_value_blocks(acc, w, ws, R, vt, rows, dm, m, D, 1);
+        else kvg_value_blocks(acc, w, ws, R, vt, rows, dm, m, D, 0);
+    #else
+        for (Py_ssize_t r = 0; r < R; r++)
+            for (Py_ssize_t c = 0; c < D; c++)
+                for (Py_ssize_t t = 0; t < m; t++) {
+                    const float* p = dm + t * (D / 16) + 2 * (c / 32);
+                    const uint8_t byte = rows != NULL ? rows[t][c / 32 * 16 + c % 16] : 0;
+                    const float v = rows == NULL ? vt[t * D + c]
+                                    : (float)(c % 32 < 16 ? byte & 15 : byte >> 4) * p[0] + p[1];
+                    acc[r * D + c] = fmaf(w[r * ws + t], v, acc[r * D + c]);
+                }
+    #endif
+    }
     """
-    void kvg_weighted_sum(float* acc, const float* w, const float* vt, Py_ssize_t m,
-                          Py_ssize_t D) noexcept nogil
+    void kvg_group_scores(const float* q, Py_ssize_t R, Py_ssize_t D, const uint8_t* codes,
+                          Py_ssize_t cs, const uint16_t* scales, Py_ssize_t scs, float* dm,
+                          float* s, Py_ssize_t ss, const uint8_t* pf,
+                          const uint16_t* pfs) noexcept nogil
+    void kvg_weighted_sum(float* acc, const float* w, Py_ssize_t ws, Py_ssize_t R,
+                          const float* vt, const uint8_t* const* rows, const float* dm,
+                          Py_ssize_t m, Py_ssize_t D) noexcept nogil
+    void kvg_q4_scales(const uint16_t* src, Py_ssize_t nb, int q41, float* dst) noexcept nogil
 
 
 cdef extern from *:
@@ -240,7 +384,10 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* acc = <float*>calloc(R * D, sizeof(float))
     cdef float* row = <float*>malloc(D * sizeof(float))
     cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
-    cdef float* lanes = <float*>malloc((D * GROUP + D // 16) * sizeof(float))
+    cdef float* dm = <float*>malloc(2 * D * sizeof(float))     # a group's (d, m) pairs
+    cdef float* vdm = <float*>malloc(V_TILE * S * sizeof(float))   # a V tile's, 4-bit V
+    cdef const uint8_t* vrows[V_TILE]
+    cdef bint v4 = v_fmt == Q4_0 or v_fmt == Q4_1
     cdef const char* vsp
     cdef const uint8_t* nc
     cdef const uint16_t* nsc
@@ -260,11 +407,11 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         nc = NULL
         nsc = NULL
         if p + GROUP < full and p + GROUP >= lo:   # the next group's rows, prefetched a
-            nxt = _row(table, ps, p + GROUP)       # slot at a time by _group_scores
+            nxt = _row(table, ps, p + GROUP)       # slot at a time by kvg_group_scores
             nc = kc + (nxt * H + h) * W
             nsc = ks + (nxt * H + h) * S
-        _group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
-                      H * S, s + p, n, lanes, nc, nsc)
+        kvg_group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
+                         H * S, dm, s + p, n, nc, nsc)
     for p in range(full, n):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):
@@ -277,7 +424,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         m = min(V_TILE, n - p0)
         if sink_end <= p0 and p0 + m <= lo:
             continue
-        for t in range(m):              # the tile's V rows decoded: vt [m][D]
+        for t in range(m):              # the tile's V rows: decoded into vt [m][D], or
+                                        # 4-bit: their codes and (d, m) pairs vdm [m][S]
             p = p0 + t
             first = _row(table, ps, p)
             if p + V_TILE < n and p + V_TILE >= lo:   # the next tile's row (H rows apart)
@@ -286,9 +434,12 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
                 if vs != NULL:
                     _prefetch(vs + nxt * v_scale_row, v_scale_row)
             vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
-            decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
-        for r in range(R):
-            kvg_weighted_sum(acc + r * D, s + r * n + p0, vt, m, D)
+            if v4:
+                vrows[t] = <const uint8_t*>vc + (first * H + h) * v_code_row
+                kvg_q4_scales(<const uint16_t*>vsp, D // GROUP, v_fmt == Q4_1, vdm + t * S)
+            else:
+                decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
+        kvg_weighted_sum(acc, s + p0, n, R, vt, vrows if v4 else NULL, vdm, m, D)
     for r in range(R):
         t, g = r // G, r % G
         for c in range(D):
@@ -298,7 +449,8 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     free(acc)
     free(row)
     free(vt)
-    free(lanes)
+    free(dm)
+    free(vdm)
 
 
 def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,

@@ -822,7 +822,8 @@ cdef void encode_row(int fmt, const float* x, Py_ssize_t d, void* codes, void* s
 
 
 cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t d, float* out) noexcept nogil:
-    cdef Py_ssize_t j, b
+    cdef Py_ssize_t j, b, b0, nb, per
+    cdef float sc[64]
     cdef const uint16_t* h
     cdef const uint8_t* c8
     cdef const int8_t* q
@@ -850,23 +851,23 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
         s = (<const float*>scales)[0]
         for j in range(d):
             out[j] = _E5M2[c8[j]] * s
-    elif fmt == Q8_0:
+    else:   # the block formats: each run of up to 32 blocks' float16 scales converted at once
+        per = 2 if fmt == Q4_1 or fmt == Q4_1CH else 1
         q = <const int8_t*>codes
-        h = <const uint16_t*>scales
-        for b in range(d // QK):
-            s = _f16_to_f32(h[b])
-            for j in range(b * QK, b * QK + QK):
-                out[j] = <float>q[j] * s
-    elif fmt == Q4_0:   # (code - 8) * d
-        h = <const uint16_t*>scales
-        for b in range(d // QK):
-            kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 8, _f16_to_f32(h[b]),
-                         <float>-0.0, out + b * QK)
-    elif fmt == Q4_1 or fmt == Q4_1CH:  # code * d + m
-        h = <const uint16_t*>scales
-        for b in range(d // QK):
-            kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 0, _f16_to_f32(h[2 * b]),
-                         _f16_to_f32(h[2 * b + 1]), out + b * QK)
+        for b0 in range(0, d // QK, 32):
+            nb = min(32, d // QK - b0)
+            _f16_to_f32_row(<const uint16_t*>scales + per * b0, per * nb, sc)
+            for b in range(b0, b0 + nb):
+                if fmt == Q8_0:
+                    s = sc[b - b0]
+                    for j in range(b * QK, b * QK + QK):
+                        out[j] = <float>q[j] * s
+                elif fmt == Q4_0:   # (code - 8) * d
+                    kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 8, sc[b - b0],
+                                 <float>-0.0, out + b * QK)
+                else:               # code * d + m
+                    kv_unpack_u4(<const uint8_t*>codes + b * (QK // 2), 0, sc[2 * (b - b0)],
+                                 sc[2 * (b - b0) + 1], out + b * QK)
 
 
 # ---------------------------------------------------------------------------------

@@ -87,6 +87,48 @@ def test_attention_reads_the_groups_and_the_residual(n, gqa, rng):
         np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("v", ["q4_0", "q4_1", "q8_0", "f16", "int8"])
+@pytest.mark.parametrize("D, gqa, T", [(32, 1, 1), (96, 3, 2), (128, 8, 1), (160, 2, 3)])
+def test_head_dims_row_blocks_and_v_formats(v, D, gqa, T, rng):
+    # 4-bit V decodes in registers, in pairs of vectors (the last register block one
+    # pair where D / 32 is odd), other V formats through their decoded rows; the
+    # scores and the weighted sums take the rows 4 at a time (R = 1, 6, 8, 6 rows)
+    H, n = 2, 75
+    spec = kivi_spec(H=H, D=D, Hq=H * gqa, N=n, v=v, L=1)
+    k = rng.standard_normal((n, H, D)).astype(F32)
+    vals = (rng.standard_t(3, (n, H, D)) * 4).astype(F32)
+    cache = filled(spec, k, vals)
+    q = rng.standard_normal((T, H * gqa, D)).astype(F32)
+    out, lse = decode_attention(q, cache, 0, return_lse=True)
+    want, want_lse = reference(q, cache.dequantize(0, "k"), cache.dequantize(0, "v"),
+                               F32(1 / np.sqrt(D)))
+    np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("v", ["q4_0", "q4_1"])
+def test_zeros_and_largest_values(v, rng):
+    # K and V of zeros (uniform weights, zero output), then values next to the formats'
+    # limits (q4_0: 524160 / 1.1, q4_1 and the K groups: 65000)
+    H, D, n = 2, 96, 70
+    spec = kivi_spec(H=H, D=D, Hq=2 * H, N=n, v=v, L=1)
+    zeros = np.zeros((n, H, D), F32)
+    q = rng.standard_normal((1, 2 * H, D)).astype(F32)
+    cache = filled(spec, zeros, zeros)
+    out, lse = decode_attention(q, cache, 0, return_lse=True)
+    np.testing.assert_array_equal(out, 0)
+    np.testing.assert_allclose(lse, np.log(n), rtol=1e-6)
+    top = 524160 / 1.1 if v == "q4_0" else 65000.0
+    k = rng.uniform(-65000, 65000, (n, H, D)).astype(F32) / 1e4
+    vals = rng.uniform(-top, top, (n, H, D)).astype(F32)
+    cache = filled(spec, k, vals)
+    out, lse = decode_attention(q, cache, 0, return_lse=True)
+    want, want_lse = reference(q, cache.dequantize(0, "k"), cache.dequantize(0, "v"),
+                               F32(1 / np.sqrt(D)))
+    np.testing.assert_allclose(out, want, atol=top * 1e-6, rtol=1e-4)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
 def test_variants(rng):
     # sliding window with sink positions, sink logits and soft-capping (docs/variants.md)
     H, D, G_ = 2, 64, 4

@@ -210,8 +210,8 @@ def test_f32_is_a_copy(rng):
 # Quantized formats against the numpy references
 
 @pytest.mark.parametrize("name", QUANT)
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_exact_gaussian_and_heavy_tailed(name, d, rng):
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 1056])   # 1056: 33 blocks (decode_row converts
+def test_exact_gaussian_and_heavy_tailed(name, d, rng):     # a row's scales 32 blocks at a time)
     assert_quantized_exact(rng.standard_normal((97, 3, d)).astype(F32), name)
     assert_quantized_exact(rng.standard_t(3, size=(33, d)).astype(F32), name)
 
