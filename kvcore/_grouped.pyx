@@ -40,8 +40,8 @@
 """
 from libc.math cimport INFINITY, expf, fmaf, logf, tanhf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memcpy
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
 from cython.parallel cimport prange
 cimport numpy as cnp
 
@@ -57,6 +57,7 @@ cdef enum:
     GROUP = 32      # positions per group of q4_1ch
     GROUP_BYTES = 16    # code bytes of one channel's group (two 4-bit codes per byte)
     V_TILE = 16         # V rows decoded, then weighed, at a time
+    ROWS = 64           # query rows per work item (its scores: ROWS x the positions)
 
 
 cdef struct Variants:
@@ -366,69 +367,82 @@ cdef inline Py_ssize_t _row(const int32_t* table, Py_ssize_t ps, Py_ssize_t p) n
     return <Py_ssize_t>table[p // ps] * ps + p % ps
 
 
-cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
-                Py_ssize_t h, Py_ssize_t n, float scale, bint causal,
-                const int32_t* table, Py_ssize_t ps,
-                const uint8_t* kc, const uint16_t* ks, const uint16_t* res,
-                int v_fmt, const char* vc, Py_ssize_t v_code_row, const char* vs,
-                Py_ssize_t v_scale_row, const Variants* var, float* out,
-                float* lse) noexcept nogil:
-    """Attention of kv head h's R = T * G query rows of one sequence (module comment):
-    q [T, Hq, D] its rows, n its positions, position p in storage row _row(table, ps, p),
-    res its residual [32, Hkv, D]; OUT its rows of out [T, Hq, D] and lse [T, Hq] (NULL:
-    not asked)."""
-    cdef Py_ssize_t G = Hq // H, R = T * G, W = D // 2, S = D // 16
+cdef int _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
+               Py_ssize_t h, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t n, float scale,
+               bint causal, const int32_t* table, Py_ssize_t ps,
+               const uint8_t* kc, const uint16_t* ks, const uint16_t* res,
+               int v_fmt, const char* vc, Py_ssize_t v_code_row, const char* vs,
+               Py_ssize_t v_scale_row, const Variants* var, float* out,
+               float* lse) noexcept nogil:
+    """Attention of query rows [r0, r1) (at most ROWS) of kv head h of one sequence
+    (module comment; row r is token r // G, query head h G + r % G): q [T, Hq, D] its
+    tokens, n its positions, position p in storage row _row(table, ps, p), res its residual
+    [32, Hkv, D]; OUT those rows of out [T, Hq, D] and lse [T, Hq] (NULL: not asked).
+    Returns 0, or -1 (nothing written) when its scratch cannot be allocated."""
+    cdef Py_ssize_t G = Hq // H, R = r1 - r0, W = D // 2, S = D // 16
     cdef Py_ssize_t full = n - n % GROUP, r, p, p0, m, c, t, g, first, nxt, lo, sink_end
-    cdef float* qs = <float*>malloc(R * D * sizeof(float))
-    cdef float* s = <float*>malloc(R * n * sizeof(float))
-    cdef float* acc = <float*>calloc(R * D, sizeof(float))
-    cdef float* row = <float*>malloc(D * sizeof(float))
-    cdef float* vt = <float*>malloc(V_TILE * D * sizeof(float))
-    cdef float* dm = <float*>malloc(2 * D * sizeof(float))     # a group's (d, m) pairs
-    cdef float* vdm = <float*>malloc(V_TILE * S * sizeof(float))   # a V tile's, 4-bit V
+    # the positions any of the rows sees: [0, nv) (causal: up to the last row's token);
+    # a row's scores ns apart (whole groups: the last one read may pass nv)
+    cdef Py_ssize_t nv = n - T + (r1 - 1) // G + 1 if causal else n
+    cdef Py_ssize_t ns = (nv + GROUP - 1) // GROUP * GROUP
+    # scratch: scaled queries [R][D], accumulators [R][D], scores [R][ns], a residual row
+    # [D], a tile of decoded V rows [V_TILE][D], a group's (d, m) pairs [D][2], a 4-bit V
+    # tile's [V_TILE][S]
+    cdef float* qs = <float*>malloc((2 * R * D + R * ns + D + V_TILE * D + 2 * D + V_TILE * S)
+                                    * sizeof(float))
+    if qs == NULL:
+        return -1
+    cdef float* acc = qs + R * D
+    cdef float* s = acc + R * D
+    cdef float* row = s + R * ns
+    cdef float* vt = row + D
+    cdef float* dm = vt + V_TILE * D
+    cdef float* vdm = dm + 2 * D
     cdef const uint8_t* vrows[V_TILE]
     cdef bint v4 = v_fmt == Q4_0 or v_fmt == Q4_1
     cdef const char* vsp
     cdef const uint8_t* nc
     cdef const uint16_t* nsc
+    memset(acc, 0, R * D * sizeof(float))
     for r in range(R):
-        t, g = r // G, r % G
+        t, g = (r0 + r) // G, (r0 + r) % G
         for c in range(D):
             qs[r * D + c] = q[(t * Hq + h * G + g) * D + c] * scale
     # with a window, the positions no row sees: [sink_end, lo) (their pages may be
     # released: -1 in the table); groups and tiles wholly inside are skipped
-    lo = n - T + 1 - var.window if var.window and n - T + 1 > var.window else 0
+    lo = n - T + r0 // G + 1 - var.window if var.window and n - T + r0 // G + 1 > var.window else 0
     sink_end = min(var.sink_tokens, lo)
-    for g in range(full // GROUP):
+    for g in range(min(full, nv + GROUP - 1) // GROUP):
         p = g * GROUP
         if sink_end <= p and p + GROUP <= lo:
             continue
         first = _row(table, ps, p)      # a group's rows follow each other (ps % 32 == 0)
         nc = NULL
         nsc = NULL
-        if p + GROUP < full and p + GROUP >= lo:   # the next group's rows, prefetched a
-            nxt = _row(table, ps, p + GROUP)       # slot at a time by kvg_group_scores
+        if p + GROUP < min(full, nv) and p + GROUP >= lo:  # the next group's rows,
+            nxt = _row(table, ps, p + GROUP)    # prefetched a slot at a time
             nc = kc + (nxt * H + h) * W
             nsc = ks + (nxt * H + h) * S
         kvg_group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
-                         H * S, dm, s + p, n, nc, nsc)
-    for p in range(full, n):
+                         H * S, dm, s + p, ns, nc, nsc)
+    for p in range(full, nv):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):
-            s[r * n + p] = _dot(qs + r * D, row, D)
+            s[r * ns + p] = _dot(qs + r * D, row, D)
     for r in range(R):
-        _softmax(s + r * n, n, n - T + r // G, causal, var, h * G + r % G,
-                 lse + (r // G) * Hq + h * G + r % G if lse != NULL else NULL, qs + r * D)
-    for g in range((n + V_TILE - 1) // V_TILE):
+        t, g = (r0 + r) // G, (r0 + r) % G
+        _softmax(s + r * ns, nv, n - T + t, causal, var, h * G + g,
+                 lse + t * Hq + h * G + g if lse != NULL else NULL, qs + r * D)
+    for g in range((nv + V_TILE - 1) // V_TILE):
         p0 = g * V_TILE
-        m = min(V_TILE, n - p0)
+        m = min(V_TILE, nv - p0)
         if sink_end <= p0 and p0 + m <= lo:
             continue
         for t in range(m):              # the tile's V rows: decoded into vt [m][D], or
                                         # 4-bit: their codes and (d, m) pairs vdm [m][S]
             p = p0 + t
             first = _row(table, ps, p)
-            if p + V_TILE < n and p + V_TILE >= lo:   # the next tile's row (H rows apart)
+            if p + V_TILE < nv and p + V_TILE >= lo:   # the next tile's row (H rows apart)
                 nxt = _row(table, ps, p + V_TILE) * H + h
                 _prefetch(vc + nxt * v_code_row, v_code_row)
                 if vs != NULL:
@@ -439,18 +453,13 @@ cdef void _head(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
                 kvg_q4_scales(<const uint16_t*>vsp, D // GROUP, v_fmt == Q4_1, vdm + t * S)
             else:
                 decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
-        kvg_weighted_sum(acc, s + p0, n, R, vt, vrows if v4 else NULL, vdm, m, D)
+        kvg_weighted_sum(acc, s + p0, ns, R, vt, vrows if v4 else NULL, vdm, m, D)
     for r in range(R):
-        t, g = r // G, r % G
+        t, g = (r0 + r) // G, (r0 + r) % G
         for c in range(D):
             out[(t * Hq + h * G + g) * D + c] = acc[r * D + c] * qs[r * D]
     free(qs)
-    free(s)
-    free(acc)
-    free(row)
-    free(vt)
-    free(dm)
-    free(vdm)
+    return 0
 
 
 def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
@@ -474,7 +483,7 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
     or None. Variants (docs/variants.md; 0 / None: off): window, sink_tokens, sinks
     float32 [Hq], softcap. The caller checked every shape, dtype and value."""
     cdef Py_ssize_t B = tables.shape[0], Hq = q.shape[1], D = q.shape[2], H = k_codes.shape[1]
-    cdef Py_ssize_t b, h, item
+    cdef Py_ssize_t G = Hq // H, b, h, item, r0
     cdef const char* vc = cnp.PyArray_BYTES(v_codes)
     cdef Py_ssize_t v_code_row = v_codes.shape[2] * v_codes.itemsize
     cdef const char* vs = NULL
@@ -486,16 +495,28 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
     cdef int64_t[::1] first = np.zeros(B, np.int64)      # each sequence's first query row
     for b in range(1, B):
         first[b] = first[b - 1] + counts[b - 1]
+    # work items: (sequence, kv head, ROWS query rows of it), the last rows first (causal:
+    # they see the most positions)
+    chunks = (np.asarray(counts) * G + ROWS - 1) // ROWS
+    cdef int64_t[::1] item_b = np.repeat(np.arange(B), chunks * H)
+    cdef int64_t[::1] item_h = np.concatenate(
+        [np.repeat(np.arange(H), c) for c in chunks]).astype(np.int64) if B else item_b
+    cdef int64_t[::1] item_r0 = np.concatenate(
+        [np.tile(np.arange(c)[::-1] * ROWS, H) for c in chunks]).astype(np.int64) if B else item_b
+    cdef int32_t[::1] status = np.zeros(len(item_b), np.int32)
     cdef Variants var
     var.window, var.sink_tokens, var.softcap = window, sink_tokens, softcap
     var.sinks = NULL if sinks is None else &sinks[0]
-    cdef int nt = min(num_threads(), <int>(B * H))
+    cdef int nt = min(num_threads(), <int>max(1, len(item_b)))
     with nogil:
-        for item in prange(B * H, num_threads=nt, schedule="dynamic"):
-            b, h = item // H, item % H
-            if counts[b] == 0:
-                continue
-            _head(&q[first[b], 0, 0], counts[b], Hq, H, D, h, lengths[b], scale, causal,
-                  &tables[b, 0], page_size, &k_codes[0, 0, 0], &k_scales[0, 0, 0],
-                  <const uint16_t*>residuals[b], v_fmt, vc, v_code_row, vs, v_scale_row,
-                  &var, &out[first[b], 0, 0], lp + first[b] * Hq if lp != NULL else NULL)
+        for item in prange(item_b.shape[0], num_threads=nt, schedule="dynamic"):
+            b, h, r0 = item_b[item], item_h[item], item_r0[item]
+            status[item] = _rows(&q[first[b], 0, 0], counts[b], Hq, H, D, h, r0,
+                                 min(r0 + ROWS, counts[b] * G), lengths[b], scale, causal,
+                                 &tables[b, 0], page_size, &k_codes[0, 0, 0],
+                                 &k_scales[0, 0, 0], <const uint16_t*>residuals[b], v_fmt,
+                                 vc, v_code_row, vs, v_scale_row, &var, &out[first[b], 0, 0],
+                                 lp + first[b] * Hq if lp != NULL else NULL)
+    if np.any(np.asarray(status)):
+        raise MemoryError(f"decode attention (K q4_1ch): the scratch of {ROWS} query rows "
+                          f"over up to {max(lengths)} positions could not be allocated")

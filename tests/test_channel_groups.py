@@ -106,6 +106,34 @@ def test_head_dims_row_blocks_and_v_formats(v, D, gqa, T, rng):
     np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n, T, gqa, causal, kw", [
+    (150, 100, 4, True, {}),                    # 400 rows: work items of 64 rows, each
+    (200, 37, 8, True, {}),                     # over the positions its last row sees
+    (130, 130, 3, True, dict(window=45, sink_tokens=3)),
+    (97, 40, 2, False, {}),
+])
+def test_prefill_in_row_items(n, T, gqa, causal, kw, rng):
+    # many query rows (a prompt, chunked prefill): items of 64 rows whose last visible
+    # position falls inside a group (its scores past it unread), against the reference,
+    # and the same bits token by token at the end of the prompt
+    H, D = 2, 96
+    spec = kivi_spec(H=H, D=D, Hq=H * gqa, N=n, L=1)
+    k = rng.standard_normal((n, H, D)).astype(F32)
+    vals = rng.standard_t(3, (n, H, D)).astype(F32)
+    cache = filled(spec, k, vals)
+    q = rng.standard_normal((T, H * gqa, D)).astype(F32)
+    out, lse = decode_attention(q, cache, 0, causal=causal, return_lse=True, **kw)
+    want, want_lse = reference(q, cache.dequantize(0, "k"), cache.dequantize(0, "v"),
+                               F32(1 / np.sqrt(D)), causal, **kw)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+    kvcore.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(decode_attention(q, cache, 0, causal=causal, **kw), out)
+    finally:
+        kvcore.set_num_threads(0)
+
+
 @pytest.mark.parametrize("v", ["q4_0", "q4_1"])
 def test_zeros_and_largest_values(v, rng):
     # K and V of zeros (uniform weights, zero output), then values next to the formats'
