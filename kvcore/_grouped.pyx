@@ -42,7 +42,7 @@ from libc.math cimport INFINITY, expf, fmaf, logf, tanhf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 cimport numpy as cnp
 
 import numpy as np
@@ -74,18 +74,21 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     """The scores s [n] of the query at position p (query head `head`) become its softmax
     weights, unnormalised (0 where it sees nothing); OUT lse (NULL: not asked) and inv,
     1 / the denominator."""
-    cdef Py_ssize_t j
-    cdef float mx = -INFINITY, total = 0, c = var.softcap
-    for j in range(n):
-        if (causal and j > p) or (var.window and j <= p - var.window and j >= var.sink_tokens):
-            s[j] = -INFINITY        # not seen
-        elif c != 0:
+    cdef Py_ssize_t j, hi = min(p + 1, n) if causal else n     # it sees [0, hi) but
+    cdef Py_ssize_t w1 = min(p + 1 - var.window, hi) if var.window else 0   # [sink_tokens, w1)
+    cdef float mx, total = 0, c = var.softcap
+    if c != 0:
+        for j in range(hi):
             s[j] = c * tanhf(s[j] / c)
-        mx = s[j] if s[j] > mx else mx
+    for j in range(var.sink_tokens, w1):
+        s[j] = -INFINITY
+    mx = kvg_max(s, hi)
     if var.sinks != NULL:
         mx = var.sinks[head] if var.sinks[head] > mx else mx
         total = expf(var.sinks[head] - mx)
-    total = total + exp_sum(s, n, mx)   # exp(-inf) = 0
+    total = total + exp_sum(s, hi, mx)  # exp(-inf) = 0
+    for j in range(hi, n):
+        s[j] = 0
     if lse != NULL:
         lse[0] = mx + logf(total)
     inv[0] = 1 / total
@@ -104,6 +107,7 @@ cdef extern from *:
     #define kvg_fma _mm512_fmadd_ps
     #define kvg_splat _mm512_set1_ps
     #define kvg_zero _mm512_setzero_ps
+    #define kvg_maxv _mm512_max_ps    /* a lane NaN in the first: the second's */
     /* 16 bytes at p as 16 int32 lanes */
     #define kvg_widen(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))
     #define kvg_low4(x) _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)))
@@ -118,6 +122,7 @@ cdef extern from *:
     #define kvg_fma _mm256_fmadd_ps
     #define kvg_splat _mm256_set1_ps
     #define kvg_zero _mm256_setzero_ps
+    #define kvg_maxv _mm256_max_ps
     #define kvg_widen(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p)))
     #define kvg_low4(x) _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)))
     #define kvg_high4(x) _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4))
@@ -142,6 +147,23 @@ cdef extern from *:
             dst[k] = f * 0x1p112f;
         }
     #endif
+    }
+
+    /* The largest of s[0 .. n) (-inf for n = 0); NaN values are passed over (each a score
+       past float32, which exp keeps NaN in the sum). */
+    static inline float kvg_max(const float* s, Py_ssize_t n) {
+        float mx = -INFINITY, part[16];
+        Py_ssize_t j = 0;
+    #ifdef KVG_W
+        kvg_v m = kvg_splat(-INFINITY);
+        for (; j + KVG_W <= n; j += KVG_W) m = kvg_maxv(kvg_load(s + j), m);   /* NaN: m */
+        kvg_store(part, m);
+        for (int i = 0; i < KVG_W; i++) mx = part[i] > mx ? part[i] : mx;
+    #else
+        (void)part;
+    #endif
+        for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        return mx;
     }
 
     /* The (d, m) pairs of a q4_0 / q4_1 row's nb blocks as float32 dst [nb][2] from its
@@ -337,6 +359,7 @@ cdef extern from *:
                           const float* vt, const uint8_t* const* rows, const float* dm,
                           Py_ssize_t m, Py_ssize_t D) noexcept nogil
     void kvg_q4_scales(const uint16_t* src, Py_ssize_t nb, int q41, float* dst) noexcept nogil
+    float kvg_max(const float* s, Py_ssize_t n) noexcept nogil
 
 
 cdef extern from *:
@@ -367,31 +390,33 @@ cdef inline Py_ssize_t _row(const int32_t* table, Py_ssize_t ps, Py_ssize_t p) n
     return <Py_ssize_t>table[p // ps] * ps + p % ps
 
 
-cdef int _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
+cdef inline Py_ssize_t _scratch_floats(Py_ssize_t R, Py_ssize_t n, Py_ssize_t D) noexcept nogil:
+    """Floats of scratch for R query rows over n positions: scaled queries [R][D],
+    accumulators [R][D], scores [R][n rounded up to 32], a residual row [D], a tile of
+    decoded V rows [V_TILE][D], a group's (d, m) pairs [D][2], a 4-bit V tile's
+    [V_TILE][D / 16]."""
+    return 2 * R * D + R * ((n + GROUP - 1) // GROUP * GROUP) + D + V_TILE * D + 2 * D + V_TILE * (D // 16)
+
+
+cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
                Py_ssize_t h, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t n, float scale,
                bint causal, const int32_t* table, Py_ssize_t ps,
                const uint8_t* kc, const uint16_t* ks, const uint16_t* res,
                int v_fmt, const char* vc, Py_ssize_t v_code_row, const char* vs,
                Py_ssize_t v_scale_row, const Variants* var, float* out,
-               float* lse) noexcept nogil:
+               float* lse, float* work) noexcept nogil:
     """Attention of query rows [r0, r1) (at most ROWS) of kv head h of one sequence
     (module comment; row r is token r // G, query head h G + r % G): q [T, Hq, D] its
     tokens, n its positions, position p in storage row _row(table, ps, p), res its residual
     [32, Hkv, D]; OUT those rows of out [T, Hq, D] and lse [T, Hq] (NULL: not asked).
-    Returns 0, or -1 (nothing written) when its scratch cannot be allocated."""
+    work: _scratch_floats(r1 - r0, n, D) floats of scratch."""
     cdef Py_ssize_t G = Hq // H, R = r1 - r0, W = D // 2, S = D // 16
     cdef Py_ssize_t full = n - n % GROUP, r, p, p0, m, c, t, g, first, nxt, lo, sink_end
     # the positions any of the rows sees: [0, nv) (causal: up to the last row's token);
     # a row's scores ns apart (whole groups: the last one read may pass nv)
     cdef Py_ssize_t nv = n - T + (r1 - 1) // G + 1 if causal else n
     cdef Py_ssize_t ns = (nv + GROUP - 1) // GROUP * GROUP
-    # scratch: scaled queries [R][D], accumulators [R][D], scores [R][ns], a residual row
-    # [D], a tile of decoded V rows [V_TILE][D], a group's (d, m) pairs [D][2], a 4-bit V
-    # tile's [V_TILE][S]
-    cdef float* qs = <float*>malloc((2 * R * D + R * ns + D + V_TILE * D + 2 * D + V_TILE * S)
-                                    * sizeof(float))
-    if qs == NULL:
-        return -1
+    cdef float* qs = work               # the layout of _scratch_floats
     cdef float* acc = qs + R * D
     cdef float* s = acc + R * D
     cdef float* row = s + R * ns
@@ -458,8 +483,6 @@ cdef int _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssi
         t, g = (r0 + r) // G, (r0 + r) % G
         for c in range(D):
             out[(t * Hq + h * G + g) * D + c] = acc[r * D + c] * qs[r * D]
-    free(qs)
-    return 0
 
 
 def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
@@ -503,20 +526,23 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
         [np.repeat(np.arange(H), c) for c in chunks]).astype(np.int64) if B else item_b
     cdef int64_t[::1] item_r0 = np.concatenate(
         [np.tile(np.arange(c)[::-1] * ROWS, H) for c in chunks]).astype(np.int64) if B else item_b
-    cdef int32_t[::1] status = np.zeros(len(item_b), np.int32)
     cdef Variants var
     var.window, var.sink_tokens, var.softcap = window, sink_tokens, softcap
     var.sinks = NULL if sinks is None else &sinks[0]
     cdef int nt = min(num_threads(), <int>max(1, len(item_b)))
+    cdef Py_ssize_t rows = min(ROWS, max(counts, default=0) * G)
+    cdef Py_ssize_t per = _scratch_floats(rows, max(lengths, default=0), D)
+    cdef float* work = <float*>malloc(nt * per * sizeof(float))
+    if work == NULL:
+        raise MemoryError(f"decode attention (K q4_1ch): {nt} x {per} floats of scratch "
+                          f"({rows} query rows over {max(lengths, default=0)} positions)")
     with nogil:
         for item in prange(item_b.shape[0], num_threads=nt, schedule="dynamic"):
             b, h, r0 = item_b[item], item_h[item], item_r0[item]
-            status[item] = _rows(&q[first[b], 0, 0], counts[b], Hq, H, D, h, r0,
-                                 min(r0 + ROWS, counts[b] * G), lengths[b], scale, causal,
-                                 &tables[b, 0], page_size, &k_codes[0, 0, 0],
-                                 &k_scales[0, 0, 0], <const uint16_t*>residuals[b], v_fmt,
-                                 vc, v_code_row, vs, v_scale_row, &var, &out[first[b], 0, 0],
-                                 lp + first[b] * Hq if lp != NULL else NULL)
-    if np.any(np.asarray(status)):
-        raise MemoryError(f"decode attention (K q4_1ch): the scratch of {ROWS} query rows "
-                          f"over up to {max(lengths)} positions could not be allocated")
+            _rows(&q[first[b], 0, 0], counts[b], Hq, H, D, h, r0,
+                  min(r0 + ROWS, counts[b] * G), lengths[b], scale, causal, &tables[b, 0],
+                  page_size, &k_codes[0, 0, 0], &k_scales[0, 0, 0],
+                  <const uint16_t*>residuals[b], v_fmt, vc, v_code_row, vs, v_scale_row,
+                  &var, &out[first[b], 0, 0], lp + first[b] * Hq if lp != NULL else NULL,
+                  work + threadid() * per)
+    free(work)
