@@ -38,7 +38,9 @@ than torch at the same thread count).
   (`_benchlib.PAIRS`: K in the first format, V in the second; the goal lines are the
   formats'); "<fmt> scores=int8" (int8, q8_0, q4_0, q4_1): the opt-in int8 scores
   (`scores="int8"`: integer dot products, VNNI where the CPU has it), whose limit is the
-  probe alone (their scores are not float32 multiply-adds);
+  slower of the probe and the FMA time of the weighted sum of V alone (G * D float32
+  multiply-adds per position and kv head: the scores are not float32 multiply-adds, the
+  values still are; at G = 4 they bind the 4-bit formats on 2-FMA-pipe cores);
 - numpy: float32 grouped matmul on head-major [Hkv, n, D] K/V (the stable softmax in
   between); numpy's BLAS runs its default threads whatever the row says;
 - torch: `scaled_dot_product_attention` float32, [1, Hkv, n, D] K/V, enable_gqa=True.
@@ -286,14 +288,15 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
         psecs, nbytes = probe[(fmt, threads)][n]
         return nbytes / psecs / 1e9
 
+    def fma_secs(name: str, threads: int, n: int) -> float:
+        """Seconds of a call's float32 multiply-adds at the measured rate: 2 * G * D per
+        position and kv head (int8 scores: G * D, the weighted sum's alone)."""
+        return (1 if name.endswith(" scores=int8") else 2) * HQ * D * n / fma[threads]
+
     def limit_gbps(name: str, threads: int, n: int) -> float:
-        """GB/s over `name`'s bytes at the slower of the probe and the FMA limit (the
-        probe alone for int8 scores)."""
-        if name.endswith(" scores=int8"):
-            return probe_gbps(name, threads, n)
+        """GB/s over `name`'s bytes at the slower of the probe and the FMA limit."""
         nbytes = results[(name, threads)][n][1]
-        fma_secs = 2 * HQ * D * n / fma[threads]
-        return min(probe_gbps(name, threads, n), nbytes / fma_secs / 1e9)
+        return min(probe_gbps(name, threads, n), nbytes / fma_secs(name, threads, n) / 1e9)
 
     header = ["implementation", "threads"]
     for n in args.contexts:
@@ -316,11 +319,12 @@ def main(argv: Sequence[str] = ()) -> dict[str, object]:
                 ["format", "threads"] + [f"@{n}" for n in args.contexts],
                 [[fmt, t] + [per_n[n][1] / per_n[n][0] / 1e9 for n in args.contexts]
                  for (fmt, t), per_n in probe.items()])
-    print_table("FMA limit: 2 * G * D float32 multiply-adds per position and kv head at the "
-                "measured FMA rate, as GB/s of each format's bytes (the probe's in brackets)",
+    print_table("FMA limit: 2 * G * D float32 multiply-adds per position and kv head (int8 "
+                "scores: G * D) at the measured FMA rate, as GB/s of each format's bytes (the "
+                "probe's in brackets)",
                 ["format", "threads", "G FMA/s"] + [f"@{n}" for n in args.contexts],
                 [[fmt, t, fma[t] / 1e9] + [
-                    f"{per_n[n][1] / (2 * HQ * D * n / fma[t]) / 1e9:.1f} "
+                    f"{per_n[n][1] / fma_secs(fmt, t, n) / 1e9:.1f} "
                     f"({per_n[n][1] / per_n[n][0] / 1e9:.1f})" for n in args.contexts]
                  for (fmt, t), per_n in probe.items()])
     kvcore.set_num_threads(1)
