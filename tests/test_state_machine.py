@@ -1,4 +1,5 @@
-"""Nothing is lost: a hypothesis state machine drives a KVCache of each format with random
+"""Nothing is lost: a hypothesis state machine drives a KVCache of each format (and of the
+K/V pairs of tests/_formats.py: each side in its own format) with random
 sequences of append, advance, truncate, reset, snapshot (through a file too, which is then
 truncated or rewritten under the loaded snapshot) and restore (also of a snapshot built
 from the cache's own views), good calls and bad ones of every kind, against a plain numpy
@@ -23,10 +24,12 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 import kvcore
 from kvcore import KVCache, KVSpec, Snapshot, load_snapshot
-from kvcore.formats import ROW_FORMATS as FORMATS   # K and V in one format (q4_1ch is K only)
+from kvcore.formats import ROW_FORMATS   # K and V in one format (q4_1ch is K only)
 from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteError,
                            OutOfRangeError, ShapeError, SnapshotError, StateError)
 from kvcore._quant import input_limit, max_scale
+
+from _formats import PAIRS
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -68,31 +71,35 @@ def make_input(seed, kind, dtype, t, layout):
 
 
 class Model:
-    """The cache as plain numpy: full-capacity expected codes, scales and decoded
-    floats per layer, the committed length and the pending count per layer."""
+    """The cache as plain numpy: per side ("k", "v", each in its own format) full-capacity
+    expected codes, scales (None: a format without) and decoded floats per layer, the
+    committed length and the pending count per layer."""
 
     def __init__(self, spec: KVSpec):
-        f = spec.fmt
-        self.fmt = f
-        self.S = f.scales_per_row(D)
-        self.codes = {w: np.zeros((L, N, H, f.code_width(D)), f.code_dtype) for w in "kv"}
-        self.scales = {w: np.zeros((L, N, H, self.S), f.scale_dtype) for w in "kv"} if self.S else None
+        self.fmt = dict(zip("kv", spec.fmts))
+        self.S = {w: f.scales_per_row(D) for w, f in self.fmt.items()}
+        self.codes = {w: np.zeros((L, N, H, f.code_width(D)), f.code_dtype)
+                      for w, f in self.fmt.items()}
+        self.scales = {w: np.zeros((L, N, H, self.S[w]), f.scale_dtype) if self.S[w] else None
+                       for w, f in self.fmt.items()}
         # what zero bytes decode to (q4_0: (0 - 8) * 0.0 = -0.0)
-        self.floats = {w: kvcore.dequantize(self.codes[w], self.scales[w] if self.S else None, f)
-                       for w in "kv"}
+        self.floats = {w: kvcore.dequantize(self.codes[w], self.scales[w], f)
+                       for w, f in self.fmt.items()}
         self.length = 0
         self.pending = [0] * L
 
-    def encode(self, x):
-        """Expected (codes, scales, decoded) of rows x [..., D]: kvcore.quantize's."""
-        codes, scales = kvcore.quantize(x, self.fmt)
-        codes = codes.view(self.fmt.code_dtype)
-        return codes, scales, kvcore.dequantize(codes, scales, self.fmt)
+    def encode(self, x, which):
+        """Expected (codes, scales, decoded) of rows x [..., D] of side `which`:
+        kvcore.quantize's."""
+        f = self.fmt[which]
+        codes, scales = kvcore.quantize(x, f)
+        codes = codes.view(f.code_dtype)
+        return codes, scales, kvcore.dequantize(codes, scales, f)
 
     def write(self, layer, pos, which, codes, scales, floats):
         t = codes.shape[0]
         self.codes[which][layer, pos:pos + t] = codes
-        if self.S:
+        if self.S[which]:
             self.scales[which][layer, pos:pos + t] = scales
         self.floats[which][layer, pos:pos + t] = floats
 
@@ -112,7 +119,8 @@ class CacheMachine(RuleBasedStateMachine):
                            format=self.FORMAT)
         self.cache = KVCache(self.spec)
         self.model = Model(self.spec)
-        self.limit = input_limit(self.spec.fmt.id)  # finite values at or past it are refused
+        # per side: finite values at or past it are refused
+        self.limit = {w: input_limit(f.id) for w, f in zip("kv", self.spec.fmts)}
         self.tmp = tempfile.TemporaryDirectory()
         self.files = 0
 
@@ -145,16 +153,14 @@ class CacheMachine(RuleBasedStateMachine):
         if pos + t > N:
             self.refused(CapacityError, self.cache.append, layer, k, v)
             return
-        if max(np.abs(k.astype(np.float32)).max(initial=0),
-               np.abs(v.astype(np.float32)).max(initial=0)) >= self.limit:
+        if any(np.abs(x.astype(np.float32)).max(initial=0) >= self.limit[w]
+               for w, x in (("k", k), ("v", v))):
             self.refused(FormatError, self.cache.append, layer, k, v)
             return
         self.cache.append(layer, k, v)
-        # K and V encoded in one call: the rule is on values, float32 holds every input
-        kv = np.stack([x.reshape(t, H, D).astype(np.float32) for x in (k, v)])
-        codes, scales, floats = m.encode(kv)
-        for i, which in enumerate("kv"):
-            m.write(layer, pos, which, codes[i], None if scales is None else scales[i], floats[i])
+        # the rule is on values: float32 holds every input
+        for which, x in (("k", k), ("v", v)):
+            m.write(layer, pos, which, *m.encode(x.reshape(t, H, D).astype(np.float32), which))
         m.pending[layer] += t
 
     @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1),
@@ -198,10 +204,10 @@ class CacheMachine(RuleBasedStateMachine):
         elif fault in ("nan", "inf", "-inf"):
             target = k if rng.integers(2) else v
             target[tuple(rng.integers(s) for s in target.shape)] = float(fault)
-        elif fault == "range":  # a finite value at or past the format's limit
-            if self.limit == np.inf:
+        elif fault == "range":  # a finite value at or past K's format's limit
+            if self.limit["k"] == np.inf:
                 return
-            k[tuple(rng.integers(s) for s in k.shape)] = self.limit * float(rng.choice([1, -1]))
+            k[tuple(rng.integers(s) for s in k.shape)] = self.limit["k"] * float(rng.choice([1, -1]))
         else:  # full: one position more than the layer has room for
             k = v = np.zeros((room + 1, H, D), np.float32)
         self.refused(error, self.cache.append, layer, k, v)
@@ -253,7 +259,7 @@ class CacheMachine(RuleBasedStateMachine):
                     f.seek(0)
                     f.write(b"\x7f" * size)
         expected = ({w: m.codes[w][:, :n].copy() for w in "kv"},
-                    {w: m.scales[w][:, :n].copy() for w in "kv"} if m.S else None,
+                    {w: None if m.scales[w] is None else m.scales[w][:, :n].copy() for w in "kv"},
                     {w: m.floats[w][:, :n].copy() for w in "kv"})
         return snap, expected
 
@@ -266,28 +272,31 @@ class CacheMachine(RuleBasedStateMachine):
         for w in "kv":
             for layer in range(L):
                 m.write(layer, 0, w, codes[w][layer],
-                        None if scales is None else scales[w][layer], floats[w][layer])
+                        None if scales[w] is None else scales[w][layer], floats[w][layer])
         m.set_length(n)
 
     @rule(swap=st.booleans())
     def restore_own_views(self, swap):
         """A snapshot made of views of the cache's own storage (every region at full
-        capacity, as `layout` describes it) restores like a copy, K and V swapped too."""
+        capacity, as `layout` describes it) restores like a copy, K and V swapped too (in
+        one format)."""
         c, m = self.cache, self.model
+        swap = swap and not self.spec.paired
         parts = {name: c._storage[r["offset"]:r["offset"] + r["nbytes"]]
                  .view(r["dtype"]).reshape(r["shape"]) for name, r in c.layout.items()}
         if swap:
             parts = {("v" if name[0] == "k" else "k") + name[1:]: a for name, a in parts.items()}
         c.restore(Snapshot(self.spec, N, **parts))
         if swap:
-            for store in (m.codes, m.floats) + ((m.scales,) if m.S else ()):
+            for store in (m.codes, m.floats) + ((m.scales,) if m.S["k"] else ()):
                 store["k"], store["v"] = store["v"].copy(), store["k"].copy()
         m.set_length(N)
 
-    @rule(other=st.sampled_from(list(FORMATS)), n=st.integers(0, N),
+    @rule(other=st.sampled_from(list(ROW_FORMATS)), n=st.integers(0, N),
           seed=st.integers(0, 2**32 - 1))
     def restore_requantized(self, other, n, seed):
-        """A snapshot of another format, re-encoded into the cache's."""
+        """A snapshot of another format, re-encoded into the cache's (each side into its
+        own)."""
         rng = np.random.default_rng(seed)
         spec = self.spec.replace(format=other)
         x = (rng.standard_normal((2, L, n, H, D)) * 10).astype(np.float32)  # K and V
@@ -298,11 +307,12 @@ class CacheMachine(RuleBasedStateMachine):
             parts.update(k_scales=scales[0], v_scales=scales[1])
         self.cache.restore(Snapshot(spec, n, **parts), requantize=True)
         m = self.model
-        want, want_scales, floats = m.encode(kvcore.dequantize(codes, scales, other))
+        decoded = kvcore.dequantize(codes, scales, other)
         for i, w in enumerate("kv"):
+            want, want_scales, floats = m.encode(decoded[i], w)
             for layer in range(L):
-                m.write(layer, 0, w, want[i, layer],
-                        None if want_scales is None else want_scales[i, layer], floats[i, layer])
+                m.write(layer, 0, w, want[layer],
+                        None if want_scales is None else want_scales[layer], floats[layer])
         m.set_length(n)
 
     @rule(fault=st.sampled_from(["num_layers", "num_kv_heads", "head_dim", "format",
@@ -320,19 +330,22 @@ class CacheMachine(RuleBasedStateMachine):
             spec = spec.replace(format="f16" if self.FORMAT != "f16" else "int8")
         elif fault == "too long":
             spec, n = spec.replace(capacity=N + 3), N + 1 + n % 3
-        f = spec.fmt
-        S = f.scales_per_row(spec.head_dim)
-        shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
-        parts = {f"{w}_codes": np.zeros(shape, f.code_dtype) for w in "kv"}
-        if S:
-            parts.update({f"{w}_scales": np.zeros(shape[:3] + (S,), f.scale_dtype) for w in "kv"})
-        if fault == "impossible value":
+        parts = {}
+        for w, f in zip("kv", spec.fmts):
+            S = f.scales_per_row(spec.head_dim)
+            shape = (spec.num_layers, n, spec.num_kv_heads, f.code_width(spec.head_dim))
+            parts[f"{w}_codes"] = np.zeros(shape, f.code_dtype)
+            if S:
+                parts[f"{w}_scales"] = np.zeros(shape[:3] + (S,), f.scale_dtype)
+        if fault == "impossible value":   # in the side the format's entry names
             if n == 0:
                 return
-            name, value = IMPOSSIBLE[self.FORMAT]
+            w = "k" if self.spec.paired else None
+            name, value = IMPOSSIBLE[spec.k_format if w else self.FORMAT]
+            name = f"{w}{name[1:]}" if w else name
             parts[name][-1, n - 1, -1, -1] = value
         if fault == "scale past the encoder's":   # finite, but would not decode finite
-            top = max_scale(f.id)
+            top = max_scale(spec.v_fmt.id)
             if n == 0 or not np.isfinite(top):
                 return
             parts["v_scales"][0, 0, 0, 0] = np.nextafter(np.float32(top), np.float32(np.inf))
@@ -350,7 +363,7 @@ class CacheMachine(RuleBasedStateMachine):
             for w, view, scales in (("k", c.keys, c.key_scales), ("v", c.values, c.value_scales)):
                 assert view(layer).tobytes() == m.codes[w][layer, :n].tobytes()
                 assert view(layer, pending=True).tobytes() == m.codes[w][layer, :end].tobytes()
-                if m.S:
+                if m.S[w]:
                     assert scales(layer).tobytes() == m.scales[w][layer, :n].tobytes()
                     assert (scales(layer, pending=True).tobytes()
                             == m.scales[w][layer, :end].tobytes())
@@ -371,12 +384,12 @@ def one_thread():
 
 
 def _machine_test(fmt):
-    machine = type(f"CacheMachine_{fmt}", (CacheMachine,), {"FORMAT": fmt})
+    machine = type(f"CacheMachine_{fmt.replace('/', '_')}", (CacheMachine,), {"FORMAT": fmt})
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])
     return machine.TestCase
 
 
-for _fmt in FORMATS:
-    globals()[f"TestCache_{_fmt}"] = _machine_test(_fmt)
+for _fmt in list(ROW_FORMATS) + PAIRS:
+    globals()[f"TestCache_{_fmt.replace('/', '_')}"] = _machine_test(_fmt)
