@@ -1,5 +1,6 @@
 """Nothing leaks or tears: a hypothesis state machine drives a small KVPool of each format
-(few pages, so that writes run out of them) with random new / append / append_batch /
+and K/V pair (tests/_formats.py; each side modelled in its own format; few pages, so that
+writes run out of them) with random new / append / append_batch /
 advance / fork / truncate / free / snapshot-restore calls and refused ones, against a
 plain model: per sequence its expected codes and scales (kvcore.quantize of each step,
 the documented contract of a write), length and pending counts, and its pages as
@@ -42,6 +43,8 @@ from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
 
+from _formats import PAIRS
+
 EXAMPLES = int(os.environ.get("KVCORE_POOL_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVCORE_POOL_STEPS", "30"))
 L, H, D, N = 2, 2, 32, 10          # capacity N positions per sequence
@@ -52,10 +55,13 @@ _tokens = itertools.count()
 class Seq:
     """The model of one sequence."""
 
-    def __init__(self, fmt):
-        S = fmt.scales_per_row(D)
-        self.codes = {w: np.zeros((L, N, H, fmt.code_width(D)), fmt.code_dtype) for w in "kv"}
-        self.scales = {w: np.zeros((L, N, H, S), fmt.scale_dtype) for w in "kv"} if S else None
+    def __init__(self, fmts):
+        """fmts: (K's Format, V's Format); scales[w] is None for a side without scales."""
+        self.fmts = fmts
+        self.codes = {w: np.zeros((L, N, H, f.code_width(D)), f.code_dtype)
+                      for w, f in zip("kv", fmts)}
+        self.scales = {w: np.zeros((L, N, H, f.scales_per_row(D)), f.scale_dtype)
+                       if f.scales_per_row(D) else None for w, f in zip("kv", fmts)}
         self.length = 0
         self.pending = [0] * L
         self.pages = []            # abstract page tokens, shared between forks
@@ -64,15 +70,26 @@ class Seq:
         self.keyed = True
         self.start = 0             # first held position past the sink pages (a window's)
 
-    def copy(self, fmt):
-        c = Seq(fmt)
-        for w in "kv":
-            c.codes[w][:] = self.codes[w]
-            if self.scales:
-                c.scales[w][:] = self.scales[w]
+    def copy(self):
+        c = Seq(self.fmts)
+        c.take(self, N)
         c.length = self.length
         c.ids, c.extra, c.keyed = self.ids[:self.length], self.extra, self.keyed
         return c
+
+    def take(self, other, n):
+        """Positions [0, n) of other's codes and scales."""
+        for w in "kv":
+            self.codes[w][:, :n] = other.codes[w][:, :n]
+            if self.scales[w] is not None:
+                self.scales[w][:, :n] = other.scales[w][:, :n]
+
+    def parts(self, n):
+        """Snapshot parts of positions [0, n)."""
+        out = {f"{w}_codes": self.codes[w][:, :n].copy() for w in "kv"}
+        out.update({f"{w}_scales": self.scales[w][:, :n].copy() for w in "kv"
+                    if self.scales[w] is not None})
+        return out
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -84,7 +101,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N,
                            format=self.FORMAT)
-        self.fmt = self.spec.fmt
+        self.fmts = self.spec.fmts
         self.pool = KVPool(self.spec, num_pages=P, page_size=PS)
         self.model: dict[int, Seq] = {}
 
@@ -131,14 +148,15 @@ class PoolMachine(RuleBasedStateMachine):
         return self.pool.advance(seqs)
 
     def apply(self, s, layer, t, codes, scales, end):
-        """Records a write the pool accepted; codes/scales [2, t, H, D / S] (K, V)."""
+        """Records a write the pool accepted; codes/scales: (K's, V's) [t, H, D / S] (a
+        side's scales None without)."""
         m = self.model[s]
         if t == 0:
             return
         self.track_pages(m, end // PS, (end + t - 1) // PS)
         for i, w in enumerate("kv"):
             m.codes[w][layer, end:end + t] = codes[i]
-            if m.scales:
+            if m.scales[w] is not None:
                 m.scales[w][layer, end:end + t] = scales[i]
         m.pending[layer] += t
 
@@ -152,8 +170,11 @@ class PoolMachine(RuleBasedStateMachine):
             m.pages.append(next(_tokens))
 
     def encode(self, k, v):
-        codes, scales = kvcore.quantize(np.stack([k, v]).astype(np.float32), self.fmt)
-        return codes.view(self.fmt.code_dtype), scales
+        """(K's codes, V's codes), (K's scales, V's scales): kvcore.quantize's in each
+        side's format (a side's scales None without)."""
+        enc = [kvcore.quantize(np.asarray(x, np.float32), f) for x, f in zip((k, v), self.fmts)]
+        return (tuple(c.view(f.code_dtype) for (c, _), f in zip(enc, self.fmts)),
+                tuple(sc for _, sc in enc))
 
     def state(self):
         t = self.pool._table
@@ -194,7 +215,7 @@ class PoolMachine(RuleBasedStateMachine):
     def new(self):
         s = self.pool.new_sequence()
         assert s not in self.model
-        self.model[s] = Seq(self.fmt)
+        self.model[s] = Seq(self.fmts)
 
     @precondition(lambda self: self.model)
     @rule(pick=st.integers(0, 3), layer=st.integers(0, L - 1), t=st.integers(0, 5),
@@ -228,8 +249,8 @@ class PoolMachine(RuleBasedStateMachine):
         codes, scales = self.encode(k, v)
         at = 0
         for s, t, (_, end) in zip(seqs, counts, plans):
-            self.apply(s, layer, t, codes[:, at:at + t],
-                       None if scales is None else scales[:, at:at + t], end)
+            self.apply(s, layer, t, [c[at:at + t] for c in codes],
+                       [None if x is None else x[at:at + t] for x in scales], end)
             at += t
         return True
 
@@ -321,7 +342,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.refused(CapacityError, self.pool.fork, s)
             return
         t = self.pool.fork(s)
-        c = m.copy(self.fmt)
+        c = m.copy()
         c.pages = m.pages[:full] + ([next(_tokens)] if part else [])
         self.model[t] = c
 
@@ -385,11 +406,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.refused(CapacityError, self.pool.restore, snap)
             return
         t = self.pool.restore(snap)
-        c = Seq(self.fmt)
-        for w in "kv":
-            c.codes[w][:, :n] = m.codes[w][:, :n]
-            if m.scales:
-                c.scales[w][:, :n] = m.scales[w][:, :n]
+        c = Seq(self.fmts)
+        c.take(m, n)
         c.length = n
         c.pages = [next(_tokens) for _ in range(-(-n // PS))]
         c.ids, c.extra, c.keyed = m.ids[:n], m.extra, False    # a restore carries no ids
@@ -408,9 +426,7 @@ class PoolMachine(RuleBasedStateMachine):
         for b, s in enumerate(seqs):
             m = self.model[s]
             n = m.length
-            parts = {f"{w}_codes": m.codes[w][:, :n].copy() for w in "kv"}
-            if m.scales:
-                parts.update({f"{w}_scales": m.scales[w][:, :n].copy() for w in "kv"})
+            parts = m.parts(n)
             cache = KVCache(self.spec)
             cache.restore(Snapshot(self.spec, n, **parts))
             assert out[b].tobytes() == kvcore.decode_attention(q[b], cache, layer).tobytes()
@@ -457,9 +473,9 @@ class PoolMachine(RuleBasedStateMachine):
                 kc, vc, ks, vs = pool._gather(s, layer, pending=True)
                 assert kc.tobytes() == m.codes["k"][layer, :end].tobytes()
                 assert vc.tobytes() == m.codes["v"][layer, :end].tobytes()
-                if m.scales:
-                    assert ks.tobytes() == m.scales["k"][layer, :end].tobytes()
-                    assert vs.tobytes() == m.scales["v"][layer, :end].tobytes()
+                for got, want in ((ks, m.scales["k"]), (vs, m.scales["v"])):
+                    assert (got is None if want is None
+                            else got.tobytes() == want[layer, :end].tobytes())
 
 
 class PrefixMachine(PoolMachine):
@@ -560,15 +576,15 @@ class PrefixMachine(PoolMachine):
         self.check_counts(before, self.pool.stats, tokens, n)
         for i, key in enumerate(prefix_keys(tokens[:n], PS, self.EXTRAS[extra])):
             self.prefixes[key] = tokens[:(i + 1) * PS]     # pages a store load registered
-        m = Seq(self.fmt)
+        m = Seq(self.fmts)
         m.ids, m.extra, m.length = tokens[:n], self.EXTRAS[extra], n
         for layer in range(L):      # what its pages must hold, from its tokens alone
             for p in range(n):
                 codes, scales = self.encode(*self.kv(m.extra, tokens[:p + 1], layer)[:, None])
                 for i, w in enumerate("kv"):
-                    m.codes[w][layer, p] = codes[i, 0]
-                    if m.scales:
-                        m.scales[w][layer, p] = scales[i, 0]
+                    m.codes[w][layer, p] = codes[i][0]
+                    if m.scales[w] is not None:
+                        m.scales[w][layer, p] = scales[i][0]
         self.model[s] = m
 
     def check_counts(self, before, after, tokens, n):
@@ -606,11 +622,11 @@ class PrefixMachine(PoolMachine):
                 extra = next(x for x in self.EXTRAS if encode_extra(x) == e.extra)
                 for j, p in enumerate(range(len(ids) - PS, len(ids))):
                     codes, scales = self.encode(*self.kv(extra, ids[:p + 1], layer)[:, None])
-                    assert got[0][j].tobytes() == codes[0, 0].tobytes()
-                    assert got[1][j].tobytes() == codes[1, 0].tobytes()
-                    if scales is not None:
-                        assert got[2][j].tobytes() == scales[0, 0].tobytes()
-                        assert got[3][j].tobytes() == scales[1, 0].tobytes()
+                    assert got[0][j].tobytes() == codes[0][0].tobytes()
+                    assert got[1][j].tobytes() == codes[1][0].tobytes()
+                    for i in range(2):
+                        if scales[i] is not None:
+                            assert got[2 + i][j].tobytes() == scales[i][0].tobytes()
 
 
 class StorePrefixMachine(PrefixMachine):
@@ -778,17 +794,14 @@ class WindowRules:
             snap.save(path)
             snap = kvcore.load_snapshot(path)
             shutil.rmtree(os.path.dirname(path))
-        c = Seq(self.fmt)
+        c = Seq(self.fmts)
         c.length, c.start = n, self.slid(n, snap.start)
         need = len({p // PS for p in self.held(c)})
         if need > self.free_pages():
             self.refused(CapacityError, self.pool.restore, snap)
             return
         t = self.pool.restore(snap)
-        for w in "kv":
-            c.codes[w][:, :n] = m.codes[w][:, :n]
-            if m.scales:
-                c.scales[w][:, :n] = m.scales[w][:, :n]
+        c.take(m, n)
         c.ids, c.extra, c.keyed = m.ids[:n], m.extra, False    # a restore carries no ids
         self.model[t] = c
 
@@ -807,9 +820,7 @@ class WindowRules:
         for s, t in zip(seqs, counts):
             m = self.model[s]
             n = m.length + t
-            parts = {f"{w}_codes": m.codes[w][:, :n].copy() for w in "kv"}
-            if m.scales:
-                parts.update({f"{w}_scales": m.scales[w][:, :n].copy() for w in "kv"})
+            parts = m.parts(n)
             cache = KVCache(self.spec)
             cache.restore(Snapshot(self.spec, n, **parts))
             want = kvcore.decode_attention(q[at:at + t], cache, layer, window=self.WINDOW,
@@ -865,9 +876,9 @@ class WindowRules:
                 kc, vc, ks, vs = pool._gather(s, layer, pending=True)
                 assert kc.tobytes() == m.codes["k"][layer, at].tobytes()
                 assert vc.tobytes() == m.codes["v"][layer, at].tobytes()
-                if m.scales:
-                    assert ks.tobytes() == m.scales["k"][layer, at].tobytes()
-                    assert vs.tobytes() == m.scales["v"][layer, at].tobytes()
+                for got, want in ((ks, m.scales["k"]), (vs, m.scales["v"])):
+                    assert (got is None if want is None
+                            else got.tobytes() == want[layer, at].tobytes())
 
 
 class WindowMachine(WindowRules, PoolMachine):
@@ -917,15 +928,15 @@ def one_thread():
 
 
 def _machine_test(fmt, base=PoolMachine, examples=EXAMPLES):
-    machine = type(f"{base.__name__}_{fmt}", (base,), {"FORMAT": fmt})
+    machine = type(f"{base.__name__}_{fmt.replace('/', '_')}", (base,), {"FORMAT": fmt})
     machine.TestCase.settings = settings(
         max_examples=examples, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     return machine.TestCase
 
 
-for _fmt in FORMATS:
-    globals()[f"TestPool_{_fmt}"] = _machine_test(_fmt)
+for _fmt in list(FORMATS) + PAIRS:
+    globals()[f"TestPool_{_fmt.replace('/', '_')}"] = _machine_test(_fmt)
 # The prefix cache's books (match, register, evict, free into the cache) are the same for
 # every format; what a format changes is the bytes of a page, which TestPool_<fmt> reads
 # back for each. So one format per storage layout: codes only (f16), codes and a float32
