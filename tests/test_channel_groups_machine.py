@@ -21,7 +21,6 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
@@ -30,6 +29,8 @@ from kvcore import KVCache, KVSpec, load_snapshot
 from kvcore.errors import (CapacityError, FormatError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
 from kvcore._quant import input_limit
+
+from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVCORE_STATE_STEPS", "30"))
@@ -294,22 +295,5 @@ class GroupsMachine(RuleBasedStateMachine):
             assert c.dequantize(layer, "v", pending=True).tobytes() == m.v(layer, end).tobytes()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A few rows per call: no kernel should split them across threads."""
-    before = kvcore.max_threads()
-    kvcore.set_num_threads(1)
-    yield
-    kvcore.set_num_threads(before)
-
-
-def _machine_test(v):
-    machine = type(f"GroupsMachine_{v}", (GroupsMachine,), {"V": v})
-    machine.TestCase.settings = settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    return machine.TestCase
-
-
-TestGroups_q4_1 = _machine_test("q4_1")
-TestGroups_q4_0 = _machine_test("q4_0")
+TestGroups_q4_1 = machine_test(GroupsMachine, "GroupsMachine_q4_1", {"V": "q4_1"}, EXAMPLES, STEPS)
+TestGroups_q4_0 = machine_test(GroupsMachine, "GroupsMachine_q4_0", {"V": "q4_0"}, EXAMPLES, STEPS)

@@ -31,7 +31,6 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
@@ -44,6 +43,7 @@ from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRange
                            ShapeError, StateError)
 
 from _formats import PAIRS
+from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 EXAMPLES = int(os.environ.get("KVCORE_POOL_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVCORE_POOL_STEPS", "30"))
@@ -918,21 +918,9 @@ def test_one_batch_into_a_page_two_sequences_share():
     m.reads_back_what_was_written()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A few rows per call: no kernel should fork threads for them (as test_state_machine)."""
-    before = kvcore.max_threads()
-    kvcore.set_num_threads(1)
-    yield
-    kvcore.set_num_threads(before)
-
-
 def _machine_test(fmt, base=PoolMachine, examples=EXAMPLES):
-    machine = type(f"{base.__name__}_{fmt.replace('/', '_')}", (base,), {"FORMAT": fmt})
-    machine.TestCase.settings = settings(
-        max_examples=examples, stateful_step_count=STEPS, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    return machine.TestCase
+    return machine_test(base, f"{base.__name__}_{fmt.replace('/', '_')}", {"FORMAT": fmt},
+                        examples, STEPS)
 
 
 for _fmt in list(FORMATS) + PAIRS:

@@ -18,7 +18,6 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
@@ -30,6 +29,7 @@ from kvcore.errors import (CapacityError, DTypeError, FormatError, NonFiniteErro
 from kvcore._quant import input_limit, max_scale
 
 from _formats import PAIRS
+from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -372,24 +372,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert c.dequantize(layer, w).tobytes() == m.floats[w][layer, :n].tobytes()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The shapes here are a few rows, which no kernel should split across threads (the
-    threaded paths are tested on large inputs in test_cache / test_quant); on a busy CPU an
-    OpenMP fork-join per tiny call would dominate this module's time."""
-    before = kvcore.max_threads()
-    kvcore.set_num_threads(1)
-    yield
-    kvcore.set_num_threads(before)
-
-
-def _machine_test(fmt):
-    machine = type(f"CacheMachine_{fmt.replace('/', '_')}", (CacheMachine,), {"FORMAT": fmt})
-    machine.TestCase.settings = settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    return machine.TestCase
-
-
 for _fmt in list(ROW_FORMATS) + PAIRS:
-    globals()[f"TestCache_{_fmt.replace('/', '_')}"] = _machine_test(_fmt)
+    _name = _fmt.replace("/", "_")
+    globals()[f"TestCache_{_name}"] = machine_test(CacheMachine, f"CacheMachine_{_name}",
+                                                   {"FORMAT": _fmt}, EXAMPLES, STEPS)

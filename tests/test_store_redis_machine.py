@@ -28,15 +28,14 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-import kvcore
 from kvcore import KVPool
 from kvcore._prefix_keys import prefix_keys
 from kvcore.store import DirectoryBackend, KVStore, RedisBackend, StoreWriter
 
+from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from test_pool_state_machine import L, PS, P, PrefixMachine, StorePrefixMachine
 
 EXAMPLES = os.environ.get("KVCORE_STORE_MACHINE_EXAMPLES")
@@ -69,14 +68,6 @@ def redis_for_the_machine(tmp_path_factory):
     _redis["server"] = Server(found[0], _redis["dir"])
     yield
     _redis.pop("server").stop()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = kvcore.max_threads()
-    kvcore.set_num_threads(1)
-    yield
-    kvcore.set_num_threads(before)
 
 
 class FaultyStoreMachine(StorePrefixMachine):
@@ -392,13 +383,9 @@ def test_every_fault_in_order_on_redis():
 
 
 def _machine_test(fmt, backend):
-    machine = type(f"FaultyStoreMachine_{backend}_{fmt}", (FaultyStoreMachine,),
-                   {"FORMAT": fmt, "BACKEND": backend})
-    machine.TestCase.settings = settings(
-        max_examples=int(EXAMPLES or {"directory": 50, "redis": 40}[backend]),
-        stateful_step_count=STEPS, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    return machine.TestCase
+    return machine_test(FaultyStoreMachine, f"FaultyStoreMachine_{backend}_{fmt}",
+                        {"FORMAT": fmt, "BACKEND": backend},
+                        int(EXAMPLES or {"directory": 50, "redis": 40}[backend]), STEPS)
 
 
 TestFaultyDirectoryStore = _machine_test("int8", "directory")
