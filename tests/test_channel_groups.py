@@ -349,6 +349,26 @@ def test_pool_fork_truncate_copies_and_free(rng):
     assert f not in pool._groups
 
 
+def test_fork_of_a_sequence_whose_pending_positions_completed_its_open_group(rng):
+    # the fork holds the committed positions; seq's pending ones completed their group (and
+    # wrote the next group's first slots of the residual): the fork's open group is what a
+    # snapshot of those positions holds (decoded from the completed group), in every layer
+    spec = kivi_spec(N=200)
+    pool, (s,), (cache,) = pool_and_caches(rng, [40], spec)
+    k = rng.standard_normal((30, 2, 64)).astype(F32)
+    pool.append(k, k, seq=s, layer=0)        # layer 0: positions 40-69, pending
+    pool.append(k[:5], k[:5], seq=s, layer=1)   # layer 1: 40-44, its group still open
+    f = pool.fork(s)
+    want = KVCache(spec)
+    want.restore(pool.snapshot(s, 40))
+    q = rng.standard_normal((1, 2, 64)).astype(F32)
+    for layer in range(2):
+        np.testing.assert_array_equal(pool.dequantize(f, layer, "k"), want.dequantize(layer, "k"))
+        np.testing.assert_array_equal(decode_attention(q, pool, layer, seqs=[f]),
+                                      decode_attention(q, want, layer))
+    np.testing.assert_array_equal(pool.dequantize(f, 1, "k"), cache.dequantize(1, "k"))
+
+
 def test_prefix_cache_matches_whole_groups(rng):
     spec = kivi_spec(N=200, L=1)
     pool = KVPool(spec, 12, 32, prefix_cache=True)
