@@ -1,4 +1,5 @@
-"""Nothing is lost with K in q4_1ch: a hypothesis state machine drives a KVCache whose K is
+"""Nothing is lost with K in q4_1ch: hypothesis state machines drive a KVCache and a KVPool
+whose K is
 stored by channel over groups of 32 positions (V per token, in q4_1 or q4_0) with random
 appends of up to 40 positions, advance, truncate (into encoded groups too), reset,
 snapshot and restore (through a file too) and refused calls, against a numpy model:
@@ -16,16 +17,18 @@ values.
 Examples per V format: KVCORE_STATE_EXAMPLES (default 40, the CI budget), steps per
 example: KVCORE_STATE_STEPS (default 30).
 """
+import copy
 import os
 import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
+                                 precondition, rule)
 
 import kvcore
-from kvcore import KVCache, KVSpec, load_snapshot
+from kvcore import KVCache, KVPool, KVSpec, load_snapshot
 from kvcore.errors import (CapacityError, FormatError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
 from kvcore._quant import input_limit
@@ -295,5 +298,195 @@ class GroupsMachine(RuleBasedStateMachine):
             assert c.dequantize(layer, "v", pending=True).tobytes() == m.v(layer, end).tobytes()
 
 
+PS, P = 32, 6       # the pool: pages of one group, 6 of them (N = 80 needs 3 per sequence)
+
+
+class PoolGroupsMachine(RuleBasedStateMachine):
+    """A KVPool of K q4_1ch / V q4_1 with up to 3 sequences: new, append, append_batch,
+    advance, fork, truncate, free, snapshot / restore and decode attention, each
+    sequence against its own Model. A call the pool refuses must change nothing (storage,
+    page table, every residual); a CapacityError for want of free pages is the pool's to
+    decide (the page books are format-independent: test_pool_state_machine checks them),
+    one past the capacity N is checked."""
+
+    snapshots = Bundle("snapshots")
+
+    def __init__(self):
+        super().__init__()
+        self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N, num_heads=HQ,
+                           k_format="q4_1ch", v_format="q4_1")
+        self.pool = KVPool(self.spec, num_pages=P, page_size=PS)
+        self.model: dict[int, Model] = {}
+
+    def state(self):
+        p, t = self.pool, self.pool._table
+        return (p._storage.tobytes(), list(t.free), list(t.refs),
+                {s: (list(q.pages), q.length, list(q.pending)) for s, q in t.seqs.items()},
+                {s: (g.residual.tobytes(), list(g.held)) for s, g in p._groups.items()})
+
+    def attempt(self, call, *args, **kwargs):
+        """Runs call; returns True when it went through, False when the pool refused it
+        with CapacityError, having changed nothing."""
+        before = self.state()
+        try:
+            call(*args, **kwargs)
+        except CapacityError:
+            assert self.state() == before
+            return False
+        return True
+
+    def refused(self, error, call, *args, **kwargs):
+        before = self.state()
+        with pytest.raises(error):
+            call(*args, **kwargs)
+        assert self.state() == before
+
+    def pick(self, i):
+        return sorted(self.model)[i % len(self.model)]
+
+    @initialize(n=st.one_of(st.sampled_from([G, 2 * G]), st.integers(0, N)),
+                seed=st.integers(0, 2**32 - 1))
+    def first(self, n, seed):
+        s = self.pool.new_sequence()
+        self.model[s] = Model("q4_1")
+        for layer in range(L):
+            self.append(0, layer, n, seed + layer)
+        self.advance(0)
+
+    @precondition(lambda self: len(self.model) < 3)
+    @rule()
+    def new(self):
+        self.model[self.pool.new_sequence()] = Model("q4_1")
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 2), layer=st.integers(0, L - 1), t=st.integers(0, 40),
+          seed=st.integers(0, 2**32 - 1))
+    def append(self, i, layer, t, seed):
+        s = self.pick(i)
+        m = self.model[s]
+        k, v = (np.random.default_rng(seed).standard_normal((2, t, H, D)) * 3).astype(F32)
+        if m.end(layer) + t > N:
+            self.refused(CapacityError, self.pool.append, k, v, seq=s, layer=layer)
+        elif self.attempt(self.pool.append, k, v, seq=s, layer=layer):
+            m.append(layer, k, v)
+
+    @precondition(lambda self: self.model)
+    @rule(layer=st.integers(0, L - 1), counts=st.lists(st.integers(0, 20), min_size=3, max_size=3),
+          seed=st.integers(0, 2**32 - 1))
+    def append_batch(self, layer, counts, seed):
+        seqs = sorted(self.model)
+        counts = counts[:len(seqs)]
+        k, v = (np.random.default_rng(seed).standard_normal((2, sum(counts), H, D))).astype(F32)
+        if any(self.model[s].end(layer) + c > N for s, c in zip(seqs, counts)):
+            self.refused(CapacityError, self.pool.append_batch, k, v, seqs=seqs, layer=layer,
+                         counts=counts)
+        elif self.attempt(self.pool.append_batch, k, v, seqs=seqs, layer=layer, counts=counts):
+            at = 0
+            for s, c in zip(seqs, counts):
+                self.model[s].append(layer, k[at:at + c], v[at:at + c])
+                at += c
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 2))
+    def advance(self, i):
+        s = self.pick(i)
+        m = self.model[s]
+        if len(set(m.pending)) > 1:
+            self.refused(StateError, self.pool.advance, [s])
+            return
+        assert self.pool.advance([s]) == [m.pending[0]]
+        m.length, m.pending = m.length + m.pending[0], [0] * L
+
+    @precondition(lambda self: self.model and len(self.model) < 3)
+    @rule(i=st.integers(0, 2))
+    def fork(self, i):
+        s = self.pick(i)
+        before = self.state()
+        try:
+            t = self.pool.fork(s)
+        except CapacityError:
+            assert self.state() == before
+            return
+        f = copy.deepcopy(self.model[s])
+        f.truncate(f.length)        # the committed positions, as a snapshot holds them
+        self.model[t] = f
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 2), n=st.integers(-1, N + 1), into_group=st.booleans())
+    def truncate(self, i, n, into_group):
+        s = self.pick(i)
+        m = self.model[s]
+        if into_group and m.length > G:
+            n = m.length - 1 - n % G
+        if not 0 <= n <= m.length:
+            self.refused(OutOfRangeError, self.pool.truncate, s, n)
+            return
+        self.pool.truncate(s, n)
+        m.truncate(n)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 2))
+    def free(self, i):
+        s = self.pick(i)
+        self.pool.free(s)
+        del self.model[s]
+
+    @precondition(lambda self: self.model)
+    @rule(target=snapshots, i=st.integers(0, 2), n=st.integers(0, N))
+    def snapshot(self, i, n):
+        m = self.model[self.pick(i)]
+        n = min(n, m.length)
+        return self.pool.snapshot(self.pick(i), n), m.state(n)
+
+    @precondition(lambda self: len(self.model) < 3)
+    @rule(saved=snapshots)
+    def restore(self, saved):
+        snap, st_ = saved
+        before = self.state()
+        try:
+            t = self.pool.restore(snap)
+        except CapacityError:
+            assert self.state() == before
+            return
+        m = self.model[t] = Model("q4_1")
+        m.restore(st_)
+
+    @precondition(lambda self: self.model)
+    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1))
+    def attend(self, layer, seed):
+        """One query per sequence over its committed and pending positions: the float64
+        reference over the model's K and V."""
+        seqs = [s for s in sorted(self.model) if self.model[s].end(layer)]
+        if not seqs:
+            return
+        q = np.random.default_rng(seed).standard_normal((len(seqs), HQ, D)).astype(F32)
+        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs)
+        for b, s in enumerate(seqs):
+            m = self.model[s]
+            end = m.end(layer)
+            v = m.v(layer, end)
+            np.testing.assert_allclose(out[b:b + 1], reference(q[b:b + 1], m.k(layer, end), v),
+                                       rtol=1e-4, atol=1e-5 * (np.abs(v).max() + 1e-30))
+
+    @invariant()
+    def matches_model(self):
+        p = self.pool
+        assert sorted(p._table.seqs) == sorted(self.model)
+        for s, m in self.model.items():
+            assert p.length(s) == m.length
+            for layer in range(L):
+                assert p.pending(s, layer) == m.pending[layer]
+                end = m.end(layer)
+                full = end - end % G
+                kc, vc, ks, vs = p._gather(s, layer, pending=True)
+                assert kc[:full].tobytes() == m.kc[layer, :full].tobytes()
+                assert ks[:full].tobytes() == m.ks[layer, :full].tobytes()
+                assert vc.tobytes() == m.vc[layer, :end].tobytes()
+                assert vs.tobytes() == m.vs[layer, :end].tobytes()
+                assert p.dequantize(s, layer, "k", pending=True).tobytes() == m.k(layer, end).tobytes()
+                assert p.dequantize(s, layer, "v", pending=True).tobytes() == m.v(layer, end).tobytes()
+
+
 TestGroups_q4_1 = machine_test(GroupsMachine, "GroupsMachine_q4_1", {"V": "q4_1"}, EXAMPLES, STEPS)
 TestGroups_q4_0 = machine_test(GroupsMachine, "GroupsMachine_q4_0", {"V": "q4_0"}, EXAMPLES, STEPS)
+TestPoolGroups = machine_test(PoolGroupsMachine, "PoolGroupsMachine_q4_1", {}, EXAMPLES, STEPS)
