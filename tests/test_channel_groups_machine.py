@@ -438,13 +438,16 @@ class PoolGroupsMachine(RuleBasedStateMachine):
         n = min(n, m.length)
         return self.pool.snapshot(self.pick(i), n), m.state(n)
 
-    @precondition(lambda self: len(self.model) < 3)
-    @rule(saved=snapshots)
-    def restore(self, saved):
+    @rule(saved=snapshots, into=st.integers(-1, 2))
+    def restore(self, saved, into):
+        """Into a new sequence (into = -1), or over one the model holds."""
         snap, st_ = saved
+        seq = self.pick(into) if into >= 0 and self.model else None
+        if seq is None and len(self.model) == 3:
+            return
         before = self.state()
         try:
-            t = self.pool.restore(snap)
+            t = self.pool.restore(snap, seq=seq)
         except CapacityError:
             assert self.state() == before
             return
