@@ -183,11 +183,23 @@ cdef extern from *:
 
     #ifdef KVG_W
     /* The 4-bit codes of KVG_W bytes at p, low nibbles and high nibbles, as code * d + m
-       (one rounding; code * d is exact): OUT lo, hi. */
+       (one rounding; code * d is exact): OUT lo, hi. AVX-512: the 16 values c * d + m of
+       the codes 0 .. 15 as a table (one multiply-add: each the value its code's own
+       multiply-add gives) that the codes index (vpermps reads an index's low 4 bits: the
+       low nibble as it is, the high one shifted down), as the attention kernel's
+       kv_q4_halves. */
     KVG_AI void kvg_q4_pair(const uint8_t* p, float d, float m, kvg_v* lo, kvg_v* hi) {
         const __typeof__(kvg_widen(p)) x = kvg_widen(p);
+    #if KVG_W == 16
+        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                             12, 13, 14, 15),
+                                             kvg_splat(d), kvg_splat(m));
+        *lo = _mm512_permutexvar_ps(x, table);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+    #else
         *lo = kvg_fma(kvg_low4(x), kvg_splat(d), kvg_splat(m));
         *hi = kvg_fma(kvg_high4(x), kvg_splat(d), kvg_splat(m));
+    #endif
     }
     #endif
 
@@ -463,21 +475,22 @@ cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         m = min(V_TILE, nv - p0)
         if sink_end <= p0 and p0 + m <= lo:
             continue
+        # a tile's rows follow each other (a page holds whole tiles: ps % 32 == 0, or one
+        # page holds everything); the next tile's, prefetched row by row (H rows apart)
+        first = _row(table, ps, p0)
+        nxt = _row(table, ps, p0 + V_TILE) if p0 + V_TILE < nv and p0 + V_TILE >= lo else -1
         for t in range(m):              # the tile's V rows: decoded into vt [m][D], or
                                         # 4-bit: their codes and (d, m) pairs vdm [m][S]
-            p = p0 + t
-            first = _row(table, ps, p)
-            if p + V_TILE < nv and p + V_TILE >= lo:   # the next tile's row (H rows apart)
-                nxt = _row(table, ps, p + V_TILE) * H + h
-                _prefetch(vc + nxt * v_code_row, v_code_row)
+            if nxt >= 0 and p0 + V_TILE + t < nv:
+                _prefetch(vc + ((nxt + t) * H + h) * v_code_row, v_code_row)
                 if vs != NULL:
-                    _prefetch(vs + nxt * v_scale_row, v_scale_row)
-            vsp = vs + (first * H + h) * v_scale_row if vs != NULL else NULL
+                    _prefetch(vs + ((nxt + t) * H + h) * v_scale_row, v_scale_row)
+            vsp = vs + ((first + t) * H + h) * v_scale_row if vs != NULL else NULL
             if v4:
-                vrows[t] = <const uint8_t*>vc + (first * H + h) * v_code_row
+                vrows[t] = <const uint8_t*>vc + ((first + t) * H + h) * v_code_row
                 kvg_q4_scales(<const uint16_t*>vsp, D // GROUP, v_fmt == Q4_1, vdm + t * S)
             else:
-                decode_row(v_fmt, vc + (first * H + h) * v_code_row, vsp, D, vt + t * D)
+                decode_row(v_fmt, vc + ((first + t) * H + h) * v_code_row, vsp, D, vt + t * D)
         kvg_weighted_sum(acc, s + p0, ns, R, vt, vrows if v4 else NULL, vdm, m, D)
     for r in range(R):
         t, g = (r0 + r) // G, (r0 + r) % G
