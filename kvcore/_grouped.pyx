@@ -214,8 +214,9 @@ cdef extern from *:
        slot 0 codes / scales (scale slots pss apart), whose slot j is prefetched while
        slot j decodes (NULL: none). */
     KVG_AI void kvg_scores_rows(const float* q, Py_ssize_t D, const int NR, const uint8_t* codes,
-                                Py_ssize_t cs, const float* dm, float* s, Py_ssize_t ss,
-                                const uint8_t* pf, const uint16_t* pfs, Py_ssize_t pss) {
+                                Py_ssize_t cs, const float* dm, const float* lanes, const int DEC,
+                                float* s, Py_ssize_t ss, const uint8_t* pf, const uint16_t* pfs,
+                                Py_ssize_t pss) {
         const Py_ssize_t per = D / 32;
     #ifdef KVG_W
         for (int h = 0; h < 16; h += KVG_W) {   /* bytes [h, h + KVG_W) of each channel */
@@ -230,7 +231,13 @@ cdef extern from *:
                 for (Py_ssize_t i = 0; i < per; i++, b += 16) {
                     const Py_ssize_t c = j * per + i;
                     kvg_v vl, vh;
-                    kvg_q4_pair(b, dm[2 * c], dm[2 * c + 1], &vl, &vh);
+                    if (DEC) {      /* decoded once for all the rows (kvg_group_scores) */
+                        vl = kvg_load(lanes + c * 32 + h);
+                        vh = kvg_load(lanes + c * 32 + 16 + h);
+                        __asm__("" : "+v"(vl), "+v"(vh));   /* loaded once for the NR rows */
+                    } else {
+                        kvg_q4_pair(b, dm[2 * c], dm[2 * c + 1], &vl, &vh);
+                    }
                     for (int r = 0; r < NR; r++) {
                         const kvg_v qc = kvg_splat(q[r * D + c]);
                         lo[r] = kvg_fma(qc, vl, lo[r]);
@@ -244,7 +251,7 @@ cdef extern from *:
             }
         }
     #else
-        (void)pf; (void)pfs; (void)pss;
+        (void)pf; (void)pfs; (void)pss; (void)lanes; (void)DEC;
         for (int r = 0; r < NR; r++)
             for (int t = 0; t < 32; t++) {
                 float a = 0;
@@ -258,19 +265,38 @@ cdef extern from *:
     #endif
     }
 
+    #define KVG_DECODE_ROWS 8   /* more rows than this: a group is decoded once, into floats */
+
     /* s[r * ss + t] (t < 32): the scores of the R rows of q [R][D] over one complete
-       group (kvg_scores_rows, rows 4 at a time); dm: scratch of 2 D floats. */
+       group (kvg_scores_rows, rows 4 at a time); dm: scratch of 2 D floats; lanes: of D x
+       32 floats. More than KVG_DECODE_ROWS rows (prefill): the group's values are decoded
+       once into lanes [D][32] (the same values), which the row blocks load instead of
+       decoding the codes each. */
     static void kvg_group_scores(const float* q, Py_ssize_t R, Py_ssize_t D, const uint8_t* codes,
                                  Py_ssize_t cs, const uint16_t* scales, Py_ssize_t scs, float* dm,
-                                 float* s, Py_ssize_t ss, const uint8_t* pf, const uint16_t* pfs) {
+                                 float* lanes, float* s, Py_ssize_t ss, const uint8_t* pf,
+                                 const uint16_t* pfs) {
         const Py_ssize_t per = D / 32;
+        const int dec = R > KVG_DECODE_ROWS;
         for (Py_ssize_t j = 0; j < 32; j++) kvg_halves(scales + j * scs, 2 * per, dm + 2 * per * j);
+    #ifdef KVG_W
+        for (Py_ssize_t c = 0; c < D && dec; c++)
+            for (int h = 0; h < 16; h += KVG_W) {
+                kvg_v lo, hi;
+                kvg_q4_pair(codes + (c / per) * cs + (c % per) * 16 + h, dm[2 * c], dm[2 * c + 1], &lo, &hi);
+                kvg_store(lanes + c * 32 + h, lo);
+                kvg_store(lanes + c * 32 + 16 + h, hi);
+            }
+    #endif
         for (Py_ssize_t r = 0; r < R; r += 4) {
             const int nr = R - r < 4 ? (int)(R - r) : 4;
             const uint8_t* p = r == 0 ? pf : NULL;
-            #define KVG_SCORES(NR) kvg_scores_rows(q + r * D, D, NR, codes, cs, dm, s + r * ss, ss, p, pfs, scs)
-            KVG_BY_ROWS(nr, KVG_SCORES)
+            #define KVG_SCORES(NR) kvg_scores_rows(q + r * D, D, NR, codes, cs, dm, lanes, 0, s + r * ss, ss, p, pfs, scs)
+            #define KVG_SCORES_DEC(NR) kvg_scores_rows(q + r * D, D, NR, codes, cs, dm, lanes, 1, s + r * ss, ss, p, pfs, scs)
+            if (dec) { KVG_BY_ROWS(nr, KVG_SCORES_DEC) }
+            else { KVG_BY_ROWS(nr, KVG_SCORES) }
             #undef KVG_SCORES
+            #undef KVG_SCORES_DEC
         }
     }
 
@@ -365,8 +391,9 @@ cdef extern from *:
     """
     void kvg_group_scores(const float* q, Py_ssize_t R, Py_ssize_t D, const uint8_t* codes,
                           Py_ssize_t cs, const uint16_t* scales, Py_ssize_t scs, float* dm,
-                          float* s, Py_ssize_t ss, const uint8_t* pf,
+                          float* lanes, float* s, Py_ssize_t ss, const uint8_t* pf,
                           const uint16_t* pfs) noexcept nogil
+    enum: KVG_DECODE_ROWS
     void kvg_weighted_sum(float* acc, const float* w, Py_ssize_t ws, Py_ssize_t R,
                           const float* vt, const uint8_t* const* rows, const float* dm,
                           Py_ssize_t m, Py_ssize_t D) noexcept nogil
@@ -406,8 +433,9 @@ cdef inline Py_ssize_t _scratch_floats(Py_ssize_t R, Py_ssize_t n, Py_ssize_t D)
     """Floats of scratch for R query rows over n positions: scaled queries [R][D],
     accumulators [R][D], scores [R][n rounded up to 32], a residual row [D], a tile of
     decoded V rows [V_TILE][D], a group's (d, m) pairs [D][2], a 4-bit V tile's
-    [V_TILE][D / 16]."""
-    return 2 * R * D + R * ((n + GROUP - 1) // GROUP * GROUP) + D + V_TILE * D + 2 * D + V_TILE * (D // 16)
+    [V_TILE][D / 16], a group's decoded values [D][32]."""
+    return (2 * R * D + R * ((n + GROUP - 1) // GROUP * GROUP) + D + V_TILE * D + 2 * D
+            + V_TILE * (D // 16) + D * GROUP)
 
 
 cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ssize_t D,
@@ -435,8 +463,10 @@ cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
     cdef float* vt = row + D
     cdef float* dm = vt + V_TILE * D
     cdef float* vdm = dm + 2 * D
+    cdef float* lanes = vdm + V_TILE * S
     cdef const uint8_t* vrows[V_TILE]
-    cdef bint v4 = v_fmt == Q4_0 or v_fmt == Q4_1
+    # 4-bit V decoded in registers per 4 rows, or for more rows (prefill) once per tile
+    cdef bint v4 = (v_fmt == Q4_0 or v_fmt == Q4_1) and R <= KVG_DECODE_ROWS
     cdef const char* vsp
     cdef const uint8_t* nc
     cdef const uint16_t* nsc
@@ -461,7 +491,7 @@ cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
             nc = kc + (nxt * H + h) * W
             nsc = ks + (nxt * H + h) * S
         kvg_group_scores(qs, R, D, kc + (first * H + h) * W, H * W, ks + (first * H + h) * S,
-                         H * S, dm, s + p, ns, nc, nsc)
+                         H * S, dm, lanes, s + p, ns, nc, nsc)
     for p in range(full, nv):
         decode_row(F16, res + ((p - full) * H + h) * D, NULL, D, row)
         for r in range(R):

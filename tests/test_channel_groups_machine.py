@@ -188,7 +188,7 @@ class GroupsMachine(RuleBasedStateMachine):
             return
         k = rng.standard_normal((t, H, D)).astype(F32)
         v = rng.standard_normal((t, H, D)).astype(F32)
-        where = tuple(rng.integers(s) for s in k.shape)
+        where = tuple(rng.integers(s) for s in k.shape) if t else None
         error = {"nan": NonFiniteError, "inf": NonFiniteError, "range": FormatError,
                  "heads": ShapeError, "head_dim": ShapeError, "layer": OutOfRangeError,
                  "full": CapacityError}[fault]
