@@ -9,8 +9,9 @@
    Sequence b's positions [0, n_b) are read through its page table (a KVCache: one page
    of N rows); its query token t of T sees [0, n_b - T + t] (causal) or [0, n_b). Query
    head i reads kv head i // G (G = Hq / Hkv).
-2. Threads take the (sequence, kv head) items. Per item, its R = T * G query rows are
-   scaled first.
+2. Threads take the work items: (sequence, kv head, ROWS = 64 of its T * G query rows),
+   the last rows first; a causal item reads the positions its last row sees. Per item,
+   its R query rows are scaled first.
    Scores of a complete group, for its 32 positions at once, rows 4 at a time
    (kvg_group_scores): the slots' scales are converted to float32 (d, m) per channel,
    then per channel its 16 code bytes are widened once into vector lanes, low nibbles
@@ -18,7 +19,9 @@
    bytes), each code * d + m in registers (the stored values exactly: code * d is exact,
    so one rounding as `dequantize`'s two), and each row adds q_c times them (fused
    multiply-adds into 2 vectors per row: per row and position one chain over the
-   channels in order, whatever the row count). Nothing is decoded into memory. (Splitting
+   channels in order, whatever the row count). With more than KVG_DECODE_ROWS = 8 rows
+   (prefill) the group is decoded once into floats [D][32] (the same values) that the row
+   blocks load instead. (Splitting
    the score into sum_c (q_c d_c) code + sum_c q_c m_c would cancel: m is the group's
    minimum.) The open group's scores are dot products with its float16 rows.
    A head's rows lie Hkv rows apart (token-major storage), so the next group's row
@@ -31,10 +34,11 @@
    position (the order of a plain loop), one broadcast weight per row and position.
    q4_0 / q4_1 V decode in registers as K does (a tile's scales as float32 (d, m) pairs
    first, q4_0's as (d, -8 d)), a block's low and high nibbles from one widen, once per 4
-   rows; other V formats decode once per tile and head into floats (`_quant.decode_row`)
-   that the block loads. No float copy of K or V is made; per head: scores [R][n],
-   accumulators [R][D], one tile of decoded V rows [V_TILE][D] (non-4-bit V) and its
-   scales, one group's scales [D][2] as floats.
+   rows (more than 8 rows: once per tile, as other formats); other V formats decode once
+   per tile and head into floats (`_quant.decode_row`) that the block loads.
+   No float copy of K or V is made; per item: scores [R][n], accumulators [R][D], one
+   tile of decoded V rows [V_TILE][D] and its scales, one group's scales [D][2] and
+   values [D][32] as floats (_scratch_floats), in one scratch per thread for the call.
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
