@@ -1919,6 +1919,13 @@ cdef float exp_sum(float* s, Py_ssize_t n, float mx) noexcept nogil:
     return kv_exp_sum(s, <size_t>n, mx)
 
 
+cdef void softcap(float* s, Py_ssize_t n, float c) noexcept nogil:
+    """s[j] = c tanh(s[j] / c) for j < n in place, vectorised as this kernel's scores
+    (kv_softcap: a few float32 ulp; a score that is not finite becomes NaN). For the
+    q4_1ch kernel's softmax (_grouped.pyx)."""
+    kv_softcap_array(s, <size_t>n, c, s)
+
+
 cdef enum:
     MIN_SPLIT = 64   # positions per split at least (a split's start-up costs about that many)
 

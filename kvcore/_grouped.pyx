@@ -28,10 +28,11 @@
    slots (one per slot of the current group, while it decodes), and the next tile's V
    rows and their scales, are prefetched by hand. With a window, groups and
    V tiles that no row sees are skipped (a windowed pool may have released their pages).
-3. A softmax per row (max subtracted, the attention kernel's vector exp), then the
-   weighted sum of V in tiles of V_TILE positions (kvg_weighted_sum): rows 4 at a time,
-   columns in register blocks (AVX-512: 64, AVX2: 16) held across the tile, position by
-   position (the order of a plain loop), one broadcast weight per row and position.
+3. A softmax per row (max subtracted; the attention kernel's vector exp and
+   soft-capping), then the weighted sum of V in tiles of V_TILE positions
+   (kvg_weighted_sum): rows 4 at a time, columns in register blocks (AVX-512: 64, AVX2:
+   16) held across the tile, position by position (the order of a plain loop), one
+   broadcast weight per row and position.
    q4_0 / q4_1 V decode in registers as K does (a tile's scales as float32 (d, m) pairs
    first, q4_0's as (d, -8 d)), a block's low and high nibbles from one widen, once per 4
    rows (more than 8 rows: once per tile, as other formats); other V formats decode once
@@ -42,7 +43,7 @@
 4. The caller checks that every output is finite (attention.py), so a refused call leaves
    its out untouched.
 """
-from libc.math cimport INFINITY, expf, fmaf, logf, tanhf
+from libc.math cimport INFINITY, expf, fmaf, logf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -51,7 +52,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from kvcore._attention cimport exp_sum
+from kvcore._attention cimport exp_sum, softcap as softcap_scores
 from kvcore._quant cimport F16, Q4_0, Q4_1, decode_row
 from kvcore._parallel cimport num_threads
 
@@ -82,8 +83,7 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     cdef Py_ssize_t w1 = min(p + 1 - var.window, hi) if var.window else 0   # [sink_tokens, w1)
     cdef float mx, total = 0, c = var.softcap
     if c != 0:
-        for j in range(hi):
-            s[j] = c * tanhf(s[j] / c)
+        softcap_scores(s, hi, c)    # the attention kernel's, vectorised
     for j in range(var.sink_tokens, w1):
         s[j] = -INFINITY
     mx = kvg_max(s, hi)
