@@ -3,7 +3,8 @@
     python tools/bench_prefill.py [--tokens 1024 4096] [--threads 1 2] [--rounds 3]
 
 T new tokens attend a cache holding exactly those T positions (token t sees positions
-[0, t]): Hq = 32, Hkv = 8, D = 128, batch 1, every format. The peer is
+[0, t]): Hq = 32, Hkv = 8, D = 128, batch 1, every format and the K/V pairs
+(`_benchlib.PAIRS`: K in the first format, V in the second). The peer is
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
 enable_gqa=True)` float32 on [1, H, T, D] tensors (its own layout, made once, not timed).
 "kvcore f32 causal=False" is the same call without the mask: the work a causal call skips.
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchlib import print_table  # noqa: E402
+from _benchlib import PAIRS, print_table  # noqa: E402
 
 import kvcore  # noqa: E402
 
@@ -34,7 +35,7 @@ def _calls(torch, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, Call
     """The timed calls of one prompt of T = len(q) tokens."""
     T = q.shape[0]
     calls: dict[str, Callable[[], object]] = {}
-    for fmt in kvcore.formats.ROW_FORMATS:
+    for fmt in (*kvcore.formats.ROW_FORMATS, *PAIRS):
         cache = kvcore.KVCache(kvcore.KVSpec(num_layers=1, num_kv_heads=HKV, head_dim=D,
                                              capacity=T, num_heads=HQ, format=fmt))
         cache.append(0, k, v)
