@@ -284,13 +284,15 @@ cdef extern from *:
         const int dec = R > KVG_DECODE_ROWS;
         for (Py_ssize_t j = 0; j < 32; j++) kvg_halves(scales + j * scs, 2 * per, dm + 2 * per * j);
     #ifdef KVG_W
-        for (Py_ssize_t c = 0; c < D && dec; c++)
-            for (int h = 0; h < 16; h += KVG_W) {
-                kvg_v lo, hi;
-                kvg_q4_pair(codes + (c / per) * cs + (c % per) * 16 + h, dm[2 * c], dm[2 * c + 1], &lo, &hi);
-                kvg_store(lanes + c * 32 + h, lo);
-                kvg_store(lanes + c * 32 + 16 + h, hi);
-            }
+        if (dec)
+            for (Py_ssize_t c = 0; c < D; c++)
+                for (int h = 0; h < 16; h += KVG_W) {
+                    kvg_v lo, hi;
+                    kvg_q4_pair(codes + (c / per) * cs + (c % per) * 16 + h, dm[2 * c], dm[2 * c + 1],
+                                &lo, &hi);
+                    kvg_store(lanes + c * 32 + h, lo);
+                    kvg_store(lanes + c * 32 + 16 + h, hi);
+                }
     #endif
         for (Py_ssize_t r = 0; r < R; r += 4) {
             const int nr = R - r < 4 ? (int)(R - r) : 4;
@@ -567,22 +569,25 @@ def attend_grouped(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k_codes,
         first[b] = first[b - 1] + counts[b - 1]
     # work items: (sequence, kv head, ROWS query rows of it), the last rows first (causal:
     # they see the most positions)
+    # (item k of sequence b's H * c_b: kv head k // c_b, chunk c_b - 1 - k % c_b)
     chunks = (np.asarray(counts) * G + ROWS - 1) // ROWS
-    cdef int64_t[::1] item_b = np.repeat(np.arange(B), chunks * H)
-    cdef int64_t[::1] item_h = np.concatenate(
-        [np.repeat(np.arange(H), c) for c in chunks]).astype(np.int64) if B else item_b
-    cdef int64_t[::1] item_r0 = np.concatenate(
-        [np.tile(np.arange(c)[::-1] * ROWS, H) for c in chunks]).astype(np.int64) if B else item_b
+    per_seq = chunks * H
+    cdef int64_t[::1] item_b = np.repeat(np.arange(B, dtype=np.int64), per_seq)
+    k = np.arange(len(item_b), dtype=np.int64) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    c = np.repeat(chunks, per_seq)
+    cdef int64_t[::1] item_h = k // c
+    cdef int64_t[::1] item_r0 = (c - 1 - k % c) * ROWS
     cdef Variants var
     var.window, var.sink_tokens, var.softcap = window, sink_tokens, softcap
     var.sinks = NULL if sinks is None else &sinks[0]
     cdef int nt = min(num_threads(), <int>max(1, len(item_b)))
-    cdef Py_ssize_t rows = min(ROWS, max(counts, default=0) * G)
-    cdef Py_ssize_t per = _scratch_floats(rows, max(lengths, default=0), D)
+    cdef Py_ssize_t rows = min(ROWS, np.asarray(counts).max(initial=0) * G)
+    cdef Py_ssize_t longest = np.asarray(lengths).max(initial=0)
+    cdef Py_ssize_t per = _scratch_floats(rows, longest, D)
     cdef float* work = <float*>malloc(nt * per * sizeof(float))
     if work == NULL:
         raise MemoryError(f"decode attention (K q4_1ch): {nt} x {per} floats of scratch "
-                          f"({rows} query rows over {max(lengths, default=0)} positions)")
+                          f"({rows} query rows over {longest} positions)")
     with nogil:
         for item in prange(item_b.shape[0], num_threads=nt, schedule="dynamic"):
             b, h, r0 = item_b[item], item_h[item], item_r0[item]
