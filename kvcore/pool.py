@@ -275,9 +275,11 @@ class KVPool(WindowViews):
             if copy is not None:
                 self._store.writer.copy_pages(np.array([[copy[0] * self._ps, copy[1] * self._ps]],
                                                        np.int64), self._ps)
-            if seq in self._groups:     # the fork's open group: as a snapshot holds it
-                groups = self._groups[t] = self._groups[seq].copy()     # (decoded when
-                for layer in range(self._num_layers):   # seq's pending positions completed it)
+            if seq in self._groups:
+                # the fork's open group as a snapshot holds it: decoded from its codes
+                # where seq's pending positions completed the group
+                groups = self._groups[t] = self._groups[seq].copy()
+                for layer in range(self._num_layers):
                     groups.truncate(layer, self._table.get(t).length, *self._k_regions(layer),
                                     self._row_of(t))
             return t
