@@ -1,8 +1,7 @@
-"""Nothing is lost with K in q4_1ch: hypothesis state machines drive a KVCache and a KVPool
-whose K is
-stored by channel over groups of 32 positions (V per token, in q4_1 or q4_0) with random
-appends of up to 40 positions, advance, truncate (into encoded groups too), reset,
-snapshot and restore (through a file too) and refused calls, against a numpy model:
+"""Nothing is lost with K in q4_1ch: hypothesis state machines drive KVCaches and KVPools
+whose K is stored by channel over groups of 32 positions (V per token, in q4_1 or q4_0)
+with random appends of up to 40 positions, advance, truncate (into encoded groups too),
+reset, snapshot and restore (through a file too) and refused calls, against a numpy model:
 per layer the float16 K each position holds (K is rounded to float16 on append; a
 truncation into an encoded group leaves its kept positions holding their decoded values,
 rounded to float16), each complete group's codes and scales (kvcore.quantize of its
@@ -14,10 +13,17 @@ every refused call: the storage, the residual and the lengths are as they were. 
 compares decode attention (the grouped kernel) with a float64 reference over the model's
 values.
 
-Examples per V format: KVCORE_STATE_EXAMPLES (default 40, the CI budget), steps per
-example: KVCORE_STATE_STEPS (default 30).
+The pool machines run the same contract over KVPools (PoolGroupsMachine: sequences,
+fork, free, snapshots into new or existing sequences); WindowGroupsMachine adds a
+sliding window (with and without a sink page) whose pages leave group by group, and
+PrefixGroupsMachine a prefix cache whose pages (one group each) are matched, freed into
+the cache and evicted. Their docstrings list what each adds.
+
+Examples per machine: KVCORE_STATE_EXAMPLES (default 100, the CI budget: 2-5 s each),
+steps per example: KVCORE_STATE_STEPS (default 30).
 """
 import copy
+import hashlib
 import os
 import tempfile
 
@@ -25,17 +31,18 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
-                                 precondition, rule)
+                                 multiple, precondition, rule)
 
 import kvcore
 from kvcore import KVCache, KVPool, KVSpec, load_snapshot
 from kvcore.errors import (CapacityError, FormatError, NonFiniteError, OutOfRangeError,
                            ShapeError, StateError)
+from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore._quant import input_limit
 
 from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
-EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "100"))
 STEPS = int(os.environ.get("KVCORE_STATE_STEPS", "30"))
 L, H, D, N, G = 2, 2, 32, 80, 32      # capacity N: two complete groups and an open one
 HQ = 2 * H
@@ -50,14 +57,19 @@ def decode_group(codes, scales):
 class Model:
     """The cache as plain numpy (module comment)."""
 
-    def __init__(self, vfmt):
+    def __init__(self, vfmt, n=N):
+        """n: the capacity (positions). A pool's sequence also keeps its token ids (those
+        of its pending positions included), the extras it is keyed under, whether it is
+        keyed (a restore carries no ids) and its first held position past the sink pages
+        (a window's: `start`)."""
         self.vfmt = kvcore.formats.FORMATS[vfmt]
-        self.k16 = np.zeros((L, N, H, D), F16)
-        self.kc = np.zeros((L, N, H, D // 2), np.uint8)
-        self.ks = np.zeros((L, N, H, D // 16), F16)
-        self.vc = np.zeros((L, N, H, self.vfmt.code_width(D)), self.vfmt.code_dtype)
-        self.vs = np.zeros((L, N, H, self.vfmt.scales_per_row(D)), self.vfmt.scale_dtype)
+        self.k16 = np.zeros((L, n, H, D), F16)
+        self.kc = np.zeros((L, n, H, D // 2), np.uint8)
+        self.ks = np.zeros((L, n, H, D // 16), F16)
+        self.vc = np.zeros((L, n, H, self.vfmt.code_width(D)), self.vfmt.code_dtype)
+        self.vs = np.zeros((L, n, H, self.vfmt.scales_per_row(D)), self.vfmt.scale_dtype)
         self.length, self.pending = 0, [0] * L
+        self.ids, self.extra, self.keyed, self.start = [], None, True, 0
 
     def end(self, layer):
         return self.length + self.pending[layer]
@@ -95,12 +107,14 @@ class Model:
         for layer in range(L):
             self.k16[layer, a:n] = self.open_values(layer, n)
         self.length, self.pending = n, [0] * L
+        del self.ids[n:]
 
     def state(self, n):
         """What a snapshot of [0, n) holds (copies)."""
         return {"kc": self.kc[:, :n].copy(), "ks": self.ks[:, :n].copy(),
                 "vc": self.vc[:, :n].copy(), "vs": self.vs[:, :n].copy(),
-                "open": [self.open_values(layer, n) for layer in range(L)], "n": n}
+                "open": [self.open_values(layer, n) for layer in range(L)], "n": n,
+                "ids": self.ids[:n]}
 
     def restore(self, st_):
         n = st_["n"]
@@ -108,16 +122,18 @@ class Model:
             getattr(self, name)[:, :n] = st_[name]
         for layer in range(L):
             self.k16[layer, n - n % G:n] = st_["open"][layer]
-        self.length, self.pending = n, [0] * L
+        self.length, self.pending, self.ids = n, [0] * L, list(st_["ids"])
 
 
-def reference(q, k, v):
-    """float64 causal attention of q [T, HQ, D] over k, v [n, H, D]."""
+def reference(q, k, v, window=None, sinks=0):
+    """float64 causal attention of q [T, HQ, D] (the last T positions' queries) over k, v
+    [n, H, D]; with a window W the query at p sees p - W < j <= p and j < sinks."""
     T, n = len(q), len(k)
     qg = q.astype(np.float64).reshape(T, H, HQ // H, D) / np.sqrt(D)
     s = np.einsum("thgd,nhd->thgn", qg, k.astype(np.float64))
-    s = np.where((np.arange(n)[None, :] <= (n - T + np.arange(T))[:, None])[:, None, None],
-                 s, -np.inf)
+    j, p = np.arange(n)[None, :], (n - T + np.arange(T))[:, None]
+    seen = (j <= p) & ((j > p - window) | (j < sinks) if window else True)
+    s = np.where(seen[:, None, None], s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
     return np.einsum("thgn,nhd->thgd", w / w.sum(-1, keepdims=True),
                      v.astype(np.float64)).reshape(T, HQ, D)
@@ -298,7 +314,7 @@ class GroupsMachine(RuleBasedStateMachine):
             assert c.dequantize(layer, "v", pending=True).tobytes() == m.v(layer, end).tobytes()
 
 
-PS, P = 32, 6       # the pool: pages of one group, 6 of them (N = 80 needs 3 per sequence)
+PS = 32             # the pools: pages of one group
 
 
 class PoolGroupsMachine(RuleBasedStateMachine):
@@ -307,21 +323,28 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     sequence against its own Model. A call the pool refuses must change nothing (storage,
     page table, every residual); a CapacityError for want of free pages is the pool's to
     decide (the page books are format-independent: test_pool_state_machine checks them),
-    one past the capacity N is checked."""
+    one past the capacity CAP is checked. The subclasses below change what a sequence
+    holds (a window) or where its pages come from (a prefix cache) through the hooks
+    `data`, `positions`, `commit`, `cut` and `restored`."""
 
+    CAP, PAGES = N, 6           # N needs 3 pages per sequence
+    WINDOW, SINKS = None, 0
     snapshots = Bundle("snapshots")
 
     def __init__(self):
         super().__init__()
-        self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=N, num_heads=HQ,
-                           k_format="q4_1ch", v_format="q4_1")
-        self.pool = KVPool(self.spec, num_pages=P, page_size=PS)
+        self.spec = KVSpec(num_layers=L, num_kv_heads=H, head_dim=D, capacity=self.CAP,
+                           num_heads=HQ, k_format="q4_1ch", v_format="q4_1")
+        self.pool = self.make_pool()
         self.model: dict[int, Model] = {}
+
+    def make_pool(self):
+        return KVPool(self.spec, num_pages=self.PAGES, page_size=PS)
 
     def state(self):
         p, t = self.pool, self.pool._table
         return (p._storage.tobytes(), list(t.free), list(t.refs),
-                {s: (list(q.pages), q.length, list(q.pending)) for s, q in t.seqs.items()},
+                {s: (list(q.pages), q.length, list(q.pending), q.start) for s, q in t.seqs.items()},
                 {s: (g.residual.tobytes(), list(g.held)) for s, g in p._groups.items()})
 
     def attempt(self, call, *args, **kwargs):
@@ -344,11 +367,43 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     def pick(self, i):
         return sorted(self.model)[i % len(self.model)]
 
+    # -- the hooks ---------------------------------------------------------------------
+
+    def data(self, m, layer, t, rng):
+        """K and V float32 [t, H, D] of the next t positions of m's layer."""
+        return (rng.standard_normal((2, t, H, D)) * 3).astype(F32)
+
+    def positions(self, m, layer):
+        """The positions the pool holds of m's layer, in its order: committed, pending."""
+        return list(range(m.end(layer)))
+
+    def commit(self, s):
+        """advance(s), checked; the model commits."""
+        m = self.model[s]
+        assert self.pool.advance([s]) == [m.pending[0]]
+        m.length, m.pending = m.length + m.pending[0], [0] * L
+
+    def cut(self, s, n):
+        """truncate(s, n) of 0 <= n <= length; False when the pool must refuse it."""
+        self.pool.truncate(s, n)
+        self.model[s].truncate(n)
+        return True
+
+    def restored(self, m, snap):
+        """The model of a sequence restored from snap (a restore carries no token ids)."""
+        m.keyed = False
+
+    def rows(self, m, layer, t):
+        """How many of m's last positions of a layer attention may query (0: none)."""
+        return min(t, m.end(layer))
+
+    # -- the rules ---------------------------------------------------------------------
+
     @initialize(n=st.one_of(st.sampled_from([G, 2 * G]), st.integers(0, N)),
                 seed=st.integers(0, 2**32 - 1))
     def first(self, n, seed):
         s = self.pool.new_sequence()
-        self.model[s] = Model("q4_1")
+        self.model[s] = Model("q4_1", self.CAP)
         for layer in range(L):
             self.append(0, layer, n, seed + layer)
         self.advance(0)
@@ -356,7 +411,7 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) < 3)
     @rule()
     def new(self):
-        self.model[self.pool.new_sequence()] = Model("q4_1")
+        self.model[self.pool.new_sequence()] = Model("q4_1", self.CAP)
 
     @precondition(lambda self: self.model)
     @rule(i=st.integers(0, 2), layer=st.integers(0, L - 1), t=st.integers(0, 40),
@@ -364,10 +419,13 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     def append(self, i, layer, t, seed):
         s = self.pick(i)
         m = self.model[s]
-        k, v = (np.random.default_rng(seed).standard_normal((2, t, H, D)) * 3).astype(F32)
-        if m.end(layer) + t > N:
+        if m.end(layer) + t > self.CAP:
+            t = self.CAP - m.end(layer) + 1
+            k, v = np.zeros((2, t, H, D), F32)
             self.refused(CapacityError, self.pool.append, k, v, seq=s, layer=layer)
-        elif self.attempt(self.pool.append, k, v, seq=s, layer=layer):
+            return
+        k, v = self.data(m, layer, t, np.random.default_rng(seed))
+        if self.attempt(self.pool.append, k, v, seq=s, layer=layer):
             m.append(layer, k, v)
 
     @precondition(lambda self: self.model)
@@ -376,11 +434,15 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     def append_batch(self, layer, counts, seed):
         seqs = sorted(self.model)
         counts = counts[:len(seqs)]
-        k, v = (np.random.default_rng(seed).standard_normal((2, sum(counts), H, D))).astype(F32)
-        if any(self.model[s].end(layer) + c > N for s, c in zip(seqs, counts)):
+        if any(self.model[s].end(layer) + c > self.CAP for s, c in zip(seqs, counts)):
+            k = v = np.zeros((sum(counts), H, D), F32)
             self.refused(CapacityError, self.pool.append_batch, k, v, seqs=seqs, layer=layer,
                          counts=counts)
-        elif self.attempt(self.pool.append_batch, k, v, seqs=seqs, layer=layer, counts=counts):
+            return
+        rng = np.random.default_rng(seed)
+        k, v = np.concatenate([self.data(self.model[s], layer, c, rng)
+                               for s, c in zip(seqs, counts)], axis=1)
+        if self.attempt(self.pool.append_batch, k, v, seqs=seqs, layer=layer, counts=counts):
             at = 0
             for s, c in zip(seqs, counts):
                 self.model[s].append(layer, k[at:at + c], v[at:at + c])
@@ -390,12 +452,10 @@ class PoolGroupsMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 2))
     def advance(self, i):
         s = self.pick(i)
-        m = self.model[s]
-        if len(set(m.pending)) > 1:
+        if len(set(self.model[s].pending)) > 1:
             self.refused(StateError, self.pool.advance, [s])
             return
-        assert self.pool.advance([s]) == [m.pending[0]]
-        m.length, m.pending = m.length + m.pending[0], [0] * L
+        self.commit(s)
 
     @precondition(lambda self: self.model and len(self.model) < 3)
     @rule(i=st.integers(0, 2))
@@ -420,9 +480,8 @@ class PoolGroupsMachine(RuleBasedStateMachine):
             n = m.length - 1 - n % G
         if not 0 <= n <= m.length:
             self.refused(OutOfRangeError, self.pool.truncate, s, n)
-            return
-        self.pool.truncate(s, n)
-        m.truncate(n)
+        elif not self.cut(s, n):
+            self.refused(StateError, self.pool.truncate, s, n)
 
     @precondition(lambda self: self.model)
     @rule(i=st.integers(0, 2))
@@ -432,11 +491,12 @@ class PoolGroupsMachine(RuleBasedStateMachine):
         del self.model[s]
 
     @precondition(lambda self: self.model)
-    @rule(target=snapshots, i=st.integers(0, 2), n=st.integers(0, N))
+    @rule(target=snapshots, i=st.integers(0, 2), n=st.integers(0, 2 * N))
     def snapshot(self, i, n):
-        m = self.model[self.pick(i)]
+        s = self.pick(i)
+        m = self.model[s]
         n = min(n, m.length)
-        return self.pool.snapshot(self.pick(i), n), m.state(n)
+        return self.pool.snapshot(s, n), m.state(n)
 
     @rule(saved=snapshots, into=st.integers(-1, 2))
     def restore(self, saved, into):
@@ -451,25 +511,32 @@ class PoolGroupsMachine(RuleBasedStateMachine):
         except CapacityError:
             assert self.state() == before
             return
-        m = self.model[t] = Model("q4_1")
+        m = self.model[t] = Model("q4_1", self.CAP)
         m.restore(st_)
+        self.restored(m, snap)
 
     @precondition(lambda self: self.model)
-    @rule(layer=st.integers(0, L - 1), seed=st.integers(0, 2**32 - 1))
-    def attend(self, layer, seed):
-        """One query per sequence over its committed and pending positions: the float64
-        reference over the model's K and V."""
-        seqs = [s for s in sorted(self.model) if self.model[s].end(layer)]
+    @rule(layer=st.integers(0, L - 1), t=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+    def attend(self, layer, t, seed):
+        """The queries of the last (up to) t positions of each sequence, causal over its
+        committed and pending positions under the pool's window: the float64 reference
+        over the model's K and V."""
+        counts = {s: self.rows(m, layer, t) for s, m in sorted(self.model.items())}
+        seqs = [s for s, c in counts.items() if c]
         if not seqs:
             return
-        q = np.random.default_rng(seed).standard_normal((len(seqs), HQ, D)).astype(F32)
-        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs)
-        for b, s in enumerate(seqs):
+        counts = [counts[s] for s in seqs]
+        q = np.random.default_rng(seed).standard_normal((sum(counts), HQ, D)).astype(F32)
+        out = kvcore.decode_attention(q, self.pool, layer, seqs=seqs, counts=counts)
+        at = 0
+        for s, c in zip(seqs, counts):
             m = self.model[s]
             end = m.end(layer)
             v = m.v(layer, end)
-            np.testing.assert_allclose(out[b:b + 1], reference(q[b:b + 1], m.k(layer, end), v),
+            want = reference(q[at:at + c], m.k(layer, end), v, self.WINDOW, self.SINKS)
+            np.testing.assert_allclose(out[at:at + c], want,
                                        rtol=1e-4, atol=1e-5 * (np.abs(v).max() + 1e-30))
+            at += c
 
     @invariant()
     def matches_model(self):
@@ -480,16 +547,239 @@ class PoolGroupsMachine(RuleBasedStateMachine):
             for layer in range(L):
                 assert p.pending(s, layer) == m.pending[layer]
                 end = m.end(layer)
-                full = end - end % G
+                at = np.array(self.positions(m, layer), np.int64)
+                done = at < end - end % G           # in complete groups: their codes
                 kc, vc, ks, vs = p._gather(s, layer, pending=True)
-                assert kc[:full].tobytes() == m.kc[layer, :full].tobytes()
-                assert ks[:full].tobytes() == m.ks[layer, :full].tobytes()
-                assert vc.tobytes() == m.vc[layer, :end].tobytes()
-                assert vs.tobytes() == m.vs[layer, :end].tobytes()
-                assert p.dequantize(s, layer, "k", pending=True).tobytes() == m.k(layer, end).tobytes()
-                assert p.dequantize(s, layer, "v", pending=True).tobytes() == m.v(layer, end).tobytes()
+                assert kc[done].tobytes() == m.kc[layer, at[done]].tobytes()
+                assert ks[done].tobytes() == m.ks[layer, at[done]].tobytes()
+                assert vc.tobytes() == m.vc[layer, at].tobytes()
+                assert vs.tobytes() == m.vs[layer, at].tobytes()
+                assert p.dequantize(s, layer, "k", pending=True).tobytes() == m.k(layer, end)[at].tobytes()
+                assert p.dequantize(s, layer, "v", pending=True).tobytes() == m.v(layer, end)[at].tobytes()
+
+
+class WindowGroupsMachine(PoolGroupsMachine):
+    """PoolGroupsMachine over a pool with a sliding window (WINDOW, SINKS): pages of whole
+    groups leave a sequence as the window slides past them. The model keeps every
+    position and each sequence's first held position (`start`, a multiple of PS past the
+    sink pages, moved at each commit as docs/design.md says, kept by fork, back to 0 on a
+    truncate into the sink pages). Changed rules: truncate and snapshot below what the
+    window needs at the new length are refused (StateError, nothing changed); restore
+    keeps the window's pages only; attention sees the window and the sink positions.
+    Invariant added: every sequence holds exactly the modelled positions, its window's
+    needs and its sink positions among them, in at most the pages they need."""
+
+    CAP, PAGES = 160, 10
+
+    def make_pool(self):
+        return KVPool(self.spec, num_pages=self.PAGES, page_size=PS, window=self.WINDOW,
+                      sink_tokens=self.SINKS)
+
+    @initialize(n=st.one_of(st.sampled_from([G, 3 * G, 4 * G]), st.integers(0, CAP)),
+                seed=st.integers(0, 2**32 - 1))
+    def first(self, n, seed):
+        """As PoolGroupsMachine's, often long enough that the window released pages."""
+        PoolGroupsMachine.first(self, n, seed)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 2), t=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+    def step(self, i, t, seed):
+        """A decode step of one sequence: t positions appended to every layer, each layer
+        attended with them pending, then advance."""
+        for layer in range(L):
+            self.append(i, layer, t, seed + layer)
+            self.attend(layer, t, seed + layer)
+        self.advance(i)
+
+    @property
+    def sink_end(self):
+        return -(-self.SINKS // PS) * PS
+
+    def slid(self, n, start):
+        """The first held position after positions commit up to n (the pool's slide)."""
+        cut = (n - self.WINDOW + 1) // PS * PS
+        return cut if cut > self.sink_end and cut > start else start
+
+    def held(self, m, n=None):
+        n = m.length if n is None else n
+        if not m.start or n <= self.sink_end:
+            return list(range(n))
+        return list(range(self.sink_end)) + list(range(m.start, n))
+
+    def may_cut(self, m, n):
+        return not m.start or n <= self.sink_end or n >= m.start + self.WINDOW - 1
+
+    def positions(self, m, layer):
+        return self.held(m) + list(range(m.length, m.end(layer)))
+
+    def commit(self, s):
+        m = self.model[s]
+        end = m.length + m.pending[0]
+        super().commit(s)
+        m.start = self.slid(end, m.start)
+
+    def cut(self, s, n):
+        m = self.model[s]
+        if not self.may_cut(m, n):
+            return False
+        super().cut(s, n)
+        if n <= self.sink_end:
+            m.start = 0
+        return True
+
+    def restored(self, m, snap):
+        super().restored(m, snap)
+        m.start = self.slid(m.length, snap.start)
+
+    def rows(self, m, layer, t):
+        """A step's pending positions (attended before their advance: the window's first
+        position is held)."""
+        return min(t, m.pending[layer])
+
+    @precondition(lambda self: self.model)
+    @rule(target=PoolGroupsMachine.snapshots, i=st.integers(0, 2), n=st.integers(0, 2 * N))
+    def snapshot(self, i, n):
+        s = self.pick(i)
+        m = self.model[s]
+        n = min(n, m.length)
+        if not self.may_cut(m, n):
+            self.refused(StateError, self.pool.snapshot, s, n)
+            return multiple()
+        snap = self.pool.snapshot(s, n)
+        assert snap.start == (0 if n <= self.sink_end else m.start)
+        assert snap.held == len(self.held(m, n))
+        return snap, m.state(n)
+
+    @invariant()
+    def holds_what_the_window_needs(self):
+        bound = -(-(self.WINDOW + PS - 1) // PS) + 1 + self.sink_end // PS
+        for s, m in self.model.items():
+            n = m.length
+            assert self.pool.first_held(s) == m.start
+            held = self.held(m)
+            needed = set(range(min(self.SINKS, n))) | set(range(max(0, n - self.WINDOW + 1), n))
+            assert needed <= set(held)
+            assert [p for a, b in self.pool.held(s) for p in range(a, b)] == held
+            table = self.pool.page_table(s).tolist()
+            end = max([n + p for p in m.pending] + [n])
+            pages = {p // PS for p in held} | {p // PS for p in range(n, end)}
+            assert [i for i, g in enumerate(table) if g >= 0] == sorted(pages)
+            if not any(m.pending):
+                assert len(pages) <= bound
+
+
+class PrefixGroupsMachine(PoolGroupsMachine):
+    """PoolGroupsMachine over a pool with a prefix cache: every position's K/V is a
+    function of its sequence's extras and token ids up to it (`kv`), so the model knows
+    what a matched page holds (a page is one group: its K codes encoded over the group).
+    Tokens are mostly 0, so that sequences written apart share whole pages of ids.
+    Sequences commit with their ids; new rule: match (the longest cached prefix of a live
+    sequence's ids or of a random prompt, under one of two extras); free puts registered
+    pages into the cache, and the pool's few pages make writes evict. Invariants added:
+    free + cached + in use = PAGES, and every registered page holds exactly the K codes
+    and scales and the V rows of the prefix its key names (the cache never lies)."""
+
+    CAP, PAGES = 4 * G, 4        # a sequence may want every page: writes evict
+    EXTRAS = [None, {"salt": "x"}]
+
+    def __init__(self):
+        super().__init__()
+        self.prefixes = {}          # key -> the token ids it names (every registered page)
+        self._kv = {}
+
+    def make_pool(self):
+        return KVPool(self.spec, num_pages=self.PAGES, page_size=PS, prefix_cache=True)
+
+    def state(self):
+        idx = self.pool._table.prefix
+        return super().state() + (dict(idx.by_key), list(idx.lru), idx.hits, idx.misses,
+                                  idx.evictions)
+
+    def kv(self, extra, ids, layer):
+        """K and V [2, H, D] of the last of `ids` under `extra`: float16-exact float32."""
+        memo = (repr(extra), tuple(ids), layer)
+        if memo not in self._kv:
+            seed = hashlib.sha256(repr(memo).encode()).digest()
+            x = np.random.default_rng(int.from_bytes(seed[:8], "little")).standard_normal((2, H, D))
+            self._kv[memo] = (x * 3).astype(F16).astype(F32)
+        return self._kv[memo]
+
+    def data(self, m, layer, t, rng):
+        end = m.end(layer)
+        while len(m.ids) < end + t:             # pending tokens, shared by every layer
+            m.ids.append(int(rng.random() < 0.02))
+        kv = [self.kv(m.extra, m.ids[:p + 1], layer) for p in range(end, end + t)]
+        return np.stack(kv, axis=1) if kv else np.zeros((2, 0, H, D), F32)
+
+    def commit(self, s):
+        m = self.model[s]
+        end = m.length + m.pending[0]
+        ids = m.ids[:end]
+        assert self.pool.advance(s, tokens=ids[m.length:]) == m.pending[0]
+        m.length, m.pending = end, [0] * L
+        if m.keyed:
+            for i, key in enumerate(prefix_keys(ids, PS, m.extra)):
+                self.prefixes[key] = ids[:(i + 1) * PS]
+
+    @precondition(lambda self: len(self.model) < 3)
+    @rule(data=st.data(), extra=st.integers(0, 1), tail=st.integers(0, 40),
+          seed=st.integers(0, 2**32 - 1))
+    def match(self, data, extra, tail, seed):
+        """match_prefix of a live sequence's ids (or a random prompt) plus `tail` more."""
+        rng = np.random.default_rng(seed)
+        live = [m for m in self.model.values() if m.length]
+        base = data.draw(st.sampled_from(live)).ids[:self.CAP] if live and rng.integers(4) else []
+        tokens = (list(base) + (rng.random(tail) < 0.02).astype(int).tolist())[:self.CAP]
+        before = self.pool.stats
+        s, n = self.pool.match_prefix(tokens, extra=self.EXTRAS[extra])
+        after = self.pool.stats
+        assert n % PS == 0 and n <= max(0, len(tokens) - 1)
+        assert after.hits - before.hits == n // PS
+        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
+        assert after.evictions == before.evictions
+        m = self.model[s] = Model("q4_1", self.CAP)
+        m.ids, m.extra = list(tokens[:n]), self.EXTRAS[extra]
+        for layer in range(L):      # what its pages hold, from its tokens alone
+            m.append(layer, *self.data(m, layer, n, rng))
+        m.length, m.pending = n, [0] * L
+
+    @invariant()
+    def pages_add_up(self):
+        t, idx, st_ = self.pool._table, self.pool._table.prefix, self.pool.stats
+        holders = [0] * self.PAGES
+        for seq in t.seqs.values():
+            for g in seq.pages:
+                holders[g] += 1
+        assert t.refs == holders
+        assert st_.free + st_.cached + st_.in_use == self.PAGES
+        assert sorted(t.free + list(idx.lru)) == [g for g in range(self.PAGES) if not holders[g]]
+
+    @invariant()
+    def cache_never_lies(self):
+        """Every registered page holds the codes of the prefix its key names: K's group
+        (kvcore.quantize of its float16 K by channel) and V's rows."""
+        idx = self.pool._table.prefix
+        for g, e in idx.entries.items():
+            ids = self.prefixes[e.key]
+            assert np.array(ids[-PS:], "<i8").tobytes() == e.ids
+            extra = next(x for x in self.EXTRAS if encode_extra(x) == e.extra)
+            for layer in range(L):
+                kc, vc, ks, vs = self.pool._store.gather(layer, np.arange(g * PS, (g + 1) * PS))
+                k, v = np.stack([self.kv(extra, ids[:p + 1], layer)
+                                 for p in range(len(ids) - PS, len(ids))], axis=1)
+                c, sc = kvcore.quantize(k.swapaxes(0, 1), "q4_1ch")
+                assert kc.tobytes() == c.swapaxes(0, 1).tobytes()
+                assert ks.tobytes() == sc.swapaxes(0, 1).tobytes()
+                c, sc = kvcore.quantize(v, "q4_1")
+                assert vc.tobytes() == c.tobytes() and vs.tobytes() == sc.tobytes()
 
 
 TestGroups_q4_1 = machine_test(GroupsMachine, "GroupsMachine_q4_1", {"V": "q4_1"}, EXAMPLES, STEPS)
 TestGroups_q4_0 = machine_test(GroupsMachine, "GroupsMachine_q4_0", {"V": "q4_0"}, EXAMPLES, STEPS)
 TestPoolGroups = machine_test(PoolGroupsMachine, "PoolGroupsMachine_q4_1", {}, EXAMPLES, STEPS)
+# a window alone (its pages slide past group by group), and one with a sink page
+TestWindowGroups = machine_test(WindowGroupsMachine, "WindowGroupsMachine_20",
+                                {"WINDOW": 20, "SINKS": 0}, EXAMPLES, STEPS)
+TestWindowSinkGroups = machine_test(WindowGroupsMachine, "WindowGroupsMachine_40_3",
+                                    {"WINDOW": 40, "SINKS": 3}, EXAMPLES, STEPS)
+TestPrefixGroups = machine_test(PrefixGroupsMachine, "PrefixGroupsMachine", {}, EXAMPLES, STEPS)
