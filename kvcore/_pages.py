@@ -294,7 +294,8 @@ class PageTable:
         multiple of page_size): a page for each page index holding one of them, taken as a
         write takes pages (free ones first, then cached ones, evicted), -1 for the others.
         The caller checked that enough pages are available. Returns the storage rows of
-        the held positions, in order."""
+        the held positions, in order. s has no token ids afterwards: a snapshot carries
+        none, so its pages are never registered in a prefix cache."""
         seq, ps, refs = self.get(s), self.page_size, self.refs
         count = -(-n // ps)
         held = list(range(count)) if not start else [*range(self.sink_pages),
@@ -312,6 +313,7 @@ class PageTable:
             self._index.evict(pick.evicted[:taken - pick.nfree])
         seq.pages, seq.length, seq.start = pages, n, start
         seq.pending = [0] * self.num_layers
+        seq.ids, seq.keys = None, []
         self._drop()
         return [pages[p // ps] * ps + p % ps for a, b in self.held(seq) for p in range(a, b)]
 

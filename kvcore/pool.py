@@ -608,7 +608,6 @@ class KVPool(WindowViews):
             else:
                 table.truncate(seq, 0)
             restored = table.get(seq)
-            restored.ids, restored.keys = None, []   # no token ids: never registered
             rows = np.array(table.place(seq, snap.length, start), np.int64)
             at = snapshot_index(snap, table.held(restored))
             for layer in range(self._num_layers):

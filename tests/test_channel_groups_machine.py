@@ -554,8 +554,8 @@ class PoolGroupsMachine(RuleBasedStateMachine):
                 assert ks[done].tobytes() == m.ks[layer, at[done]].tobytes()
                 assert vc.tobytes() == m.vc[layer, at].tobytes()
                 assert vs.tobytes() == m.vs[layer, at].tobytes()
-                assert p.dequantize(s, layer, "k", pending=True).tobytes() == m.k(layer, end)[at].tobytes()
-                assert p.dequantize(s, layer, "v", pending=True).tobytes() == m.v(layer, end)[at].tobytes()
+                for w, want in (("k", m.k(layer, end)), ("v", m.v(layer, end))):
+                    assert p.dequantize(s, layer, w, pending=True).tobytes() == want[at].tobytes()
 
 
 class WindowGroupsMachine(PoolGroupsMachine):
