@@ -63,9 +63,11 @@ class Pair:
         self.c.advance(seqs, tokens=token_lists)
 
     def full(self, s, new):
-        """The ids of s's committed positions (the CPU pool's record), then `new`."""
-        held = self.c._table.get(s).ids
-        return list(np.frombuffer(bytes(held), "<i8")) + list(new)
+        """The ids of s's committed positions (the CPU pool's record; a restored sequence
+        has none: zeros in their place), then `new`."""
+        seq = self.c._table.get(s)
+        held = list(np.frombuffer(bytes(seq.ids), "<i8")) if seq.ids is not None else [0] * seq.length
+        return held + list(new)
 
     def same(self):
         """Same tables, cache index and counters; every held page the same bytes."""
@@ -150,6 +152,26 @@ def test_a_hit_reads_exactly_what_recomputing_writes(gpu):
     assert outs[0].to_numpy().tobytes() == outs[1].to_numpy().tobytes()
     assert p.g.page_table(s)[:3].tolist() != fresh.page_table(t)[:3].tolist()
     p.g.free(), fresh.free()
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_a_restored_sequence_is_never_registered(gpu, over):
+    """A snapshot carries no token ids: the pages a restored sequence fills later stay out
+    of the cache on both pools, restored as a new sequence or over a keyed one (the GPU
+    pool had kept the ids of the sequence it restored over, and its empty ids for a new
+    one, and registered its next pages under keys its tokens did not name)."""
+    p = Pair(gpu, "q8_0")
+    a, _ = p.prefill(list(range(100, 109)))                 # 2 pages registered
+    keys = dict(p.c._table.prefix.by_key)
+    snap = p.c.snapshot(a, 5)
+    target = p.prefill(list(range(200, 203)))[0] if over else None
+    s = p.g.restore(snap, seq=target)
+    assert s == p.c.restore(snap, seq=target)
+    p.step([s], [[7] * 7])                                 # fills pages 1 and 2
+    assert p.g._table.prefix.by_key == keys
+    p.same()
+    assert p.g.match_prefix([7] * 12) == p.c.match_prefix([7] * 12)
+    p.g.free()
 
 
 def test_tokens_refused_before_the_step_ends(gpu):
