@@ -86,6 +86,11 @@ from kvcore._parallel cimport num_threads, run_threads, threads_for
 
 cnp.import_array()
 
+# kv_prefetch_lines (the cache lines of a run of bytes, into L2), used by the C below: C
+# shared with _grouped
+cdef extern from "_f16_prefetch.h":
+    pass
+
 cdef extern from *:
     """
     #include <math.h>
@@ -583,11 +588,6 @@ cdef extern from *:
 
     static int kv_all_finite(const float* x, size_t n);
 
-    /* The cache lines of the n bytes at p, into L2. */
-    KV_INLINE void kv_prefetch_lines(const char* p, ptrdiff_t n) {
-        for (const char* a = (const char*)((uintptr_t)p & ~(uintptr_t)63); a < p + n; a += 64)
-            __builtin_prefetch(a, 0, 1);
-    }
     /* The scales of a tile's rows (its runs of consecutive rows), into L2: a tile's scales
        are one contiguous run per run of rows, read whole by kv_tile_scales when the tile
        starts. Nothing for a side without scales. */

@@ -46,6 +46,7 @@
 from libc.math cimport INFINITY, expf, fmaf, logf
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
+from libc.stddef cimport ptrdiff_t
 from libc.string cimport memset
 from cython.parallel cimport prange, threadid
 cimport numpy as cnp
@@ -98,6 +99,12 @@ cdef inline void _softmax(float* s, Py_ssize_t n, Py_ssize_t p, bint causal,
     inv[0] = 1 / total
 
 
+# C shared with _quant and _attention: kv_f16_to_f32_row (float16 scales as float32, in
+# the C below) and kv_prefetch_lines (the cache lines of a run of bytes, into L2)
+cdef extern from "_f16_prefetch.h":
+    void kv_prefetch_lines(const char* p, ptrdiff_t n) noexcept nogil
+
+
 cdef extern from *:
     """
     #include <math.h>
@@ -136,23 +143,6 @@ cdef extern from *:
     #define KVG_BY_ROWS(nr, f) switch (nr) { case 4: f(4); break; case 3: f(3); break; \\
                                              case 2: f(2); break; default: f(1); }
 
-    /* dst[k] = the float16 bit patterns src[k] as float32, k < n (finite values: exact). */
-    KVG_AI void kvg_halves(const uint16_t* src, Py_ssize_t n, float* dst) {
-        Py_ssize_t k = 0;
-    #if defined(__F16C__)
-        for (; k + 8 <= n; k += 8)
-            _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + k))));
-        for (; k < n; k++) dst[k] = _cvtsh_ss(src[k]);
-    #else
-        for (; k < n; k++) {   /* sign | exponent and mantissa moved to float32's, times 2^112 */
-            uint32_t u = ((uint32_t)(src[k] & 0x7FFF) << 13) | ((uint32_t)(src[k] & 0x8000) << 16);
-            float f;
-            memcpy(&f, &u, 4);
-            dst[k] = f * 0x1p112f;
-        }
-    #endif
-    }
-
     /* The largest of s[0 .. n) (-inf for n = 0); NaN values are passed over (each a score
        past float32, which exp keeps NaN in the sum). */
     static inline float kvg_max(const float* s, Py_ssize_t n) {
@@ -175,10 +165,10 @@ cdef extern from *:
        is (code - 8) * d). */
     static inline void kvg_q4_scales(const uint16_t* src, Py_ssize_t nb, int q41, float* dst) {
         if (q41) {
-            kvg_halves(src, 2 * nb, dst);
+            kv_f16_to_f32_row(src, 2 * nb, dst);
             return;
         }
-        kvg_halves(src, nb, dst + nb);
+        kv_f16_to_f32_row(src, nb, dst + nb);
         for (Py_ssize_t b = 0; b < nb; b++) {
             dst[2 * b] = dst[nb + b];
             dst[2 * b + 1] = -8 * dst[nb + b];
@@ -282,7 +272,7 @@ cdef extern from *:
                                  const uint16_t* pfs) {
         const Py_ssize_t per = D / 32;
         const int dec = R > KVG_DECODE_ROWS;
-        for (Py_ssize_t j = 0; j < 32; j++) kvg_halves(scales + j * scs, 2 * per, dm + 2 * per * j);
+        for (Py_ssize_t j = 0; j < 32; j++) kv_f16_to_f32_row(scales + j * scs, 2 * per, dm + 2 * per * j);
     #ifdef KVG_W
         if (dec)
             for (Py_ssize_t c = 0; c < D; c++)
@@ -407,17 +397,6 @@ cdef extern from *:
     float kvg_max(const float* s, Py_ssize_t n) noexcept nogil
 
 
-cdef extern from *:
-    void __builtin_prefetch(const void* p) noexcept nogil
-
-
-cdef inline void _prefetch(const void* p, Py_ssize_t nbytes) noexcept nogil:
-    """Asks for the cache lines of nbytes at p."""
-    cdef Py_ssize_t i
-    for i in range(0, nbytes, 64):
-        __builtin_prefetch(<const char*>p + i)
-
-
 cdef inline float _dot(const float* x, const float* y, Py_ssize_t D) noexcept nogil:
     """sum x[c] y[c] over D (a multiple of 32) in 4 interleaved partial sums."""
     cdef float part[4]
@@ -518,9 +497,9 @@ cdef void _rows(const float* q, Py_ssize_t T, Py_ssize_t Hq, Py_ssize_t H, Py_ss
         for t in range(m):              # the tile's V rows: decoded into vt [m][D], or
                                         # 4-bit: their codes and (d, m) pairs vdm [m][S]
             if nxt >= 0 and p0 + V_TILE + t < nv:
-                _prefetch(vc + ((nxt + t) * H + h) * v_code_row, v_code_row)
+                kv_prefetch_lines(vc + ((nxt + t) * H + h) * v_code_row, v_code_row)
                 if vs != NULL:
-                    _prefetch(vs + ((nxt + t) * H + h) * v_scale_row, v_scale_row)
+                    kv_prefetch_lines(vs + ((nxt + t) * H + h) * v_scale_row, v_scale_row)
             vsp = vs + ((first + t) * H + h) * v_scale_row if vs != NULL else NULL
             if v4:
                 vrows[t] = <const uint8_t*>vc + ((first + t) * H + h) * v_code_row

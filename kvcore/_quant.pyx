@@ -73,22 +73,19 @@ cdef inline uint16_t _f32_to_f16(float x) noexcept nogil:
     return <uint16_t>(h | sign)
 
 
-cdef inline float _f16_to_f32(uint16_t h) noexcept nogil:
-    cdef uint32_t o = (<uint32_t>h & 0x7fff) << 13
-    cdef uint32_t exp = o & 0x0f800000
-    cdef uint32_t normal = o + (112 << 23)
-    cdef uint32_t special = normal + (112 << 23)           # inf / NaN: exponent 255
-    cdef uint32_t sub = _as_u32(_as_f32(normal + (1 << 23)) - _as_f32(113 << 23))
-    cdef uint32_t r = special if exp == 0x0f800000 else normal
-    r = sub if exp == 0 else r
-    return _as_f32(r | ((<uint32_t>h & 0x8000) << 16))
+# float16 -> float32: one value (kv_f16_to_f32, exact) and rows (kv_f16_to_f32_row:
+# F16C where the compiler targets it, else kv_f16_to_f32 per value), shared with the
+# attention kernels
+cdef extern from "_f16_prefetch.h":
+    float kv_f16_to_f32(uint16_t h) noexcept nogil
+    void kv_f16_to_f32_row(const uint16_t* src, Py_ssize_t n, float* dst) noexcept nogil
 
 
 cdef extern from *:
     """
-    /* Rows of float32 <-> IEEE binary16 with the F16C instructions where the compiler
+    /* Rows of float32 -> IEEE binary16 with the F16C instructions where the compiler
        targets them (vcvtps2ph rounds to nearest even, exactly the rule; callers never
-       pass NaN, inf or values past 65520), else the scalar conversions below. */
+       pass NaN, inf or values past 65520), else the scalar conversion below. */
     #if defined(__F16C__)
     #include <immintrin.h>
     #define KV_HAVE_F16C 1
@@ -104,21 +101,9 @@ cdef extern from *:
         for (; j < n; j++)
             out[j] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[j]), _MM_FROUND_TO_NEAREST_INT), 0);
     }
-    static inline void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) {
-        Py_ssize_t j = 0;
-        for (; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + j))));
-        if (j + 4 <= n) {
-            _mm_storeu_ps(out + j, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(h + j))));
-            j += 4;
-        }
-        for (; j < n; j++)
-            out[j] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h[j])));
-    }
     #else
     #define KV_HAVE_F16C 0
     static inline void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) {}
-    static inline void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) {}
     #endif
     /* min and max of n finite floats, as vector reductions (which of two equal zeros
        each gives is unspecified: callers that care look again). */
@@ -436,7 +421,6 @@ cdef extern from *:
     void kv_q4_block_scales(const float* xb, int q41, float* sc, float* id) noexcept nogil
     void kv_round_pack_u4(const float* x, int sub_min, float sub, float id, float add, uint8_t* codes) noexcept nogil
     void kv_f32_to_f16_f16c(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil
-    void kv_f16_to_f32_f16c(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil
 
 
 cdef inline void _f32_to_f16_row(const float* x, Py_ssize_t n, uint16_t* out) noexcept nogil:
@@ -446,15 +430,6 @@ cdef inline void _f32_to_f16_row(const float* x, Py_ssize_t n, uint16_t* out) no
     else:
         for j in range(n):
             out[j] = _f32_to_f16(x[j])
-
-
-cdef inline void _f16_to_f32_row(const uint16_t* h, Py_ssize_t n, float* out) noexcept nogil:
-    cdef Py_ssize_t j
-    if KV_HAVE_F16C:
-        kv_f16_to_f32_f16c(h, n, out)
-    else:
-        for j in range(n):
-            out[j] = _f16_to_f32(h[j])
 
 
 cdef inline uint16_t _f32_to_bf16(float x) noexcept nogil:
@@ -537,7 +512,7 @@ cdef uint16_t f32_to_bf16(float x) noexcept nogil:
     return _f32_to_bf16(x)
 
 cdef float f16_to_f32(uint16_t h) noexcept nogil:
-    return _f16_to_f32(h)
+    return kv_f16_to_f32(h)
 
 cdef float bf16_to_f32(uint16_t h) noexcept nogil:
     return _bf16_to_f32(h)
@@ -831,7 +806,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
     if fmt == F32:
         memcpy(out, codes, d * sizeof(float))
     elif fmt == F16:
-        _f16_to_f32_row(<const uint16_t*>codes, d, out)
+        kv_f16_to_f32_row(<const uint16_t*>codes, d, out)
     elif fmt == BF16:
         h = <const uint16_t*>codes
         for j in range(d):
@@ -856,7 +831,7 @@ cdef void decode_row(int fmt, const void* codes, const void* scales, Py_ssize_t 
         q = <const int8_t*>codes
         for b0 in range(0, d // QK, 32):
             nb = min(32, d // QK - b0)
-            _f16_to_f32_row(<const uint16_t*>scales + per * b0, per * nb, sc)
+            kv_f16_to_f32_row(<const uint16_t*>scales + per * b0, per * nb, sc)
             for b in range(b0, b0 + nb):
                 if fmt == Q8_0:
                     s = sc[b - b0]
@@ -883,10 +858,10 @@ cdef inline const float* _load_row(const char* src, Py_ssize_t stride, int in_ki
         for j in range(d):
             buf[j] = (<const float*>(src + j * stride))[0]
     elif in_kind == F16 and stride == 2:
-        _f16_to_f32_row(<const uint16_t*>src, d, buf)
+        kv_f16_to_f32_row(<const uint16_t*>src, d, buf)
     elif in_kind == F16:
         for j in range(d):
-            buf[j] = _f16_to_f32((<const uint16_t*>(src + j * stride))[0])
+            buf[j] = kv_f16_to_f32((<const uint16_t*>(src + j * stride))[0])
     else:
         for j in range(d):
             buf[j] = _bf16_to_f32((<const uint16_t*>(src + j * stride))[0])
@@ -1032,5 +1007,5 @@ def _f16_scalar(const float[::1] x, const uint16_t[::1] h):
         for j in range(x.shape[0]):
             b[j] = _f32_to_f16(x[j])
         for j in range(h.shape[0]):
-            f[j] = _f16_to_f32(h[j])
+            f[j] = kv_f16_to_f32(h[j])
     return bits, floats

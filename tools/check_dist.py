@@ -56,7 +56,8 @@ def _shipped_cuda() -> list[str]:
 CUDA_SHIPPED = _shipped_cuda()
 SDIST_MUST_HOLD = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
                    "kvcore/_cache.pyx", "kvcore/_quant.pxd", "kvcore/_parallel.pxd",
-                   "kvcore/_cpu.pyx", "kvcore/_attention.pyx", "kvcore/py.typed",
+                   "kvcore/_cpu.pyx", "kvcore/_attention.pyx", "kvcore/_f16_prefetch.h",
+                   "kvcore/py.typed",
                    "cuda/attention.cuh", "cuda/kv_append.ptx", "cuda/emu/kvemu.h",
                    "tests/conftest.py", "docs/design.md", "tools/check_dist.py"]
 
