@@ -57,7 +57,8 @@ HEAD_BYTES, TAIL_BYTES = 4 << 20, 256 << 10
 GPU_TESTS = ["tests/test_gpu_host.py", "tests/test_gpu_cache.py", "tests/test_gpu_copy.py",
              "tests/test_gpu_pool.py", "tests/test_gpu_attention.py", "tests/test_gpu_graph.py",
              "tests/test_gpu_pool_graph.py", "tests/test_gpu_prefix.py", "tests/test_gpu_tiers.py",
-             "tests/test_gpu_groups.py", "tests/test_bench_gpu.py"]
+             "tests/test_gpu_groups.py", "tests/test_gpu_groups_machine.py",
+             "tests/test_bench_gpu.py"]
 EMU_TESTS = ["tests/test_gpu_graph.py", "-k", "stale or int8"]   # a dry run's few tests
 NCU_KERNELS = r"kv_pattn_(f16|q8_0)_d128_g4|flash|fmha"   # the decode kernels ncu profiles, SDPA's too
 SANITIZE = [PY, "tools/gpu_kernels_check.py", "--small"]   # + --formats (--sanitize-formats)
