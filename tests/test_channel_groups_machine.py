@@ -17,7 +17,8 @@ The pool machines run the same contract over KVPools (PoolGroupsMachine: sequenc
 fork, free, snapshots into new or existing sequences); WindowGroupsMachine adds a
 sliding window (with and without a sink page) whose pages leave group by group, and
 PrefixGroupsMachine a prefix cache whose pages (one group each) are matched, freed into
-the cache and evicted. Their docstrings list what each adds.
+the cache and evicted, StorePrefixGroupsMachine a chunk store behind that cache (loads
+and restarts). Their docstrings list what each adds.
 
 Examples per machine: KVCORE_STATE_EXAMPLES (default 100, the CI budget: 2-5 s each),
 steps per example: KVCORE_STATE_STEPS (default 30).
@@ -25,6 +26,7 @@ steps per example: KVCORE_STATE_STEPS (default 30).
 import copy
 import hashlib
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -730,18 +732,25 @@ class PrefixGroupsMachine(PoolGroupsMachine):
         live = [m for m in self.model.values() if m.length]
         base = data.draw(st.sampled_from(live)).ids[:self.CAP] if live and rng.integers(4) else []
         tokens = (list(base) + (rng.random(tail) < 0.02).astype(int).tolist())[:self.CAP]
+        self.match_tokens(tokens, self.EXTRAS[extra], rng)
+
+    def match_tokens(self, tokens, extra, rng):
+        """match_prefix(tokens, extra), its counts checked, and the new sequence modelled
+        from its tokens alone (what its pages must hold)."""
         before = self.pool.stats
-        s, n = self.pool.match_prefix(tokens, extra=self.EXTRAS[extra])
-        after = self.pool.stats
+        s, n = self.pool.match_prefix(tokens, extra=extra)
         assert n % PS == 0 and n <= max(0, len(tokens) - 1)
+        self.check_counts(before, self.pool.stats, tokens, n)
+        m = self.model[s] = Model("q4_1", self.CAP)
+        m.ids, m.extra = list(tokens[:n]), extra
+        for layer in range(L):
+            m.append(layer, *self.data(m, layer, n, rng))
+        m.length, m.pending = n, [0] * L
+
+    def check_counts(self, before, after, tokens, n):
         assert after.hits - before.hits == n // PS
         assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
         assert after.evictions == before.evictions
-        m = self.model[s] = Model("q4_1", self.CAP)
-        m.ids, m.extra = list(tokens[:n]), self.EXTRAS[extra]
-        for layer in range(L):      # what its pages hold, from its tokens alone
-            m.append(layer, *self.data(m, layer, n, rng))
-        m.length, m.pending = n, [0] * L
 
     @invariant()
     def pages_add_up(self):
@@ -774,6 +783,68 @@ class PrefixGroupsMachine(PoolGroupsMachine):
                 assert vc.tobytes() == c.tobytes() and vs.tobytes() == sc.tobytes()
 
 
+class StorePrefixGroupsMachine(PrefixGroupsMachine):
+    """PrefixGroupsMachine with a chunk store in a directory (chunks of 2 pages: whole
+    groups) and a StoreWriter saving the chunks each commit completes (flushed after it):
+    a match may go on in the store past what the pool evicted, and a restart (another
+    pool over the same store, nothing in memory) finds saved sequences there. Added: the
+    pages found in memory plus those loaded equal the positions matched, and the matched
+    sequence then holds exactly the codes of its tokens' K/V (matches_model, from the
+    tokens alone) whichever tier they came from; no store fault."""
+
+    store = None
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="kvcore-groups-store-")
+        super().__init__()
+        self.saved = []             # (ids, extra) of sequences whose chunks were saved
+
+    def make_pool(self):
+        """A pool over the machine's store (made with the first pool)."""
+        from kvcore.store import DirectoryBackend, KVStore, StoreWriter
+        if self.store is None:
+            self.store = KVStore(DirectoryBackend(self.dir, fsync=False), model="groups",
+                                 spec=self.spec, chunk_tokens=2 * PS, page_size=PS)
+            self.writer = StoreWriter(self.store)
+        return KVPool(self.spec, num_pages=self.PAGES, page_size=PS, prefix_cache=True,
+                      store=self.store, store_writer=self.writer)
+
+    def teardown(self):
+        self.writer.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def commit(self, s):
+        super().commit(s)
+        self.writer.flush()
+        assert self.writer.stats.failed == 0, self.writer.stats.last_error
+        m = self.model[s]
+        if m.keyed and m.length >= 2 * PS and (m.ids[:m.length], m.extra) not in self.saved:
+            self.saved.append((m.ids[:m.length], m.extra))
+
+    @rule(data=st.data(), tail=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+    def restart(self, data, tail, seed):
+        """Another pool over the same store: every sequence gone, nothing cached."""
+        self.pool = self.make_pool()
+        self.model = {}
+        if self.saved:
+            self.match_saved(data, tail, seed)
+
+    @precondition(lambda self: self.saved and len(self.model) < 3)
+    @rule(data=st.data(), tail=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+    def match_saved(self, data, tail, seed):
+        """match_prefix of a saved sequence's ids plus `tail` more."""
+        ids, extra = data.draw(st.sampled_from(self.saved))
+        rng = np.random.default_rng(seed)
+        tokens = (ids + (rng.random(tail) < 0.02).astype(int).tolist())[:self.CAP]
+        self.match_tokens(tokens, extra, rng)
+
+    def check_counts(self, before, after, tokens, n):
+        loaded = after.store_hits - before.store_hits
+        assert after.hits - before.hits + loaded == n // PS
+        assert after.misses - before.misses == max(0, (len(tokens) - 1) // PS) - n // PS
+        assert after.store_faults == 0, after.last_store_fault
+
+
 TestGroups_q4_1 = machine_test(GroupsMachine, "GroupsMachine_q4_1", {"V": "q4_1"}, EXAMPLES, STEPS)
 TestGroups_q4_0 = machine_test(GroupsMachine, "GroupsMachine_q4_0", {"V": "q4_0"}, EXAMPLES, STEPS)
 TestPoolGroups = machine_test(PoolGroupsMachine, "PoolGroupsMachine_q4_1", {}, EXAMPLES, STEPS)
@@ -783,3 +854,5 @@ TestWindowGroups = machine_test(WindowGroupsMachine, "WindowGroupsMachine_20",
 TestWindowSinkGroups = machine_test(WindowGroupsMachine, "WindowGroupsMachine_40_3",
                                     {"WINDOW": 40, "SINKS": 3}, EXAMPLES, STEPS)
 TestPrefixGroups = machine_test(PrefixGroupsMachine, "PrefixGroupsMachine", {}, EXAMPLES, STEPS)
+TestStorePrefixGroups = machine_test(StorePrefixGroupsMachine, "StorePrefixGroupsMachine", {},
+                                     EXAMPLES // 2, STEPS)
