@@ -42,7 +42,7 @@ from kvcore.errors import (CapacityError, FormatError, NonFiniteError, OutOfRang
 from kvcore._prefix_keys import encode_extra, prefix_keys
 from kvcore._quant import input_limit
 
-from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from _machines import WindowBooks, machine_test, one_thread  # noqa: F401  (one_thread: autouse)
 
 EXAMPLES = int(os.environ.get("KVCORE_STATE_EXAMPLES", "100"))
 STEPS = int(os.environ.get("KVCORE_STATE_STEPS", "30"))
@@ -560,7 +560,7 @@ class PoolGroupsMachine(RuleBasedStateMachine):
                     assert p.dequantize(s, layer, w, pending=True).tobytes() == want[at].tobytes()
 
 
-class WindowGroupsMachine(PoolGroupsMachine):
+class WindowGroupsMachine(WindowBooks, PoolGroupsMachine):
     """PoolGroupsMachine over a pool with a sliding window (WINDOW, SINKS): pages of whole
     groups leave a sequence as the window slides past them. The model keeps every
     position and each sequence's first held position (`start`, a multiple of PS past the
@@ -571,7 +571,7 @@ class WindowGroupsMachine(PoolGroupsMachine):
     Invariant added: every sequence holds exactly the modelled positions, its window's
     needs and its sink positions among them, in at most the pages they need."""
 
-    CAP, PAGES = 160, 10
+    CAP, PAGES, PAGE = 160, 10, PS
 
     def make_pool(self):
         return KVPool(self.spec, num_pages=self.PAGES, page_size=PS, window=self.WINDOW,
@@ -592,24 +592,6 @@ class WindowGroupsMachine(PoolGroupsMachine):
             self.append(i, layer, t, seed + layer)
             self.attend(layer, t, seed + layer)
         self.advance(i)
-
-    @property
-    def sink_end(self):
-        return -(-self.SINKS // PS) * PS
-
-    def slid(self, n, start):
-        """The first held position after positions commit up to n (the pool's slide)."""
-        cut = (n - self.WINDOW + 1) // PS * PS
-        return cut if cut > self.sink_end and cut > start else start
-
-    def held(self, m, n=None):
-        n = m.length if n is None else n
-        if not m.start or n <= self.sink_end:
-            return list(range(n))
-        return list(range(self.sink_end)) + list(range(m.start, n))
-
-    def may_cut(self, m, n):
-        return not m.start or n <= self.sink_end or n >= m.start + self.WINDOW - 1
 
     def positions(self, m, layer):
         return self.held(m) + list(range(m.length, m.end(layer)))
@@ -654,20 +636,7 @@ class WindowGroupsMachine(PoolGroupsMachine):
 
     @invariant()
     def holds_what_the_window_needs(self):
-        bound = -(-(self.WINDOW + PS - 1) // PS) + 1 + self.sink_end // PS
-        for s, m in self.model.items():
-            n = m.length
-            assert self.pool.first_held(s) == m.start
-            held = self.held(m)
-            needed = set(range(min(self.SINKS, n))) | set(range(max(0, n - self.WINDOW + 1), n))
-            assert needed <= set(held)
-            assert [p for a, b in self.pool.held(s) for p in range(a, b)] == held
-            table = self.pool.page_table(s).tolist()
-            end = max([n + p for p in m.pending] + [n])
-            pages = {p // PS for p in held} | {p // PS for p in range(n, end)}
-            assert [i for i, g in enumerate(table) if g >= 0] == sorted(pages)
-            if not any(m.pending):
-                assert len(pages) <= bound
+        self.check_holdings()
 
 
 class PrefixGroupsMachine(PoolGroupsMachine):

@@ -11,12 +11,13 @@ refuses too."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import kvcore
-from kvcore import CapacityError, FormatError, NonFiniteError, ShapeError, StateError
+from kvcore import CapacityError, FormatError, NonFiniteError
 
 from test_gpu_groups import POISON, assert_same_seq, dev, keys, spec_of
+from test_gpu_prefix import PairRules
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ def gpu():
     return gpu
 
 
-class GroupsPairMachine(RuleBasedStateMachine):
+class GroupsPairMachine(PairRules):
     """Subclassed per V format (V) and window (WINDOW, SINKS: a sliding-window pool, whose
     pages leave group by group; its truncates and snapshots below what the window needs
     are refused by both), with the gpu module (gpu)."""
@@ -40,6 +41,7 @@ class GroupsPairMachine(RuleBasedStateMachine):
     gpu = None
     V = "q4_1"
     WINDOW, SINKS = None, 0
+    MAX_LIVE = MAX_SEQ
 
     def __init__(self):
         super().__init__()
@@ -54,17 +56,6 @@ class GroupsPairMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.g.free()
-
-    def both(self, call, *args):
-        """call(pool, *args) on both pools: the same result, or the same error type."""
-        out = []
-        for pool in (self.g, self.c):
-            try:
-                out.append(("ok", call(pool, *args)))
-            except (CapacityError, StateError, ShapeError) as e:
-                out.append((type(e), None))
-        assert out[0] == out[1], out
-        return out[0]
 
     def snapshots(self):
         return {s: self.c.snapshot(s) for s in self.live}
@@ -169,7 +160,8 @@ class GroupsPairMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.live) < MAX_SEQ)
     @rule(start=st.integers(0, 1), cut=st.integers(1, 80),
-          tail=st.lists(st.integers(0, 4), max_size=40), extra=st.sampled_from([None, {"adapter": "x"}]), seed=st.integers(0, 2**32 - 1))
+          tail=st.lists(st.integers(0, 4), max_size=40),
+          extra=st.sampled_from([None, {"adapter": "x"}]), seed=st.integers(0, 2**32 - 1))
     def prefill(self, start, cut, tail, extra, seed):
         """match_prefix of a prompt over a shared start, then its rest in one step."""
         tokens = STARTS[start][:cut] + tail
@@ -201,14 +193,6 @@ class GroupsPairMachine(RuleBasedStateMachine):
         tokens = [rng.integers(0, 5, c).tolist() for c in counts]
         self.step(seqs, counts, tokens, seed, fault, attend)
 
-    @precondition(lambda self: self.live and len(self.live) < MAX_SEQ)
-    @rule(data=st.data())
-    def fork(self, data):
-        s = data.draw(st.sampled_from(self.live))
-        got = self.both(lambda pool: pool.fork(s))
-        if got[0] == "ok":
-            self.live.append(got[1])
-
     @precondition(lambda self: self.live)
     @rule(data=st.data(), back=st.integers(0, 40))
     def truncate(self, data, back):
@@ -216,14 +200,6 @@ class GroupsPairMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.live))
         n = max(0, self.c.length(s) - back)
         self.both(lambda pool: pool.truncate(s, n))
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data):
-        s = data.draw(st.sampled_from(self.live))
-        self.g.free_sequence(s)
-        self.c.free(s)
-        self.live.remove(s)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(0, N), over=st.booleans())

@@ -66,8 +66,9 @@ class Pair:
         """The ids of s's committed positions (the CPU pool's record; a restored sequence
         has none: zeros in their place), then `new`."""
         seq = self.c._table.get(s)
-        held = list(np.frombuffer(bytes(seq.ids), "<i8")) if seq.ids is not None else [0] * seq.length
-        return held + list(new)
+        if seq.ids is None:
+            return [0] * seq.length + list(new)
+        return list(np.frombuffer(bytes(seq.ids), "<i8")) + list(new)
 
     def same(self):
         """Same tables, cache index and counters; every held page the same bytes."""
@@ -258,7 +259,42 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 STARTS = [list(range(1000 + 20 * i, 1000 + 20 * i + 12)) for i in range(3)]
 
 
-class PairMachine(RuleBasedStateMachine):
+class PairRules(RuleBasedStateMachine):
+    """What a machine of a GpuKVPool (`g`) and the CPU KVPool beside it (`c`, the oracle)
+    shares, over its live sequences (`live`, at most MAX_LIVE): `both`, and the fork and
+    free rules (test_gpu_groups_machine's machine is one too)."""
+
+    MAX_LIVE = 1 << 30
+
+    def both(self, call, *args):
+        """call(pool, *args) on both pools: the same result, or the same error type."""
+        out = []
+        for pool in (self.g, self.c):
+            try:
+                out.append(("ok", call(pool, *args)))
+            except (CapacityError, StateError, ShapeError) as e:
+                out.append((type(e), None))
+        assert out[0] == out[1], out
+        return out[0]
+
+    @precondition(lambda self: self.live and len(self.live) < self.MAX_LIVE)
+    @rule(data=st.data())
+    def fork(self, data):
+        s = data.draw(st.sampled_from(self.live))
+        got = self.both(lambda pool: pool.fork(s))
+        if got[0] == "ok":
+            self.live.append(got[1])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        s = data.draw(st.sampled_from(self.live))
+        self.g.free_sequence(s)
+        self.c.free(s)
+        self.live.remove(s)
+
+
+class PairMachine(PairRules):
     """The prefix cache's calls (prefills through match_prefix, decode steps of several
     sequences, forks, truncations, frees, failing steps) on a GpuKVPool of 10 pages and on
     the CPU KVPool beside it, the oracle: after every call the same page tables, free
@@ -271,18 +307,8 @@ class PairMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.p = Pair(self.gpu, self.fmt, pages=10)
+        self.g, self.c = self.p.g, self.p.c
         self.live: list[int] = []
-
-    def both(self, call, *args):
-        """call(pool, *args) on both pools: the same result, or the same error type."""
-        out = []
-        for pool in (self.p.g, self.p.c):
-            try:
-                out.append(("ok", call(pool, *args)))
-            except (CapacityError, StateError, ShapeError) as e:
-                out.append((type(e), None))
-        assert out[0] == out[1], out
-        return out[0]
 
     @rule(start=st.integers(0, 2), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 9), max_size=3),
           extra=st.sampled_from([None, {"adapter": "x"}]))
@@ -327,27 +353,11 @@ class PairMachine(RuleBasedStateMachine):
         self.step_or_refuse(seqs, [tokens] * len(seqs), {"adapter": "x"} if extra else None)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def fork(self, data):
-        s = data.draw(st.sampled_from(self.live))
-        got = self.both(lambda pool: pool.fork(s))
-        if got[0] == "ok":
-            self.live.append(got[1])
-
-    @precondition(lambda self: self.live)
     @rule(data=st.data(), back=st.integers(0, 6))
     def truncate(self, data, back):
         s = data.draw(st.sampled_from(self.live))
         n = max(0, self.p.c.length(s) - back)
         self.both(lambda pool: pool.truncate(s, n))
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data):
-        s = data.draw(st.sampled_from(self.live))
-        self.p.g.free_sequence(s)
-        self.p.c.free(s)
-        self.live.remove(s)
 
     @invariant()
     def the_same_on_both(self):

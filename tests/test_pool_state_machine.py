@@ -43,7 +43,7 @@ from kvcore.errors import (CapacityError, DTypeError, NonFiniteError, OutOfRange
                            ShapeError, StateError)
 
 from _formats import PAIRS
-from _machines import machine_test, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from _machines import WindowBooks, machine_test, one_thread  # noqa: F401  (one_thread: autouse)
 
 EXAMPLES = int(os.environ.get("KVCORE_POOL_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVCORE_POOL_STEPS", "30"))
@@ -687,7 +687,7 @@ class StorePrefixMachine(PrefixMachine):
         assert after.store_faults == 0, after.last_store_fault
 
 
-class WindowRules:
+class WindowRules(WindowBooks):
     """The rules of a machine over a pool with a sliding window (WINDOW, SINKS; mixed in
     before PoolMachine or PrefixMachine). The model keeps every position's codes and each
     sequence's first held position (`start`: the window's first page at each commit, as
@@ -702,29 +702,11 @@ class WindowRules:
     held pages per sequence stay within ceil((W + PS - 1) / PS) + 1 + sink pages; no page
     a table names is free or cached; free + cached + in use = P."""
 
-    WINDOW, SINKS = 3, 0
+    WINDOW, SINKS, PAGE = 3, 0, PS
 
     def make_pool(self, **kw):
         return KVPool(self.spec, num_pages=P, page_size=PS, window=self.WINDOW,
                       sink_tokens=self.SINKS, **kw)
-
-    @property
-    def sink_end(self):
-        return -(-self.SINKS // PS) * PS
-
-    def slid(self, n, start):
-        """The first held position after positions commit up to n (KVPool's slide)."""
-        cut = (n - self.WINDOW + 1) // PS
-        return cut * PS if cut * PS > self.sink_end and cut * PS > start else start
-
-    def held(self, m, n=None):
-        n = m.length if n is None else n
-        if not m.start or n <= self.sink_end:
-            return list(range(n))
-        return list(range(self.sink_end)) + list(range(m.start, n))
-
-    def may_cut(self, m, n):
-        return not m.start or n <= self.sink_end or n >= m.start + self.WINDOW - 1
 
     # the pool's own tables give the pages (a -1 is no page)
     def holders(self):
@@ -847,22 +829,7 @@ class WindowRules:
 
     @invariant()
     def holds_what_the_window_needs(self):
-        bound = -(-(self.WINDOW + PS - 1) // PS) + 1 + self.sink_end // PS
-        for s, m in self.model.items():
-            n = m.length
-            assert self.pool.first_held(s) == m.start
-            held = self.held(m)
-            needed = set(range(min(self.SINKS, n))) | set(range(max(0, n - self.WINDOW + 1), n))
-            assert needed <= set(held)
-            spans = self.pool.held(s)
-            assert [p for a, b in spans for p in range(a, b)] == held
-            table = self.pool.page_table(s).tolist()
-            end = max([n + p for p in m.pending] + [n])
-            pages = {p // PS for p in held} | {p // PS for p in range(n, end)}
-            assert len(table) >= -(-end // PS)
-            assert [i for i, g in enumerate(table) if g >= 0] == sorted(pages)
-            if not any(m.pending):
-                assert len(pages) <= bound
+        self.check_holdings()
 
     @invariant()
     def reads_back_what_was_written(self):
