@@ -143,11 +143,6 @@ class GroupsPairMachine(PairRules):
             at += t
         return tol
 
-    def ids(self, s):
-        """The token ids of s's committed positions (the CPU pool's record; [] for none)."""
-        held = self.c._table.get(s).ids
-        return [] if held is None else list(np.frombuffer(bytes(held), "<i8"))
-
     # -- the rules ---------------------------------------------------------------------
 
     @initialize(edges=st.booleans())
