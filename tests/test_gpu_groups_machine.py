@@ -16,7 +16,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 import kvcore
 from kvcore import CapacityError, FormatError, NonFiniteError
 
-from test_gpu_groups import POISON, assert_same_seq, dev, keys, spec_of
+from test_gpu_groups import PARTS, POISON, assert_same_seq, dev, keys, spec_of
 from test_gpu_prefix import PairRules
 
 pytestmark = pytest.mark.gpu
@@ -92,9 +92,12 @@ class GroupsPairMachine(PairRules):
             with pytest.raises(error):
                 self.g.advance(tokens=tokens)
             self.keep.clear()
-            for s, snap in before.items():
+            for s, snap in before.items():     # both pools as before, byte for byte
                 assert_same_seq(self.g, self.c, s)
-                assert self.c.snapshot(s).length == snap.length
+                after = self.c.snapshot(s)
+                assert after.length == snap.length
+                for name in PARTS:
+                    assert getattr(after, name).tobytes() == getattr(snap, name).tobytes(), name
             self.g.begin_step(seqs, counts)      # its pages are still the sequences'
         q = rng.standard_normal((T, HQ, D)).astype(np.float32)
         buf = self.gpu.DeviceBuffer.alloc(4 * q.size)
