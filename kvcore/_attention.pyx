@@ -49,7 +49,7 @@
    passes of KV_VJ = 8 positions over all columns where rows lie a multiple of 4 KiB apart).
    exp is a vectorised Cephes polynomial (about 2 ulp); masked positions weigh 0.
    Row-wise jobs (more than KV_SPLIT_ROWS = 128 rows per kv head: prefill) run as work
-   items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][256]),
+   items of KV_ROWS = 256 rows instead: the rows in the vector lanes (q^T [D][KV_RS]),
    scores as FMAs of
    q^T rows with broadcast K values (KV_BP positions x KV_SV row vectors), each K/V tile
    decoded once per block; a block walks every split in turn, skips the tiles after its
@@ -545,6 +545,12 @@ cdef extern from *:
     }
     #define KV_ROWS 256        /* query rows per row-wise block (a multiple of KV_RB and KV_W) */
     #define KV_SPLIT_ROWS 128  /* the most query rows of a split-wise job (<= KV_ROWS) */
+    /* Floats from one d of a row-wise block's queries q^T [d][KV_RS] to the next, and from
+       one position of its scores sT [KV_P][KV_RS] to the next: KV_ROWS and one more cache
+       line, an odd number of lines. At KV_ROWS floats (1 KiB) the 128 d of a row vector,
+       or the 64 positions of a tile, fell in 4 of the 64 sets of a 32 KiB 8-way L1 and
+       evicted each other at every pass of a score or value block. */
+    #define KV_RS (KV_ROWS + 16)
     /* Floats of a split state of sr rows per head: m [hkv][sr], l [hkv][sr][KV_W], acc
        [hkv][sr][dp] (unnormalised); row r of head h is h * sr + r. */
     static size_t kv_state_floats(const kv_job* J, int sr) {
@@ -553,17 +559,22 @@ cdef extern from *:
     }
     /* Floats of one split's state of all rows (split-wise jobs). */
     static size_t kv_split_floats(const kv_job* J) { return kv_state_floats(J, J->r); }
+    /* Floats from one row of a decoded tile [KV_P][ts] to the next: dp, and one more
+       cache line where dp is an even number of lines (at D = 128, 512 bytes apart, the
+       64 rows' lines of one column block fell in 8 of the 64 sets of a 32 KiB 8-way L1,
+       exactly as many lines as those sets hold). */
+    KV_INLINE int kv_tile_stride(int dp) { return dp / 16 % 2 ? dp : dp + 16; }
     /* Floats of the scratch of a work item, without / with a row-wise block's own queries
        and split states. */
     static size_t kv_tile_scratch_floats(const kv_job* J) {
-        return (size_t)KV_ROWS * KV_P + 2 * kv_scale_floats(J) + 2 * (size_t)KV_P * J->dp;
+        return (size_t)KV_RS * KV_P + 2 * kv_scale_floats(J) + 2 * (size_t)KV_P * kv_tile_stride(J->dp);
     }
-    /* One thread's scratch: scores [KV_ROWS][KV_P], K and V tile scales (kv_scale_floats)
-       each, one head's K and V tile decoded [KV_P][dp] each; row-wise also the block's
-       scaled queries [hkv][KV_ROWS][dp] and nsplit states of KV_ROWS rows. */
+    /* One thread's scratch: scores [KV_P][KV_RS], K and V tile scales (kv_scale_floats)
+       each, one head's K and V tile decoded [KV_P][ts] each; row-wise also the block's
+       scaled queries [hkv][dp][KV_RS] and nsplit states of KV_ROWS rows. */
     static size_t kv_scratch_floats(const kv_job* J) {
         size_t x = kv_tile_scratch_floats(J);
-        if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_ROWS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
+        if (KV_ROWWISE(J)) x += (size_t)J->hkv * KV_RS * J->dp + (size_t)J->nsplit * kv_state_floats(J, KV_ROWS);
         return x;
     }
     /* Floats of the job's int8 query records (split-wise with qi: [hkv][r], else none). */
@@ -1176,12 +1187,12 @@ cdef extern from *:
         return r;
     }
 
-    /* out [KV_P][dp] = the np rows of x as float32, as kv_decode makes them (the values
-       the score and value blocks compute from), zero past d. */
-    KV_INLINE void kv_decode_rows(const int fmt, kv_rows x, int np, float* out, int dp) {
+    /* out [KV_P][ts] = the np rows of x as float32 (dp floats of each ts), as kv_decode
+       makes them (the values the score and value blocks compute from), zero past d. */
+    KV_INLINE void kv_decode_rows(const int fmt, kv_rows x, int np, float* out, int dp, int ts) {
         for (int j = 0; j < np; j++) {
             const char* row = x.c + x.ph[j] * x.cs;
-            float* o = out + (size_t)j * dp;
+            float* o = out + (size_t)j * ts;
             const float* bs = KV_BLOCKED(fmt) ? x.bs + (size_t)j * x.bss : NULL;
             for (int i = 0; i < dp; i += KV_W) {
                 kv_storef(o + i, i + KV_W <= x.d ? kv_decode(fmt, 0, row, i, x.d, bs)
@@ -1189,9 +1200,9 @@ cdef extern from *:
             }
         }
     }
-    static void kv_decode_rows_of(int fmt, kv_rows x, int np, float* out, int dp) {
+    static void kv_decode_rows_of(int fmt, kv_rows x, int np, float* out, int dp, int ts) {
         switch (fmt) {
-        #define KV_CASE(F) case F: kv_decode_rows(F, x, np, out, dp); break;
+        #define KV_CASE(F) case F: kv_decode_rows(F, x, np, out, dp, ts); break;
         KV_EACH_FORMAT(KV_CASE)
         #undef KV_CASE
         }
@@ -1221,9 +1232,9 @@ cdef extern from *:
         if (f == KV_ANY) kv_values_of(rt, R, v, np, w, ws, wp, acc, dp);
         else kv_values(KV_CONST(f), R, v, np, w, ws, wp, acc, dp);
     }
-    KV_INLINE void kv_decode_rows_in(const int f, int rt, kv_rows x, int np, float* out, int dp) {
-        if (f == KV_ANY) kv_decode_rows_of(rt, x, np, out, dp);
-        else kv_decode_rows(KV_CONST(f), x, np, out, dp);
+    KV_INLINE void kv_decode_rows_in(const int f, int rt, kv_rows x, int np, float* out, int dp, int ts) {
+        if (f == KV_ANY) kv_decode_rows_of(rt, x, np, out, dp, ts);
+        else kv_decode_rows(KV_CONST(f), x, np, out, dp, ts);
     }
 
     /* Rows [r0, r1) (at most KV_ROWS) of every kv head over the positions [p0, p1) of
@@ -1244,8 +1255,9 @@ cdef extern from *:
         float* s = x;
         float* ksc = s + (size_t)KV_ROWS * KV_P;
         float* vsc = ksc + sc;
-        float* kf = vsc + sc;                 /* [KV_P][dp]: one head's K tile as float32 */
-        float* vf = kf + (size_t)KV_P * dp;
+        const int ts = kv_tile_stride(dp);
+        float* kf = vsc + sc;                 /* [KV_P][ts]: one head's K tile as float32 */
+        float* vf = kf + (size_t)KV_P * ts;
         /* rows blocks of more than 2 register blocks decode each head's tile once, then
            read it as f32: the same values in the same operations */
         const int predecode = (kfmt != KV_F32 || vfmt != KV_F32) && nr > 2 * KV_RB;
@@ -1304,13 +1316,13 @@ cdef extern from *:
                     /* each side not f32 decoded; both then read as f32 rows */
                     for (int j = 0; j < KV_P; j++) rowf[j] = j < np ? j : np - 1;
                     if (kfmt != KV_F32 && !J->qi) {
-                        kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
-                        kv_rows kd = {(const char*)kf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                        kv_decode_rows_in(kf0, kfmt, k, np, kf, dp, ts);
+                        kv_rows kd = {(const char*)kf, (ptrdiff_t)ts * 4, rowf, NULL, 0, J->d};
                         k = kd;
                     }
                     if (vfmt != KV_F32) {
-                        kv_decode_rows_in(vf0, vfmt, v, np, vf, dp);
-                        kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, J->d};
+                        kv_decode_rows_in(vf0, vfmt, v, np, vf, dp, ts);
+                        kv_rows vd = {(const char*)vf, (ptrdiff_t)ts * 4, rowf, NULL, 0, J->d};
                         v = vd;
                     }
                     if (J->qi) kv_qscores(kfmt, nr, k, np, J->qx + hr * qr, qr, rs, J->last + r0, j0, s, &pf);
@@ -1354,8 +1366,8 @@ cdef extern from *:
     }
 
     /* Row-wise blocks hold their KV_ROWS rows in the lanes: KV_BV row vectors. Scores
-       sT [KV_P][KV_ROWS] of a tile are register blocks of KV_BP positions x KV_SV row
-       vectors, each a sum over d of q^T [d][KV_ROWS] times one K value broadcast (no
+       sT [KV_P][KV_RS] of a tile are register blocks of KV_BP positions x KV_SV row
+       vectors, each a sum over d of q^T [d][KV_RS] times one K value broadcast (no
        reduction across lanes); the online softmax runs on row vectors; the values are
        kv_values' with the weights read from sT. */
     #define KV_BV (KV_ROWS / KV_W)
@@ -1368,7 +1380,7 @@ cdef extern from *:
     #endif
 
     /* sT[p][rows] for positions [p0, p0 + P) (P <= KV_BP; kp[p]: the float32 K values
-       of position p0 + p), KV_SV row vectors (qt [d][KV_ROWS] and sT from the first);
+       of position p0 + p), KV_SV row vectors (qt [d][KV_RS] and sT from the first);
        times rs[p] (or not: NULL); lanes whose row's last position (lastrel, relative to
        the tile) is before p are -inf. */
     KV_INLINE void kv_block_scores(const int P, const float* const* kp, int d, const float* qt, const float* rs,
@@ -1379,7 +1391,7 @@ cdef extern from *:
         for (int i = 0; i < d; i++) {
             kv_vf qv[KV_SV];
             for (int v = 0; v < KV_SV; v++) {
-                qv[v] = kv_loadf(qt + (size_t)i * KV_ROWS + v * KV_W);
+                qv[v] = kv_loadf(qt + (size_t)i * KV_RS + v * KV_W);
                 /* one load of each q vector, not one per FMA: GCC folded it into each of
                    the KV_BP FMAs and spilled accumulators (prefill 1.2-1.3x slower) */
                 KV_PIN(qv[v]);
@@ -1395,13 +1407,13 @@ cdef extern from *:
                 kv_vf x = rs ? a[p][v] * kv_splat(rs[pos]) : a[p][v];
                 kv_vi keep = (kv_vi)KV_REP(pos) <= lastrel[v];
                 x = (kv_vf)(((kv_vi)x & keep) | ((kv_vi)kv_splat(-INFINITY) & ~keep));
-                kv_storef(sT + (size_t)pos * KV_ROWS + v * KV_W, x);
+                kv_storef(sT + (size_t)pos * KV_RS + v * KV_W, x);
             }
         }
     }
     /* acc [nr][dp] += the tile's weights x its V rows, for a row-wise block: v the tile's
-       V rows as float32 (vf), weights sT [KV_P][KV_ROWS] (row r's weight of position j at
-       sT[j * KV_ROWS + r]); kv_values' value blocks (the same operations), KV_VR rows at a
+       V rows as float32 (vf), weights sT [KV_P][KV_RS] (row r's weight of position j at
+       sT[j * KV_RS + r]); kv_values' value blocks (the same operations), KV_VR rows at a
        time. A function of its own: inlined into kv_block_fmt, the value block's column
        offsets and loop bound lived on the stack and were reloaded at every position, and
        its 8 accumulators (AVX2) were too few to hide the FMA latency. */
@@ -1409,8 +1421,8 @@ cdef extern from *:
                                                          float* acc, int dp) {
         int r = 0;
         for (; r + KV_VR <= nr; r += KV_VR)
-            kv_value_rows(KV_F32, KV_VR, v, np, sT + r, 1, KV_ROWS, acc + (size_t)r * dp, dp);
-        if (r < nr) kv_values(KV_F32, nr - r, v, np, sT + r, 1, KV_ROWS, acc + (size_t)r * dp, dp);
+            kv_value_rows(KV_F32, KV_VR, v, np, sT + r, 1, KV_RS, acc + (size_t)r * dp, dp);
+        if (r < nr) kv_values(KV_F32, nr - r, v, np, sT + r, 1, KV_RS, acc + (size_t)r * dp, dp);
     }
 
     /* kv_block_scores of KV_BP positions, of 4 (a tile's last 64 % KV_BP = 4) and of one,
@@ -1431,7 +1443,7 @@ cdef extern from *:
         kv_block_scores(1, kp, d, qt, rs, lastrel, p0, sT);
     }
 
-    /* The variants on a row-wise tile's scores sT [KV_P][KV_ROWS] (np positions from j0;
+    /* The variants on a row-wise tile's scores sT [KV_P][KV_RS] (np positions from j0;
        lanes past a row's last position already -inf, lastrel: those last positions
        relative to j0): soft-capping (J->cap > 0), then the lanes of rows whose window
        (first [nr], the block's rows) starts after a position that is not a sink position
@@ -1446,7 +1458,7 @@ cdef extern from *:
         for (int p = 0; p < np; p++) {
             const kv_vi sink = (kv_vi)KV_REP(j0 + p < J->sink_n ? -1 : 0), pv = (kv_vi)KV_REP(p);
             for (int v = 0; v < KV_BV; v++) {
-                float* sp = sT + (size_t)p * KV_ROWS + v * KV_W;
+                float* sp = sT + (size_t)p * KV_RS + v * KV_W;
                 kv_vi keep = (pv <= lastrel[v]) & (sink | (pv >= firstrel[v]));
                 kv_vf x = kv_loadf(sp);
                 if (c > 0.0f) x = kv_softcap(x, c, ic);
@@ -1456,7 +1468,7 @@ cdef extern from *:
     }
 
     /* One row-wise block (rows [r0, r1), the rest of its KV_ROWS lanes masked) over the
-       positions [p0, p1) of one split: queries qt [hkv][d][KV_ROWS], state w
+       positions [p0, p1) of one split: queries qt [hkv][d][KV_RS], state w
        (kv_state_floats(KV_ROWS)), scratch x (kv_tile_scratch_floats). */
     KV_INLINE void kv_block_fmt(const int kf0, const int vf0, const kv_job* J, const float* qt, float* w,
                                 int64_t p0, int64_t p1, int r0, int r1, float* x) {
@@ -1468,10 +1480,11 @@ cdef extern from *:
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
         float* sT = x;
-        float* ksc = sT + (size_t)KV_ROWS * KV_P;
+        float* ksc = sT + (size_t)KV_RS * KV_P;
         float* vsc = ksc + sc;
+        const int ts = kv_tile_stride(dp);
         float* kf = vsc + sc;
-        float* vf = kf + (size_t)KV_P * dp;
+        float* vf = kf + (size_t)KV_P * ts;
         for (size_t i = 0; i < rows; i++) m[i] = -INFINITY;
         memset(l, 0, rows * KV_W * sizeof(float));
         memset(acc, 0, rows * dp * sizeof(float));
@@ -1516,17 +1529,17 @@ cdef extern from *:
                 if (kfmt == KV_F32) {
                     for (int j = 0; j < KV_P; j++) kp[j] = (const float*)(k.c + k.ph[j] * k.cs);
                 } else {
-                    kv_decode_rows_in(kf0, kfmt, k, np, kf, dp);
-                    for (int j = 0; j < KV_P; j++) kp[j] = kf + (size_t)rowf[j] * dp;
+                    kv_decode_rows_in(kf0, kfmt, k, np, kf, dp, ts);
+                    for (int j = 0; j < KV_P; j++) kp[j] = kf + (size_t)rowf[j] * ts;
                 }
-                /* V rows decoded (f32: copied) into vf, dp floats apart: the value
+                /* V rows decoded (f32: copied) into vf, ts floats apart: the value
                    blocks walk the tile's rows once per block of rows, and f32 rows read in
                    place lie Hkv * D * 4 bytes apart (4 KiB at Hkv = 8, D = 128: a tile's
                    rows all in the same few L1 sets); copied, f32 causal prefill ran 1.2x
                    faster at 4096 tokens on a Zen 5 core */
-                kv_decode_rows_in(vf0, vfmt, v, np, vf, dp);
-                const kv_rows vd = {(const char*)vf, (ptrdiff_t)dp * 4, rowf, NULL, 0, d};
-                const float* q = qt + (size_t)h * d * KV_ROWS;
+                kv_decode_rows_in(vf0, vfmt, v, np, vf, dp, ts);
+                const kv_rows vd = {(const char*)vf, (ptrdiff_t)ts * 4, rowf, NULL, 0, d};
+                const float* q = qt + (size_t)h * d * KV_RS;
                 const float* rs = KV_ROW_SCALED(kfmt) ? ksc + (size_t)h * KV_P : NULL;
                 /* the next head's codes (after the last head: the next tile's first),
                    a share per full score block, so the requests overlap the arithmetic */
@@ -1554,7 +1567,7 @@ cdef extern from *:
                 const float* vs = KV_ROW_SCALED(vfmt) ? vsc + (size_t)h * KV_P : NULL;
                 for (int b = 0; b < KV_BV; b++) {
                     kv_vf mx = kv_loadf(sT + b * KV_W);
-                    for (int p = 1; p < np; p++) mx = kv_max(mx, kv_loadf(sT + (size_t)p * KV_ROWS + b * KV_W));
+                    for (int p = 1; p < np; p++) mx = kv_max(mx, kv_loadf(sT + (size_t)p * KV_RS + b * KV_W));
                     kv_vf mo = kv_loadf(mh + b * KV_W), mn = kv_max(mo, mx);
                     kv_vi grow = (mx > mo) & (mo > kv_splat(-INFINITY));
                     kv_vf alpha = kv_exp(mo - mn);   /* NaN where both are -inf: not taken */
@@ -1573,7 +1586,7 @@ cdef extern from *:
                     kv_vf base = (kv_vf)((kv_vi)mn & seen);   /* 0 where no position is visible yet */
                     kv_vf sum = kv_splat(0.0f);
                     for (int p = 0; p < np; p++) {
-                        float* sp = sT + (size_t)p * KV_ROWS + b * KV_W;
+                        float* sp = sT + (size_t)p * KV_RS + b * KV_W;
                         kv_vf e = kv_exp(kv_loadf(sp) - base);
                         sum = sum + e;
                         kv_storef(sp, vs ? e * kv_splat(vs[p]) : e);
@@ -1695,12 +1708,12 @@ cdef extern from *:
        into J->o; x: the thread's scratch (kv_scratch_floats). Returns the rows not finite. */
     static int kv_rows_item(const kv_job* J, int r0, int r1, float* x) {
         const int H = J->hkv, G = J->g, d = J->d;
-        float* qt = x + kv_tile_scratch_floats(J);    /* [hkv][d][KV_ROWS] */
-        float* w = qt + (size_t)H * KV_ROWS * J->dp;
+        float* qt = x + kv_tile_scratch_floats(J);    /* [hkv][d][KV_RS] */
+        float* w = qt + (size_t)H * KV_RS * J->dp;
         const size_t stride = kv_state_floats(J, KV_ROWS);
         for (int h = 0; h < H; h++)
             for (int r = 0; r < KV_ROWS; r++) {
-                float* o = qt + (size_t)h * d * KV_ROWS + r;
+                float* o = qt + (size_t)h * d * KV_RS + r;
                 if (r0 + r < r1) {
                     const int rr = r0 + r;
                     const float* src = J->qin + ((size_t)(rr / G) * H * G + (size_t)h * G + rr % G) * d;
@@ -1708,12 +1721,12 @@ cdef extern from *:
                         float row[d], rec[KV_QREC(d)];
                         for (int i = 0; i < d; i++) row[i] = src[i] * J->scale;
                         kv_quant_row(row, d, rec, row);
-                        for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = row[i];
+                        for (int i = 0; i < d; i++) o[(size_t)i * KV_RS] = row[i];
                     } else {
-                        for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = src[i] * J->scale;
+                        for (int i = 0; i < d; i++) o[(size_t)i * KV_RS] = src[i] * J->scale;
                     }
                 } else {
-                    for (int i = 0; i < d; i++) o[(size_t)i * KV_ROWS] = 0.0f;
+                    for (int i = 0; i < d; i++) o[(size_t)i * KV_RS] = 0.0f;
                 }
             }
         for (int sp = 0; sp < J->nsplit; sp++) {
