@@ -4,7 +4,8 @@
                                  [--tokens T] [--threads 1] [--calls 10]
 
 A and B are built copies of the `_attention` extension module (the .so files), or `-`
-for the one `import kvcore` loads. Each call of `decode_attention` (T query tokens, causal,
+for the one `import kvcore` loads; two different files (Python hands back the module it
+already made for a file it loaded before, so copy a build before rebuilding in place). Each call of `decode_attention` (T query tokens, causal,
 over a cache of `--positions`, Hq = 32, Hkv = 8, D = 128) runs once with each build, the
 order swapped at every call, so that a change of machine load (on a shared guest, often
 10-30% within a minute) hits both builds alike. Prints per format the least and median
