@@ -1253,7 +1253,7 @@ cdef extern from *:
         float* l = m + KV_ROUND16(rows);
         float* acc = l + rows * KV_W;
         float* s = x;
-        float* ksc = s + (size_t)KV_ROWS * KV_P;
+        float* ksc = s + (size_t)KV_RS * KV_P;
         float* vsc = ksc + sc;
         const int ts = kv_tile_stride(dp);
         float* kf = vsc + sc;                 /* [KV_P][ts]: one head's K tile as float32 */
